@@ -1,0 +1,71 @@
+"""The `hgxserve` command line.
+
+Each command group lives in the module that owns its concern and is imported only when that
+command runs, so `hgxserve validate` does not pay for boto3 or aiohttp imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import click
+
+from hgxserve import __version__
+
+# command name -> "module:attribute" of a click command or group
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("hgxserve.topology.cli:validate", "Check topology files: schema and rules."),
+    "plan": ("hgxserve.topology.cli:plan", "Show per-host GPU map, ports, commands, wiring."),
+    "render": ("hgxserve.render.cli:render", "Write the units and files each host will get."),
+    "weights": ("hgxserve.weights.cli:weights", "Build manifests, sync and verify model weights."),
+    "cache": ("hgxserve.caches.cli:cache", "Key, bake, pack and restore JIT/compile caches."),
+    "proxy": ("hgxserve.proxy.cli:proxy", "Run the P/D proxy (OpenAI-compatible endpoint)."),
+    "release": ("hgxserve.release.cli:release", "Host-side release switch, health gate, rollback."),
+    "facts": ("hgxserve.facts.cli:facts", "Print this host's GPU/RDMA/shm facts as JSON."),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attr = target[0].split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                return _unavailable(cmd_name, target[1])
+            raise
+        command: click.Command = getattr(module, attr)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _unavailable(name: str, help_text: str) -> click.Command:
+    def run(**_: Any) -> None:
+        raise click.ClickException(f"'{name}' is not available in this build of hgxserve")
+
+    return click.Command(name, callback=run, help=help_text)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hgxserve")
+def main() -> None:
+    """Deploy LLM serving on bare-metal NVIDIA HGX hosts from one validated YAML topology.
+
+    \b
+    hgxserve validate topologies/h20-v4flash-tp8.yml
+    hgxserve plan topologies/h20-v4flash-4p4d.yml
+    pyinfra inventory/lab.py deploys/site.py --data topology=topologies/h20-v4flash-4p4d.yml
+    """
