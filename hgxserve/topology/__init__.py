@@ -1,0 +1,84 @@
+"""Topology: load, validate (schema + rules) and model one YAML serving topology.
+
+>>> from hgxserve.topology import load_topology
+>>> topo = load_topology("topologies/h20-v4flash-4p4d.yml")  # doctest: +SKIP
+>>> [e.name for e in topo.engines_on("h20-a")]  # doctest: +SKIP
+['prefill-0', 'decode-0']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hgxserve.topology.loader import Document, load_document
+from hgxserve.topology.model import (
+    Engine,
+    Host,
+    KvTransfer,
+    Model,
+    Proxy,
+    Runtime,
+    SecretRef,
+    Topology,
+    build_topology,
+)
+from hgxserve.topology.problems import Problem, TopologyError, sort_problems
+
+__all__ = [
+    "CheckResult",
+    "Engine",
+    "Host",
+    "KvTransfer",
+    "Model",
+    "Problem",
+    "Proxy",
+    "Runtime",
+    "SecretRef",
+    "Topology",
+    "TopologyError",
+    "check_topology",
+    "load_topology",
+]
+
+
+@dataclass
+class CheckResult:
+    """Outcome of checking one file: the topology (when schema-valid) and every problem."""
+
+    file: str
+    topology: Topology | None
+    problems: list[Problem]
+    unreadable: bool = False
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.is_error]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if not p.is_error]
+
+
+def check_topology(path: str | Path) -> CheckResult:
+    """Load and check a topology file; never raises for problems in the file itself."""
+    from hgxserve.topology.rules import rule_problems
+    from hgxserve.topology.schema import schema_problems
+
+    try:
+        doc: Document = load_document(path)
+    except TopologyError as exc:
+        return CheckResult(str(path), None, sort_problems(exc.problems), exc.unreadable)
+    problems = doc.problems + schema_problems(doc)
+    if problems:
+        return CheckResult(doc.file, None, sort_problems(problems))
+    topo = build_topology(doc.data, doc.file)
+    return CheckResult(doc.file, topo, sort_problems(rule_problems(topo, doc)))
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Load a topology that must be valid (warnings allowed); raise TopologyError otherwise."""
+    result = check_topology(path)
+    if result.errors or result.topology is None:
+        raise TopologyError(result.errors or result.problems, unreadable=result.unreadable)
+    return result.topology

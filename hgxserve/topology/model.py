@@ -1,0 +1,457 @@
+"""The typed topology: what the renderer, rules and deploys work from.
+
+Built only from a document that passed the schema. Defaults come from the schema's `default`
+keywords, so each default is written in one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from hgxserve.topology.schema import topology_schema
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti)?$")
+_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+LOOPBACK = ("127.", "localhost", "::1")
+
+
+def parse_quantity(value: int | str) -> int:
+    """Bytes in a quantity such as 128Gi, 32Mi or 1024.
+
+    >>> parse_quantity("128Gi")
+    137438953472
+    """
+    if isinstance(value, int):
+        return value
+    match = _QUANTITY.match(value)
+    if not match:
+        raise ValueError(f"not a size: {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def is_loopback(address: str) -> bool:
+    return address.startswith(LOOPBACK)
+
+
+@cache
+def schema_default(definition: str, prop: str) -> Any:
+    """The `default` the schema gives `$defs.<definition>.properties.<prop>`."""
+    props = topology_schema()["$defs"][definition]["properties"]
+    return props[prop]["default"]
+
+
+def _get(data: dict[str, Any], definition: str, prop: str) -> Any:
+    return data[prop] if prop in data else schema_default(definition, prop)
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """Where a secret comes from: env (controller variable), file (on host) or credential."""
+
+    kind: str
+    value: str
+
+    @classmethod
+    def parse(cls, data: dict[str, str]) -> SecretRef:
+        (kind, value), = data.items()
+        return cls(kind, value)
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    gpu: str
+    gpus: int
+    rdma: tuple[str, ...]
+    side_channel_address: str
+    shm: int | None
+    ssh_user: str
+    ssh_port: int
+    ssh_key: str | None
+
+
+@dataclass(frozen=True)
+class S3Source:
+    endpoint: str | None
+    bucket: str
+    prefix: str
+    region: str
+    addressing: str
+    credentials: tuple[str, str] | None  # (env_file|profile|chain, value)
+    concurrency: int
+    part_size: int
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+@dataclass(frozen=True)
+class CephfsSource:
+    monitors: tuple[str, ...]
+    path: str
+    user: str
+    secret: SecretRef
+    mount: str
+    stage: bool
+
+
+@dataclass(frozen=True)
+class LocalSource:
+    path: str
+
+
+ModelSource = S3Source | CephfsSource | LocalSource
+
+
+@dataclass(frozen=True)
+class Architecture:
+    attention_heads: int | None = None
+    kv_heads: int | None = None
+    layers: int | None = None
+    attention: str | None = None
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    served_name: str
+    path: str
+    size: int | None
+    architecture: Architecture
+    source: ModelSource
+    manifest: str
+
+
+@dataclass(frozen=True)
+class Runtime:
+    venv: str | None = None
+    image: str | None = None
+    tool: str | None = None
+
+    @property
+    def is_container(self) -> bool:
+        return self.image is not None
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    connector: str
+    side_channel_host: str | None  # as written; None = engine default (localhost)
+    side_channel_port: int
+    ucx_devices: str | tuple[str, ...] | None
+    ucx_tls: tuple[str, ...] | None
+    buffer_device: str
+    failure_policy: str
+    bootstrap_port: int
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine instance: one OpenAI API endpoint, on one or several hosts."""
+
+    name: str
+    role: str
+    engine: str
+    version: str | None
+    runtime: Runtime | None
+    place: dict[str, tuple[int, ...]]
+    tp: int
+    dp: int
+    pp: int
+    ep: bool
+    port: int
+    bind: str | None
+    internal_port: int | None
+    rpc_port: int
+    kv: KvTransfer | None
+    args: dict[str, Any]
+    extra_args: tuple[str, ...]
+    env: dict[str, str]
+    secret_env: dict[str, SecretRef]
+
+    @property
+    def hosts(self) -> list[str]:
+        """Host names in placement order; the first is the head."""
+        return list(self.place)
+
+    @property
+    def head(self) -> str:
+        return self.hosts[0]
+
+    @property
+    def is_multi_node(self) -> bool:
+        return len(self.place) > 1
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(len(g) for g in self.place.values())
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def dp_ranks_on(self, host: str) -> range:
+        """Data-parallel ranks that run on `host` (ranks are laid out in placement order)."""
+        per_rank = self.tp * self.pp
+        start = 0
+        for name, gpus in self.place.items():
+            count = len(gpus) // per_rank if per_rank else 0
+            if name == host:
+                return range(start, start + count)
+            start += count
+        return range(0)
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Proxy:
+    host: str
+    listen_host: str
+    listen_port: int
+    kind: str
+    routes: tuple[Route, ...]
+    combined: tuple[str, ...]
+    pd_min_prompt_tokens: int
+    api_key: SecretRef | None
+    max_body: int
+    timeout_s: float
+    runtime: Runtime | None
+
+
+@dataclass(frozen=True)
+class Warmup:
+    input: int
+    output: int
+    concurrency: int
+    api: str
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    policy: str
+    root: str
+    distribute: str
+    s3_prefix: str | None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A validated topology."""
+
+    name: str
+    description: str
+    baseline: bool
+    hosts: dict[str, Host]
+    model: Model
+    engines: dict[str, Engine]
+    proxy: Proxy | None
+    warmup: tuple[Warmup, ...]
+    cache: CachePolicy
+    source_file: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the topology's canonical JSON: changes exactly when its content changes."""
+        canon = json.dumps(self.raw, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    def engines_on(self, host: str) -> list[Engine]:
+        return [e for e in self.engines.values() if host in e.place]
+
+    def hosts_in_use(self) -> list[str]:
+        used = {h for e in self.engines.values() for h in e.place}
+        if self.proxy:
+            used.add(self.proxy.host)
+        return [h for h in self.hosts if h in used]
+
+
+def _runtime(data: dict[str, Any] | None) -> Runtime | None:
+    if data is None:
+        return None
+    if "venv" in data:
+        return Runtime(venv=data["venv"])
+    return Runtime(image=data["image"], tool=_get(data, "imageRuntime", "tool"))
+
+
+def _host(name: str, data: dict[str, Any]) -> Host:
+    ssh = data.get("ssh", {})
+    return Host(
+        name=name,
+        address=data["address"],
+        gpu=data["gpu"],
+        gpus=_get(data, "host", "gpus"),
+        rdma=tuple(data.get("rdma", ())),
+        side_channel_address=data.get("side_channel_address", data["address"]),
+        shm=parse_quantity(data["shm"]) if "shm" in data else None,
+        ssh_user=_get(ssh, "ssh", "user"),
+        ssh_port=_get(ssh, "ssh", "port"),
+        ssh_key=ssh.get("key"),
+    )
+
+
+def _source(data: dict[str, Any]) -> ModelSource:
+    (kind, spec), = data.items()
+    if kind == "s3":
+        creds = spec.get("credentials")
+        return S3Source(
+            endpoint=spec.get("endpoint"),
+            bucket=spec["bucket"],
+            prefix=_get(spec, "s3Source", "prefix"),
+            region=_get(spec, "s3Source", "region"),
+            addressing=_get(spec, "s3Source", "addressing"),
+            credentials=next(iter(creds.items())) if creds else None,
+            concurrency=_get(spec, "s3Source", "concurrency"),
+            part_size=parse_quantity(_get(spec, "s3Source", "part_size")),
+        )
+    if kind == "cephfs":
+        return CephfsSource(
+            monitors=tuple(spec["monitors"]),
+            path=spec["path"],
+            user=spec["user"],
+            secret=SecretRef.parse(spec["secret"]),
+            mount=_get(spec, "cephfsSource", "mount"),
+            stage=_get(spec, "cephfsSource", "stage"),
+        )
+    return LocalSource(path=spec["path"])
+
+
+def _model(data: dict[str, Any]) -> Model:
+    return Model(
+        name=data["name"],
+        served_name=data["served_name"],
+        path=data["path"],
+        size=parse_quantity(data["size"]) if "size" in data else None,
+        architecture=Architecture(**data.get("architecture", {})),
+        source=_source(data["source"]),
+        manifest=_get(data, "model", "manifest"),
+    )
+
+
+def _kv(data: dict[str, Any] | None) -> KvTransfer | None:
+    if data is None:
+        return None
+    side = data.get("side_channel", {})
+    devices = data.get("ucx_devices")
+    return KvTransfer(
+        connector=_get(data, "kv", "connector"),
+        side_channel_host=side.get("host"),
+        side_channel_port=_get(side, "sideChannel", "port"),
+        ucx_devices=tuple(devices) if isinstance(devices, list) else devices,
+        ucx_tls=tuple(data["ucx_tls"]) if "ucx_tls" in data else None,
+        buffer_device=_get(data, "kv", "buffer_device"),
+        failure_policy=_get(data, "kv", "failure_policy"),
+        bootstrap_port=_get(data, "kv", "bootstrap_port"),
+    )
+
+
+def merge_engine(defaults: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """An engine's settings over the topology defaults: args and env key by key,
+    extra_args appended, everything else replaced."""
+    merged = {**defaults, **data}
+    for key in ("args", "env", "secret_env"):
+        merged[key] = {**defaults.get(key, {}), **data.get(key, {})}
+    merged["extra_args"] = [*defaults.get("extra_args", []), *data.get("extra_args", [])]
+    return merged
+
+
+def _engine(name: str, data: dict[str, Any]) -> Engine:
+    return Engine(
+        name=name,
+        role=data["role"],
+        engine=data.get("engine", "vllm"),
+        version=data.get("version"),
+        runtime=_runtime(data.get("runtime")),
+        place={h: tuple(g) for h, g in data["place"].items()},
+        tp=_get(data, "engine", "tp"),
+        dp=_get(data, "engine", "dp"),
+        pp=_get(data, "engine", "pp"),
+        ep=_get(data, "engine", "ep"),
+        port=data["port"],
+        bind=data.get("bind"),
+        internal_port=data.get("internal_port"),
+        rpc_port=_get(data, "engine", "rpc_port"),
+        kv=_kv(data.get("kv")),
+        args=dict(data.get("args", {})),
+        extra_args=tuple(data.get("extra_args", ())),
+        env={k: _env_text(v) for k, v in data.get("env", {}).items()},
+        secret_env={k: SecretRef.parse(v) for k, v in data.get("secret_env", {}).items()},
+    )
+
+
+def _env_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def _proxy(data: dict[str, Any] | None) -> Proxy | None:
+    if data is None:
+        return None
+    listen = _get(data, "proxy", "listen")
+    host, _, port = listen.rpartition(":")
+    auth = data.get("auth")
+    return Proxy(
+        host=data["host"],
+        listen_host=host.strip("[]"),
+        listen_port=int(port),
+        kind=_get(data, "proxy", "kind"),
+        routes=tuple(
+            Route(tuple(r["prefill"]), tuple(r["decode"])) for r in data.get("routes", ())
+        ),
+        combined=tuple(data.get("combined", ())),
+        pd_min_prompt_tokens=_get(data, "proxy", "pd_min_prompt_tokens"),
+        api_key=SecretRef.parse(auth["api_key"]) if auth else None,
+        max_body=parse_quantity(_get(data, "proxy", "max_body")),
+        timeout_s=float(_get(data, "proxy", "timeout_s")),
+        runtime=_runtime(data.get("runtime")),
+    )
+
+
+def build_topology(data: dict[str, Any], source_file: str = "") -> Topology:
+    """Build the typed Topology from schema-valid data.
+
+    >>> topo = build_topology(doc.data)  # doctest: +SKIP
+    >>> topo.engines["decode-0"].gpu_count  # doctest: +SKIP
+    4
+    """
+    defaults = data.get("defaults", {})
+    cache_data = data.get("cache", {})
+    return Topology(
+        name=data["name"],
+        description=data.get("description", ""),
+        baseline=data.get("baseline", False),
+        hosts={n: _host(n, h) for n, h in data["hosts"].items()},
+        model=_model(data["model"]),
+        engines={n: _engine(n, merge_engine(defaults, e)) for n, e in data["engines"].items()},
+        proxy=_proxy(data.get("proxy")),
+        warmup=tuple(
+            Warmup(
+                w["input"],
+                w["output"],
+                _get(w, "warmup", "concurrency"),
+                _get(w, "warmup", "api"),
+            )
+            for w in data.get("warmup", ())
+        ),
+        cache=CachePolicy(
+            policy=_get(cache_data, "cache", "policy"),
+            root=_get(cache_data, "cache", "root"),
+            distribute=_get(cache_data, "cache", "distribute"),
+            s3_prefix=cache_data.get("s3_prefix"),
+        ),
+        source_file=source_file,
+        raw=data,
+    )

@@ -1,0 +1,129 @@
+"""JSON Schema validation of a topology document, every error with its position."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+
+from hgxserve.topology.loader import Document
+from hgxserve.topology.problems import JsonPath, Problem
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "topology.schema.json"
+
+
+@cache
+def topology_schema() -> dict[str, Any]:
+    """The topology JSON Schema (schemas/topology.schema.json), loaded once."""
+    schema: dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    return schema
+
+
+@cache
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(topology_schema())
+
+
+def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        return topology_schema()["$defs"][ref.split("/")[-1]]  # type: ignore[no-any-return]
+    return schema
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "null"
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _alternatives(schemas: list[dict[str, Any]]) -> str:
+    parts = []
+    for alt in schemas:
+        alt = _resolve(alt)
+        if "required" in alt:
+            parts.append("{" + ", ".join(f"{k}: ..." for k in alt["required"]) + "}")
+        elif "const" in alt:
+            parts.append(json.dumps(alt["const"]))
+        elif "type" in alt:
+            parts.append(f"a{'n' if alt['type'][0] in 'aeiou' else ''} {alt['type']}")
+    return " or ".join(parts)
+
+
+def _problems_for(doc: Document, error: ValidationError) -> list[Problem]:
+    path: JsonPath = tuple(error.absolute_path)
+    value, keyword, schema = error.instance, error.validator, error.schema
+    if keyword == "additionalProperties" and isinstance(value, dict):
+        known = sorted(schema.get("properties", {}))
+        out = []
+        for extra in sorted(set(value) - set(known)):
+            hint = difflib.get_close_matches(extra, known, n=1)
+            msg = f"unknown property '{extra}'"
+            msg += f"; did you mean '{hint[0]}'?" if hint else f"; allowed: {', '.join(known)}"
+            out.append(doc.problem(path + (extra,), msg, key=True))
+        return out
+    if keyword == "required":
+        missing = error.validator_value
+        names = [m for m in missing if isinstance(value, dict) and m not in value]
+        return [doc.problem(path, f"missing required property '{name}'") for name in names]
+    if keyword in ("oneOf", "anyOf"):
+        alts: list[dict[str, Any]] = error.validator_value
+        if isinstance(value, dict):
+            matching = [
+                a for a in map(_resolve, alts) if a.get("required") and set(a["required"]) <= set(value)
+            ]
+            if len(matching) == 1:
+                sub = Draft202012Validator(matching[0], registry=_validator()._registry)  # noqa: SLF001
+                found = []
+                for suberr in sub.iter_errors(value):
+                    suberr.path.extendleft(reversed(path))  # make paths absolute
+                    found.extend(_problems_for(doc, suberr))
+                if found:
+                    return found
+        return [doc.problem(path, f"must be {_alternatives(alts)}; got {_show(value)}")]
+    if keyword == "type":
+        want = error.validator_value
+        want_text = " or ".join(want) if isinstance(want, list) else want
+        return [doc.problem(path, f"expected {want_text}, got {_kind(value)} {_show(value)}")]
+    if keyword == "enum":
+        opts = ", ".join(str(o) for o in error.validator_value)
+        return [doc.problem(path, f"must be one of: {opts}; got {_show(value)}")]
+    if keyword == "pattern":
+        desc = schema.get("description", "")
+        return [doc.problem(path, f"invalid value {_show(value)}: {desc}".rstrip(": "))]
+    if keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        sign = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+        return [doc.problem(path, f"must be {sign[keyword]} {error.validator_value}; got {value}")]
+    if keyword == "maxProperties" and error.validator_value == 1:
+        return [doc.problem(path, f"exactly one of {', '.join(value)} may be given")]
+    if keyword == "minProperties":
+        return [doc.problem(path, "must not be empty")]
+    return [doc.problem(path, error.message)]
+
+
+def schema_problems(doc: Document) -> list[Problem]:
+    """Every schema error in the document (not only the first), with positions."""
+    problems: list[Problem] = []
+    for error in _validator().iter_errors(doc.data):
+        problems.extend(_problems_for(doc, error))
+    return problems
