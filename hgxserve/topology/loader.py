@@ -65,7 +65,7 @@ class Document:
 
 
 def _scalar(node: ScalarNode) -> Any:
-    tag, value = node.tag, node.value
+    tag, value = str(node.tag or ""), node.value
     if tag.endswith(":null"):
         return None
     if tag.endswith(":bool"):

@@ -58,7 +58,7 @@ class SecretRef:
 
     @classmethod
     def parse(cls, data: dict[str, str]) -> SecretRef:
-        (kind, value), = data.items()
+        ((kind, value),) = data.items()
         return cls(kind, value)
 
 
@@ -303,7 +303,7 @@ def _host(name: str, data: dict[str, Any]) -> Host:
 
 
 def _source(data: dict[str, Any]) -> ModelSource:
-    (kind, spec), = data.items()
+    ((kind, spec),) = data.items()
     if kind == "s3":
         creds = spec.get("credentials")
         return S3Source(

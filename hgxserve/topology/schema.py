@@ -90,7 +90,9 @@ def _problems_for(doc: Document, error: ValidationError) -> list[Problem]:
         alts: list[dict[str, Any]] = error.validator_value
         if isinstance(value, dict):
             matching = [
-                a for a in map(_resolve, alts) if a.get("required") and set(a["required"]) <= set(value)
+                a
+                for a in map(_resolve, alts)
+                if a.get("required") and set(a["required"]) <= set(value)
             ]
             if len(matching) == 1:
                 sub = Draft202012Validator(matching[0], registry=_validator()._registry)  # noqa: SLF001
