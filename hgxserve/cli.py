@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("hgxserve.proxy.cli:proxy", "Run the P/D proxy (OpenAI-compatible endpoint)."),
     "release": ("hgxserve.release.cli:release", "Host-side release switch, health gate, rollback."),
     "facts": ("hgxserve.facts.cli:facts", "Print this host's GPU/RDMA/shm facts as JSON."),
+    "gpus": ("hgxserve.gpus:gpus", "Check or wait until GPUs hold no memory (used by units)."),
 }
 
 
