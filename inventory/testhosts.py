@@ -1,0 +1,47 @@
+"""pyinfra inventory of the local test hosts, read from the test-host harness's state file.
+
+Bring the hosts up first (``python -m testbed up``), then::
+
+    pyinfra inventory/testhosts.py exec -- systemctl is-system-running
+
+Groups: ``testhosts`` (all hosts), ``h200`` / ``h20`` (by simulated GPU kind). Host data keys:
+``ssh_hostname``, ``ssh_user``, ``ssh_key``, ``ssh_known_hosts_file``,
+``ssh_strict_host_key_checking`` (how to reach the host) and ``testbed_gpu`` (the simulated GPU
+kind, ``h200`` or ``h20``). The state file is $HGXSERVE_TESTBED_DIR/state.json
+(default /var/lib/hgxserve-testbed/state.json).
+"""
+
+import json
+import os
+from pathlib import Path
+
+_STATE = Path(os.environ.get("HGXSERVE_TESTBED_DIR", "/var/lib/hgxserve-testbed")) / "state.json"
+
+
+def _hosts() -> list[tuple[str, dict[str, str]]]:
+    if not _STATE.is_file():
+        raise SystemExit(
+            f"inventory/testhosts.py: no test hosts recorded ({_STATE} is missing); "
+            "run `python -m testbed up` first"
+        )
+    state = json.loads(_STATE.read_text())
+    return [
+        (
+            host["name"],
+            {
+                "ssh_hostname": host["address"],
+                "ssh_user": "root",
+                "ssh_key": state["ssh_key"],
+                # Test hosts get fresh host keys at every boot; nothing to pin.
+                "ssh_known_hosts_file": "/dev/null",
+                "ssh_strict_host_key_checking": "no",
+                "testbed_gpu": host["gpu"],
+            },
+        )
+        for host in state["hosts"]
+    ]
+
+
+testhosts = _hosts()
+h200 = [entry for entry in testhosts if entry[1]["testbed_gpu"] == "h200"]
+h20 = [entry for entry in testhosts if entry[1]["testbed_gpu"] == "h20"]

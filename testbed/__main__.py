@@ -1,0 +1,91 @@
+"""Command line of the test-host harness: ``python -m testbed up|down|status|ssh``.
+
+Example::
+
+    python -m testbed up --hosts 3 --gpu h200,h20,h20
+    python -m testbed ssh hgx-a -- nvidia-smi -L
+    python -m testbed down
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from testbed import hosts
+from testbed.util import TestbedError
+
+
+def _print_status(as_json: bool) -> int:
+    rows = hosts.status()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0 if rows and all(r["running"] for r in rows) else 1
+    if not rows:
+        print("no test hosts are up")
+        return 1
+    head = ("NAME", "ADDRESS", "GPU", "PID", "RUNNING", "SSHD", "SYSTEMD", "RAM")
+    print("{:8} {:12} {:5} {:>8} {:8} {:5} {:10} {}".format(*head))
+    for r in rows:
+        ram = f"{r['ram_mib']:.0f} MiB" if r["ram_mib"] is not None else "-"
+        print(
+            f"{r['name']:8} {r['address']:12} {r['gpu']:5} {r['pid'] or '-':>8} "
+            f"{'yes' if r['running'] else 'NO':8} {'yes' if r['sshd'] else 'no':5} "
+            f"{r['systemd'] or '-':10} {ram}"
+        )
+    bed = hosts.load()
+    if bed:
+        print(f"state: {bed.state_file}  ssh key: {bed.ssh_key}")
+    return 0 if all(r["running"] for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m testbed", description="Real systemd-nspawn test hosts for hgxserve."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="boot N test hosts (reuses running ones that match)")
+    p_up.add_argument("--hosts", type=int, default=3, help="number of hosts (default 3)")
+    p_up.add_argument(
+        "--gpu",
+        default="h200",
+        help="simulated GPU kind: h200 or h20, one for all hosts or one per host (h200,h20,h20)",
+    )
+    sub.add_parser("down", help="stop and remove everything `up` started")
+    p_status = sub.add_parser("status", help="show the hosts and whether they are up")
+    p_status.add_argument("--json", action="store_true", help="print JSON")
+    p_ssh = sub.add_parser("ssh", help="run a command on a host as root: ssh NAME -- CMD...")
+    p_ssh.add_argument("name")
+    p_ssh.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            bed = hosts.up(args.hosts, args.gpu)
+            for host in bed.hosts:
+                print(f"{host.name}\t{host.address}\t{host.gpu}")
+            return 0
+        if args.command == "down":
+            if not hosts.down():
+                print("no test hosts were recorded; removed leftovers under our names, if any")
+            return 0
+        if args.command == "status":
+            return _print_status(args.json)
+        if args.command == "ssh":
+            bed = hosts.require()
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            argv_ssh = bed.ssh_argv(args.name, " ".join(cmd) if cmd else "")
+            if not cmd:
+                argv_ssh.insert(1, "-t")
+            os.execvp(argv_ssh[0], argv_ssh)
+    except TestbedError as exc:
+        print(f"testbed: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Build, cache and unpack the Debian root filesystem shared by all test hosts.
+
+The tree is built once with debootstrap, packed as a zstd tarball under
+``/var/cache/hgxserve-testbed/`` and unpacked into the state directory as the read-only
+lower layer of every host's overlayfs.
+
+Example::
+
+    lower = ensure_rootfs(Path("/var/lib/hgxserve-testbed"))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from testbed.util import TestbedError, say
+
+SUITE = "bookworm"
+VARIANT = "minbase"
+# What a test host needs: systemd as PID 1, sshd, a Python for pyinfra facts and the simulated
+# engine, venv/pip for roles that build runtime venvs, and the basic tools facts run.
+PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "openssh-server",
+    "python3",
+    "python3-venv",
+    "python3-pip",
+    "iproute2",
+    "procps",
+    "kmod",
+    "util-linux",
+    "ca-certificates",
+    "curl",
+)
+# Bump when the post-install recipe below changes, so caches built by an older recipe are rebuilt.
+RECIPE_VERSION = 1
+CACHE_DIR = Path(os.environ.get("HGXSERVE_TESTBED_CACHE", "/var/cache/hgxserve-testbed"))
+
+SSHD_DROPIN = """\
+# hgxserve test host: key-only root login for the harness and pyinfra
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UseDNS no
+"""
+JOURNALD_DROPIN = """\
+# hgxserve test host: keep the journal in memory and small
+[Journal]
+Storage=volatile
+RuntimeMaxUse=16M
+"""
+SIM_TMPFILES = """\
+# hgxserve test host: simulated engines report GPU memory use here (read by the fake nvidia-smi)
+d /run/hgxserve-sim 0755 root root -
+d /run/hgxserve-sim/gpus 0755 root root -
+"""
+
+
+def stamp() -> str:
+    """Return the version stamp of the rootfs recipe (changes when the package list changes).
+
+    Example: ``stamp()`` -> ``"3f9c0a1b2d4e"``
+    """
+    recipe = {
+        "suite": SUITE,
+        "variant": VARIANT,
+        "packages": sorted(PACKAGES),
+        "recipe": RECIPE_VERSION,
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def cache_path() -> Path:
+    """Return the path of the cached tarball for the current recipe.
+
+    Example: ``/var/cache/hgxserve-testbed/rootfs-bookworm-3f9c0a1b2d4e.tar.zst``
+    """
+    return CACHE_DIR / f"rootfs-{SUITE}-{stamp()}.tar.zst"
+
+
+def _deb822_mirrors(text: str) -> list[tuple[str, list[str]]]:
+    found: list[tuple[str, list[str]]] = []
+    for stanza in re.split(r"\n\s*\n", text):
+        fields: dict[str, str] = {}
+        key = ""
+        for line in stanza.splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            if line[0] in " \t" and key:
+                fields[key] += " " + line.strip()
+                continue
+            if ":" in line:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                fields[key] = value.strip()
+        if "deb" not in fields.get("types", "").split():
+            continue
+        if fields.get("enabled", "yes").lower() == "no":
+            continue
+        suites = fields.get("suites", "").split()
+        found.extend((uri, suites) for uri in fields.get("uris", "").split())
+    return found
+
+
+def _one_line_mirrors(text: str) -> list[tuple[str, list[str]]]:
+    found = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        words = re.sub(r"\[[^]]*\]", " ", line).split()
+        if len(words) >= 3 and words[0] == "deb":
+            found.append((words[1], [words[2]]))
+    return found
+
+
+def apt_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
+    """Return the Debian mirror this machine's apt uses for the main archive.
+
+    ``HGXSERVE_TESTBED_MIRROR`` overrides it. Example: ``apt_mirror()`` -> ``"http://deb.debian.org/debian"``
+    """
+    override = os.environ.get("HGXSERVE_TESTBED_MIRROR")
+    if override:
+        return override
+    sources: list[tuple[str, list[str]]] = []
+    for path in sorted(apt_dir.glob("sources.list.d/*.sources")):
+        sources += _deb822_mirrors(path.read_text(errors="replace"))
+    for path in [apt_dir / "sources.list", *sorted(apt_dir.glob("sources.list.d/*.list"))]:
+        if path.is_file():
+            sources += _one_line_mirrors(path.read_text(errors="replace"))
+    release = ""
+    os_release = Path("/etc/os-release")
+    if os_release.is_file():
+        match = re.search(r"^VERSION_CODENAME=(\S+)", os_release.read_text(), re.M)
+        release = match.group(1).strip('"') if match else ""
+    # The main archive carries the bare suite name; -security and -updates archives do not.
+    for wanted in (SUITE, release):
+        for uri, suites in sources:
+            if wanted and wanted in suites:
+                return uri.rstrip("/")
+    raise TestbedError(
+        "no Debian mirror found in /etc/apt sources (looked for a 'deb' entry with suite "
+        f"'{SUITE}'); set HGXSERVE_TESTBED_MIRROR=http://<mirror>/debian"
+    )
+
+
+def _post_install(root: Path) -> None:
+    """Make the debootstrapped tree a template: no identity, no apt cache, sshd and journald set."""
+    (root / "etc/machine-id").write_text("")
+    dbus_id = root / "var/lib/dbus/machine-id"
+    if dbus_id.is_symlink() or dbus_id.exists():
+        dbus_id.unlink()
+    for key in (root / "etc/ssh").glob("ssh_host_*"):
+        key.unlink()
+    for deb in (root / "var/cache/apt/archives").glob("*.deb"):
+        deb.unlink()
+    lists = root / "var/lib/apt/lists"
+    for entry in lists.iterdir() if lists.is_dir() else []:
+        if entry.is_file():
+            entry.unlink()
+    (root / "etc/ssh/sshd_config.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/ssh/sshd_config.d/hgxserve-testbed.conf").write_text(SSHD_DROPIN)
+    (root / "etc/systemd/journald.conf.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/systemd/journald.conf.d/hgxserve-testbed.conf").write_text(JOURNALD_DROPIN)
+    (root / "etc/tmpfiles.d/hgxserve-sim.conf").write_text(SIM_TMPFILES)
+    (root / "etc/hgxserve-testbed").mkdir(exist_ok=True)
+    (root / "etc/hgxserve-testbed/rootfs-stamp").write_text(stamp() + "\n")
+
+
+def build(work_dir: Path) -> Path:
+    """Run debootstrap into ``work_dir/build-<stamp>`` and pack it into the cache; return the tree.
+
+    Example: ``build(Path("/var/lib/hgxserve-testbed"))``
+    """
+    mirror = apt_mirror()
+    tree = work_dir / f"build-{stamp()}"
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    say(f"building the {SUITE} rootfs with debootstrap from {mirror} (about 2 minutes, once)")
+    started = time.monotonic()
+    cmd = [
+        "debootstrap",
+        f"--variant={VARIANT}",
+        "--include=" + ",".join(PACKAGES),
+        SUITE,
+        str(tree),
+        mirror,
+    ]
+    log = work_dir / "debootstrap.log"
+    with log.open("wb") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        lines = "\n  ".join(tail)
+        raise TestbedError(f"debootstrap failed (log: {log}):\n  {lines}")
+    _post_install(tree)
+    say(f"debootstrap done in {time.monotonic() - started:.0f} s; packing the cache")
+    pack(tree, cache_path())
+    return tree
+
+
+def pack(tree: Path, target: Path) -> None:
+    """Pack ``tree`` into the zstd tarball ``target`` (written atomically)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    started = time.monotonic()
+    tar = subprocess.Popen(
+        [
+            "tar",
+            "--numeric-owner",
+            "--xattrs",
+            "--xattrs-include=*",
+            "-C",
+            str(tree),
+            "-cf",
+            "-",
+            ".",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    zstd = subprocess.run(
+        ["zstd", "-q", "-10", "-T0", "-f", "-o", str(partial)], stdin=tar.stdout, check=False
+    )
+    assert tar.stdout is not None
+    tar.stdout.close()
+    if tar.wait() != 0 or zstd.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise TestbedError(f"packing the rootfs into {target} failed")
+    partial.rename(target)
+    size = target.stat().st_size / 2**20
+    say(f"cached {target} ({size:.0f} MiB) in {time.monotonic() - started:.0f} s")
+
+
+def unpack(tarball: Path, target: Path) -> None:
+    """Unpack a cached rootfs tarball into ``target`` (replaced atomically)."""
+    partial = target.with_name(target.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    started = time.monotonic()
+    zstd = subprocess.Popen(["zstd", "-q", "-dc", str(tarball)], stdout=subprocess.PIPE)
+    tar = subprocess.run(
+        [
+            "tar",
+            "--numeric-owner",
+            "--xattrs",
+            "--xattrs-include=*",
+            "-C",
+            str(partial),
+            "-xf",
+            "-",
+        ],
+        stdin=zstd.stdout,
+        check=False,
+    )
+    assert zstd.stdout is not None
+    zstd.stdout.close()
+    if zstd.wait() != 0 or tar.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise TestbedError(f"unpacking {tarball} failed; delete it to rebuild")
+    if target.exists():
+        shutil.rmtree(target)
+    partial.rename(target)
+    say(f"unpacked {tarball.name} in {time.monotonic() - started:.1f} s")
+
+
+def ensure_rootfs(work_dir: Path) -> Path:
+    """Return the unpacked lower tree for the current recipe, building or unpacking as needed.
+
+    Example: ``ensure_rootfs(Path("/var/lib/hgxserve-testbed"))`` -> ``.../rootfs/3f9c0a1b2d4e``
+    """
+    lower = work_dir / "rootfs" / stamp()
+    marker = lower / "etc/hgxserve-testbed/rootfs-stamp"
+    if marker.is_file() and marker.read_text().strip() == stamp():
+        return lower
+    lower.parent.mkdir(parents=True, exist_ok=True)
+    # Older recipes' trees are never the lower layer of a running host (down removes hosts
+    # first), so they can go.
+    for old in lower.parent.iterdir():
+        if old.name != stamp() and not old.name.endswith(".partial"):
+            say(f"removing rootfs of an older recipe: {old}")
+            shutil.rmtree(old, ignore_errors=True)
+    tarball = cache_path()
+    if tarball.is_file():
+        unpack(tarball, lower)
+        return lower
+    tree = build(work_dir)
+    if lower.exists():
+        shutil.rmtree(lower)
+    tree.rename(lower)
+    return lower
+
+
+def ensure_cached() -> None:
+    """Fail early with a clear message when the cache directory cannot be written."""
+    try:
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TestbedError(f"cannot create the rootfs cache {CACHE_DIR}: {exc}") from exc
