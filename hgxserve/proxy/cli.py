@@ -1,0 +1,103 @@
+"""`hgxserve proxy serve|check`: run or validate the P/D proxy from its JSON configuration.
+
+hgxserve proxy check --config /etc/hgxserve/proxy.json
+hgxserve proxy serve --config /etc/hgxserve/proxy.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+import click
+
+from hgxserve.proxy.config import ProxyConfigError, load_proxy_config, read_api_key
+
+
+@click.group()
+def proxy() -> None:
+    """Run the P/D proxy (OpenAI-compatible endpoint)."""
+
+
+@proxy.command()
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Proxy configuration JSON (rendered from the topology).",
+)
+def check(config_path: str) -> None:
+    """Validate a proxy configuration file and say what it would route.
+
+    \b
+    hgxserve proxy check --config /etc/hgxserve/proxy.json
+    """
+    try:
+        cfg = load_proxy_config(config_path)
+        if cfg.api_key_file:
+            read_api_key(cfg.api_key_file)
+    except ProxyConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(
+        f"{config_path}: ok: {cfg.protocol} on {cfg.host}:{cfg.port}, model {cfg.served_model_name}"
+    )
+    for g in cfg.pd_groups:
+        click.echo(
+            f"  pd group {g.name}: prefill {', '.join(e.url for e in g.prefill)}"
+            f" -> decode {', '.join(e.url for e in g.decode)}"
+        )
+    for e in cfg.combined:
+        click.echo(f"  combined: {e.url}")
+    threshold = cfg.routing.pd_min_prompt_tokens
+    if cfg.pd_groups and cfg.combined and threshold:
+        click.echo(f"  prompts >= {threshold} tokens go to P/D, shorter ones to combined")
+
+
+@proxy.command()
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Proxy configuration JSON (rendered from the topology).",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+def serve(config_path: str, log_level: str) -> None:
+    """Serve the OpenAI-compatible endpoint until SIGTERM.
+
+    \b
+    hgxserve proxy serve --config /etc/hgxserve/proxy.json
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        cfg = load_proxy_config(config_path)
+        from hgxserve.proxy.server import serve as run
+
+        with contextlib.suppress(ImportError):
+            import uvloop  # optional: a faster event loop when installed
+
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        asyncio.run(_until_signal(run(cfg)))
+    except ProxyConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen: {exc}") from None
+
+
+async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(main)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

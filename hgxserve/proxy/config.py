@@ -1,0 +1,334 @@
+"""The proxy's configuration file: a JSON document the renderer writes from the topology.
+
+Example (vLLM NIXL, one P/D group, one combined engine for short prompts):
+
+    {
+      "listen": {"host": "0.0.0.0", "port": 8000},
+      "protocol": "vllm-nixl",
+      "served_model_name": "DeepSeek-V4-Flash",
+      "pd_groups": [{"name": "pd-0",
+                     "prefill": [{"url": "http://10.0.0.11:8100"}],
+                     "decode": [{"url": "http://10.0.0.12:8200"}]}],
+      "combined": [{"url": "http://10.0.0.13:8000"}],
+      "routing": {"pd_min_prompt_tokens": 2049},
+      "auth": {"api_key_file": "/run/credentials/hgxserve-proxy.service/api-key"}
+    }
+
+`load_proxy_config("proxy.json")` returns a `ProxyConfig` or raises `ProxyConfigError` naming
+the JSON path of every problem found.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+PROTOCOLS = ("vllm-nixl", "sglang")
+
+
+class ProxyConfigError(Exception):
+    """The proxy configuration is unreadable or invalid; the message lists every problem."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One engine's HTTP API, and for an SGLang prefill, its disaggregation bootstrap server."""
+
+    url: str
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+
+
+@dataclass(frozen=True)
+class PDGroup:
+    """Prefill and decode engines that can be paired with each other (any P with any D)."""
+
+    name: str
+    prefill: tuple[Endpoint, ...]
+    decode: tuple[Endpoint, ...]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How requests are split between P/D groups and combined engines."""
+
+    # prompts of at least this many (estimated) tokens go to P/D; shorter ones to combined
+    pd_min_prompt_tokens: int = 0
+    # token estimate: UTF-8 bytes of the prompt text divided by this
+    bytes_per_token: float = 4.0
+    # long prompts go to combined engines when no healthy P/D pair exists
+    fallback_to_combined: bool = True
+    # extra attempts on another instance, only before any byte reached the client
+    max_retries: int = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request size and upstream time limits (seconds)."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 600.0
+    # longest silence between two bytes of a decode/combined answer
+    read_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Health:
+    """Active health checks: GET <path> (non-generating), eject and readmit thresholds."""
+
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+    unhealthy_after: int = 2
+    healthy_after: int = 1
+    path: str = "/health"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything `hgxserve proxy serve` needs; see the module docstring for the JSON shape."""
+
+    protocol: str
+    served_model_name: str
+    host: str = "0.0.0.0"
+    port: int = 8000
+    pd_groups: tuple[PDGroup, ...] = ()
+    combined: tuple[Endpoint, ...] = ()
+    routing: Routing = field(default_factory=Routing)
+    limits: Limits = field(default_factory=Limits)
+    health: Health = field(default_factory=Health)
+    api_key_file: str | None = None
+
+
+class _Checker:
+    """Collects every problem with its JSON path instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def fail(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def obj(self, value: Any, path: str, allowed: set[str]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            self.fail(path, f"must be an object, not {type(value).__name__}")
+            return {}
+        for key in sorted(set(value) - allowed):
+            self.fail(f"{path}.{key}", f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        return value
+
+    def number(self, value: Any, path: str, minimum: Any, integer: bool = False) -> Any:
+        kinds: tuple[type, ...] = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+            what = "an integer" if integer else "a number"
+            self.fail(path, f"must be {what} >= {minimum}, not {value!r}")
+            return None
+        return value
+
+    def url(self, value: Any, path: str) -> str:
+        parts = urlsplit(value) if isinstance(value, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            self.fail(path, f"must be an http(s) URL like http://10.0.0.11:8100, not {value!r}")
+            return ""
+        return str(value).rstrip("/")
+
+
+def _endpoint(chk: _Checker, raw: Any, path: str, sglang_prefill: bool) -> Endpoint:
+    if isinstance(raw, str):
+        raw = {"url": raw}
+    data = chk.obj(raw, path, {"url", "bootstrap_host", "bootstrap_port"})
+    url = chk.url(data.get("url"), f"{path}.url")
+    host = data.get("bootstrap_host")
+    port = data.get("bootstrap_port")
+    if not sglang_prefill and (host is not None or port is not None):
+        chk.fail(path, "bootstrap_host/bootstrap_port only apply to SGLang prefill engines")
+    if sglang_prefill:
+        host = host or (urlsplit(url).hostname if url else None)
+        port = 8998 if port is None else chk.number(port, f"{path}.bootstrap_port", 1, True)
+    return Endpoint(url=url, bootstrap_host=host, bootstrap_port=port)
+
+
+def _section(chk: _Checker, raw: dict[str, Any], key: str, cls: type, types: dict[str, Any]) -> Any:
+    data = chk.obj(raw.get(key, {}), f"$.{key}", set(types))
+    values: dict[str, Any] = {}
+    for name, (kind, minimum) in types.items():
+        if name not in data:
+            continue
+        if kind is bool:
+            if not isinstance(data[name], bool):
+                chk.fail(f"$.{key}.{name}", f"must be true or false, not {data[name]!r}")
+            values[name] = data[name]
+        elif kind is str:
+            if not isinstance(data[name], str) or not data[name].startswith("/"):
+                chk.fail(f"$.{key}.{name}", f"must be a path starting with /, not {data[name]!r}")
+            values[name] = data[name]
+        else:
+            values[name] = chk.number(data[name], f"$.{key}.{name}", minimum, kind is int)
+    return cls(**values)
+
+
+def parse_proxy_config(raw: Any) -> ProxyConfig:
+    """Validate a decoded JSON document and build the typed configuration.
+
+    Example: parse_proxy_config({"protocol": "vllm-nixl", "served_model_name": "m",
+                                 "combined": ["http://127.0.0.1:8100"]})
+    """
+    chk = _Checker()
+    top = chk.obj(
+        raw,
+        "$",
+        {
+            "listen",
+            "protocol",
+            "served_model_name",
+            "pd_groups",
+            "combined",
+            "routing",
+            "limits",
+            "health",
+            "auth",
+        },
+    )
+    protocol = top.get("protocol")
+    if protocol not in PROTOCOLS:
+        chk.fail("$.protocol", f"must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
+    name = top.get("served_model_name")
+    if not isinstance(name, str) or not name:
+        chk.fail("$.served_model_name", "must be a non-empty string (the model name clients use)")
+    listen = chk.obj(top.get("listen", {}), "$.listen", {"host", "port"})
+    host = listen.get("host", "0.0.0.0")
+    if not isinstance(host, str) or not host:
+        chk.fail("$.listen.host", f"must be an address string, not {host!r}")
+    port = chk.number(listen.get("port", 8000), "$.listen.port", 1, True)
+    groups: list[PDGroup] = []
+    raw_groups = top.get("pd_groups", [])
+    if not isinstance(raw_groups, list):
+        chk.fail("$.pd_groups", "must be a list of {name, prefill: [...], decode: [...]}")
+        raw_groups = []
+    seen: set[str] = set()
+    for i, graw in enumerate(raw_groups):
+        gpath = f"$.pd_groups[{i}]"
+        g = chk.obj(graw, gpath, {"name", "prefill", "decode"})
+        gname = g.get("name", f"pd-{i}")
+        if not isinstance(gname, str) or gname in seen:
+            chk.fail(f"{gpath}.name", f"must be a unique string, not {gname!r}")
+        seen.add(str(gname))
+        sides: dict[str, tuple[Endpoint, ...]] = {}
+        for side in ("prefill", "decode"):
+            items = g.get(side)
+            if not isinstance(items, list) or not items:
+                chk.fail(f"{gpath}.{side}", f"must list at least one {side} engine URL")
+                items = []
+            sides[side] = tuple(
+                _endpoint(
+                    chk, e, f"{gpath}.{side}[{j}]", protocol == "sglang" and side == "prefill"
+                )
+                for j, e in enumerate(items)
+            )
+        groups.append(PDGroup(name=str(gname), prefill=sides["prefill"], decode=sides["decode"]))
+    raw_combined = top.get("combined", [])
+    if not isinstance(raw_combined, list):
+        chk.fail("$.combined", "must be a list of engine URLs")
+        raw_combined = []
+    combined = tuple(
+        _endpoint(chk, e, f"$.combined[{j}]", False) for j, e in enumerate(raw_combined)
+    )
+    if not groups and not combined:
+        chk.fail("$", "needs at least one of pd_groups or combined: there is nowhere to route")
+    routing = _section(
+        chk,
+        top,
+        "routing",
+        Routing,
+        {
+            "pd_min_prompt_tokens": (int, 0),
+            "bytes_per_token": (float, 0.1),
+            "fallback_to_combined": (bool, None),
+            "max_retries": (int, 0),
+        },
+    )
+    limits = _section(
+        chk,
+        top,
+        "limits",
+        Limits,
+        {
+            "max_body_bytes": (int, 1024),
+            "connect_timeout_s": (float, 0.01),
+            "prefill_timeout_s": (float, 0.01),
+            "read_timeout_s": (float, 0.01),
+        },
+    )
+    health = _section(
+        chk,
+        top,
+        "health",
+        Health,
+        {
+            "interval_s": (float, 0.01),
+            "timeout_s": (float, 0.01),
+            "unhealthy_after": (int, 1),
+            "healthy_after": (int, 1),
+            "path": (str, None),
+        },
+    )
+    auth = chk.obj(top.get("auth", {}) or {}, "$.auth", {"api_key_file"})
+    key_file = auth.get("api_key_file")
+    if key_file is not None and (not isinstance(key_file, str) or not key_file.startswith("/")):
+        chk.fail("$.auth.api_key_file", f"must be an absolute path, not {key_file!r}")
+    if routing.pd_min_prompt_tokens > 0 and groups and not combined:
+        chk.fail(
+            "$.routing.pd_min_prompt_tokens",
+            "short prompts need combined engines: add $.combined or set it to 0",
+        )
+    if chk.errors:
+        raise ProxyConfigError("\n".join(chk.errors))
+    return ProxyConfig(
+        protocol=str(protocol),
+        served_model_name=str(name),
+        host=str(host),
+        port=int(port),
+        pd_groups=tuple(groups),
+        combined=combined,
+        routing=routing,
+        limits=limits,
+        health=health,
+        api_key_file=key_file,
+    )
+
+
+def load_proxy_config(path: str | Path) -> ProxyConfig:
+    """Read and validate a proxy configuration file.
+
+    Example: cfg = load_proxy_config("/etc/hgxserve/proxy.json"); cfg.protocol == "vllm-nixl"
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ProxyConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProxyConfigError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from exc
+    try:
+        return parse_proxy_config(raw)
+    except ProxyConfigError as exc:
+        lines = str(exc).splitlines()
+        raise ProxyConfigError("\n".join(f"{path}: {line}" for line in lines)) from exc
+
+
+def read_api_key(path: str) -> str:
+    """Read the API key from its credential file (never logged).
+
+    Example: read_api_key("/run/credentials/hgxserve-proxy.service/api-key")
+    """
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ProxyConfigError(f"{path}: cannot read the API key file: {exc.strerror}") from exc
+    if not key:
+        raise ProxyConfigError(f"{path}: the API key file is empty")
+    return key

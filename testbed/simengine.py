@@ -1,0 +1,1351 @@
+#!/usr/bin/env python3
+"""SIMULATED inference engine: speaks the vLLM / SGLang HTTP and P/D protocols without a GPU.
+
+This is test equipment, not an engine. It stands in for `vllm serve` and `sglang serve` on test
+hosts (through small shims) and in local tests, so that the proxy, the health gates and the
+release switch can be exercised for real: real ports, real SSE, real KV "transfers" over a real
+TCP side channel, real GPU-memory bookkeeping that a fake `nvidia-smi` reads back.
+
+    python3 simengine.py --engine vllm serve /models/m --port 8100 --tensor-parallel-size 4 \
+        --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
+    python3 simengine.py --engine sglang serve --model-path /models/m --port 30000 \
+        --disaggregation-mode prefill --disaggregation-bootstrap-port 8998
+
+Python 3 standard library only (test hosts run Debian's python3 with no pip packages).
+
+Environment knobs (all optional):
+  HGXSERVE_SIM_START_SECONDS   seconds before the HTTP port opens (default 2)
+  HGXSERVE_SIM_STOP_SECONDS    seconds GPU memory stays held after SIGTERM (default 1)
+  HGXSERVE_SIM_GPU_DIR         GPU memory files dir (default /run/hgxserve-sim/gpus)
+  HGXSERVE_SIM_GPU_TOTAL_MIB   per-GPU memory used to size "used_mib" (default 143771, H200)
+  HGXSERVE_SIM_TOKEN_SECONDS   time per generated token (default 0.01)
+  HGXSERVE_SIM_PREFILL_SECONDS_PER_1K  local prefill time per 1000 prompt tokens (default 0.02)
+  HGXSERVE_SIM_LOOPBACK        address this simulated host's "localhost" means (default
+                               127.0.0.1); lets one machine play several hosts: a side channel
+                               advertised as localhost/127.0.0.1 resolves to this address
+  HGXSERVE_SIM_BOOTSTRAP_WAIT  seconds an SGLang decode waits for its room (default 10)
+  HGXSERVE_SIM_FAIL            failure injection, comma-separated:
+      never_healthy   port opens, /health (and generation) answer 503 forever
+      crash_on_start  exit 1 after the start delay, port never opens
+      exit_after:N    serve N generation requests, then die abruptly (exit 1, memory files left)
+      slow_stop       ignore SIGTERM for HGXSERVE_SIM_SLOW_STOP_SECONDS (default 30)
+      garbage         return wrong (random) text, as a broken kernel/executor would
+
+Prompts understood specially (deterministic, temperature 0):
+  "Only answer: X" / "只输出：X" / "只回答：X"  -> the answer is exactly X
+  a prompt containing FIRST_TOKEN_EOS          -> the first generated token is EOS (empty answer),
+                                                  so a vLLM prefill returns no kv_transfer_params
+
+Simulated-only debug endpoint: GET /sim/requests (recent requests: id, kind, KV outcome, aborted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+import uuid
+from typing import Any
+
+# Flags whose value must be JSON: the real engines reject malformed values at parse time.
+JSON_FLAGS = {
+    "--kv-transfer-config",
+    "--kv-events-config",
+    "--reasoning-config",
+    "--default-chat-template-kwargs",
+    "--speculative-config",
+    "--compilation-config",
+    "--hf-overrides",
+    "--override-generation-config",
+    "--model-loader-extra-config",
+    "--additional-config",
+    "--limit-mm-per-prompt",
+    "--json-model-override-args",
+    "--disaggregation-ib-device-json",
+}
+# Flags that take no value (so the next token is not swallowed as their value).
+BOOL_FLAGS = {
+    "--headless",
+    "--enforce-eager",
+    "--trust-remote-code",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--enable-auto-tool-choice",
+    "--enable-prompt-tokens-details",
+    "--disable-log-requests",
+    "--enable-log-requests",
+    "--disable-log-stats",
+    "--enable-expert-parallel",
+    "--enable-eplb",
+    "--enable-dbo",
+    "--no-async-scheduling",
+    "--async-scheduling",
+    "--enable-request-id-headers",
+    "--enable-metrics",
+    "--enable-dp-attention",
+    "--disable-cuda-graph",
+    "--disable-radix-cache",
+    "--skip-server-warmup",
+    "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill",
+}
+# Flags taking one or more values (argparse nargs="+").
+MULTI_FLAGS = {"--served-model-name"}
+
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+NIXL_XFER_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
+NIXL_POST_BUCKETS = [0.001] + NIXL_XFER_BUCKETS
+NIXL_BYTES_BUCKETS = [float(2 ** (10 + i)) for i in range(1, 25, 2)]
+NIXL_DESC_BUCKETS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
+SGL_LAT_MS_BUCKETS = [0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
+
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "model",
+    "token",
+    "prefill",
+    "decode",
+    "cache",
+    "block",
+    "layer",
+    "head",
+    "expert",
+    "router",
+    "batch",
+    "kernel",
+    "tensor",
+    "graph",
+    "memory",
+    "stream",
+    "queue",
+    "request",
+    "reply",
+    "latency",
+    "throughput",
+    "shard",
+    "weight",
+    "rank",
+    "node",
+    "fabric",
+    "switch",
+    "link",
+    "path",
+    "value",
+    "key",
+    "vector",
+    "matrix",
+    "sum",
+    "mean",
+    "scale",
+    "norm",
+    "gate",
+    "unit",
+    "step",
+    "phase",
+    "state",
+    "input",
+    "output",
+    "signal",
+    "answer",
+    "reason",
+    "plan",
+    "check",
+    "ready",
+    "clear",
+]
+ANSWER_RE = re.compile(
+    r"(?:only\s+(?:answer|output|reply|say)|只输出|只回答)\s*[:：]\s*(.+?)\s*$", re.I | re.S
+)
+
+
+def log(msg: str) -> None:
+    """Print one log line, flushed (stdout goes to the journal on test hosts)."""
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [SIMULATED {STATE.engine}] {msg}", flush=True)
+
+
+def env_float(name: str, default: float) -> float:
+    """Read a float knob from the environment."""
+    raw = os.environ.get(name)
+    return float(raw) if raw not in (None, "") else default
+
+
+# --------------------------------------------------------------------------- argument parsing
+
+
+class ArgError(Exception):
+    pass
+
+
+def parse_args(argv: list[str]) -> dict[str, Any]:
+    """Parse `--engine E serve [MODEL] [flags...]` the tolerant way the shims need.
+
+    Example: parse_args(["--engine", "vllm", "serve", "/m", "--port", "8100"])["port"] == "8100"
+    """
+    args: dict[str, Any] = {"_positional": []}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith("--"):
+            name, eq, inline = tok.partition("=")
+            if eq:
+                args[name] = inline
+                i += 1
+                continue
+            if name in BOOL_FLAGS:
+                args[name] = True
+                i += 1
+                continue
+            if name in MULTI_FLAGS:
+                vals = []
+                i += 1
+                while i < len(argv) and not argv[i].startswith("--"):
+                    vals.append(argv[i])
+                    i += 1
+                args[name] = vals
+                continue
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or (nxt.startswith("-") and not re.match(r"^-\d", nxt)):
+                args[name] = True
+                i += 1
+            else:
+                args[name] = nxt
+                i += 2
+        else:
+            args["_positional"].append(tok)
+            i += 1
+    for flag in JSON_FLAGS:
+        if flag in args and isinstance(args[flag], str):
+            try:
+                args[flag] = json.loads(args[flag])
+            except json.JSONDecodeError as exc:
+                raise ArgError(f"argument {flag}: invalid JSON value: {exc}") from exc
+    return args
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class Histogram:
+    def __init__(self, buckets: list[float]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for idx, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[idx] += 1
+
+    def render(self, name: str, labels: str) -> list[str]:
+        out = [f"# TYPE {name} histogram"]
+        for bound, count in zip(self.buckets, self.counts, strict=True):
+            out.append(f'{name}_bucket{{{labels},le="{float(bound)}"}} {count}')
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.total}')
+        out.append(f"{name}_count{{{labels}}} {self.total}")
+        out.append(f"{name}_sum{{{labels}}} {self.sum}")
+        return out
+
+
+class State:
+    """Everything the simulated engine knows about itself."""
+
+    def __init__(self) -> None:
+        self.engine = "engine"
+        self.ready = False
+        self.stopping = False
+        self.fail: dict[str, str] = {}
+        self.served_names: list[str] = []
+        self.model_path = ""
+        self.max_model_len = 8192
+        self.max_num_seqs = 256
+        self.tp = 1
+        self.dp_size = 1
+        self.dp_local = 1
+        self.dp_start = 0
+        self.block_size = 16
+        self.reasoning_parser: str | None = None
+        self.kv: dict[str, Any] = {}
+        self.kv_role: str | None = None
+        self.engine_id = str(uuid.uuid4())
+        self.failure_policy = "recompute"
+        self.side_channel_host = "localhost"
+        self.side_channel_port = 5600
+        self.disagg_mode = "null"
+        self.bootstrap_port = 8998
+        self.health_generates = False
+        self.running = 0
+        self.waiting = 0
+        self.served = 0
+        self.gpu_files: list[str] = []
+        self.recent: list[dict[str, Any]] = []
+        # vLLM NIXL: blocks held for remote decode, keyed by first block id
+        self.held_blocks: dict[int, dict[str, Any]] = {}
+        self.next_block = 1
+        # SGLang: KV per bootstrap room
+        self.rooms: dict[int, dict[str, Any]] = {}
+        self.room_events: dict[int, asyncio.Event] = {}
+        self.counters: dict[str, float] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.nixl_xfer = Histogram(NIXL_XFER_BUCKETS)
+        self.nixl_post = Histogram(NIXL_POST_BUCKETS)
+        self.nixl_bytes = Histogram(NIXL_BYTES_BUCKETS)
+        self.nixl_desc = Histogram(NIXL_DESC_BUCKETS)
+        self.sgl_xfer_ms = Histogram(SGL_LAT_MS_BUCKETS)
+        self.slots: asyncio.Semaphore | None = None
+
+    def inc(self, key: str, value: float = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + value
+
+    def record(self, entry: dict[str, Any]) -> None:
+        self.recent.append(entry)
+        del self.recent[:-1000]
+
+
+STATE = State()
+
+
+def render_metrics() -> str:
+    """Prometheus text with the real engines' metric names."""
+    s = STATE
+    c = s.counters.get
+    name = s.served_names[0] if s.served_names else s.model_path
+    lines: list[str] = []
+    if s.engine == "vllm":
+        lab = f'engine="0",model_name="{name}"'
+        lines += [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{lab}}} {s.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{lab}}} {s.waiting}",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{{{lab}}} {c('prompt_tokens', 0)}",
+            "# TYPE vllm:prompt_tokens_by_source_total counter",
+        ]
+        for src in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            val = c(f"prompt_src:{src}", 0)
+            lines.append(f'vllm:prompt_tokens_by_source_total{{{lab},source="{src}"}} {val}')
+        lines += [
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{{lab}}} {c('generation_tokens', 0)}",
+            "# TYPE vllm:request_success_total counter",
+        ]
+        for reason in ("stop", "length", "abort"):
+            val = c(f"finished:{reason}", 0)
+            lines.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {val}')
+        lines += s.ttft.render("vllm:time_to_first_token_seconds", lab)
+        lines += s.e2e.render("vllm:e2e_request_latency_seconds", lab)
+        if s.kv.get("kv_connector") == "NixlConnector":
+            lines += s.nixl_xfer.render("vllm:nixl_xfer_time_seconds", lab)
+            lines += s.nixl_post.render("vllm:nixl_post_time_seconds", lab)
+            lines += s.nixl_bytes.render("vllm:nixl_bytes_transferred", lab)
+            lines += s.nixl_desc.render("vllm:nixl_num_descriptors", lab)
+            for key in ("failed_transfers", "failed_notifications", "kv_expired_reqs"):
+                lines += [
+                    f"# TYPE vllm:nixl_num_{key} counter",
+                    f"vllm:nixl_num_{key}_total{{{lab}}} {c('nixl:' + key, 0)}",
+                ]
+    else:
+        lab = f'model_name="{name}"'
+        lines += [
+            "# TYPE sglang:num_running_reqs gauge",
+            f"sglang:num_running_reqs{{{lab}}} {s.running}",
+            "# TYPE sglang:num_queue_reqs gauge",
+            f"sglang:num_queue_reqs{{{lab}}} {s.waiting}",
+            "# TYPE sglang:prompt_tokens_total counter",
+            f"sglang:prompt_tokens_total{{{lab}}} {c('prompt_tokens', 0)}",
+            "# TYPE sglang:generation_tokens_total counter",
+            f"sglang:generation_tokens_total{{{lab}}} {c('generation_tokens', 0)}",
+            "# TYPE sglang:num_requests_total counter",
+            f"sglang:num_requests_total{{{lab}}} {c('requests', 0)}",
+            "# TYPE sglang:num_aborted_requests_total counter",
+            f"sglang:num_aborted_requests_total{{{lab}}} {c('finished:abort', 0)}",
+        ]
+        lines += s.ttft.render("sglang:time_to_first_token_seconds", lab)
+        lines += s.e2e.render("sglang:e2e_request_latency_seconds", lab)
+        if s.disagg_mode != "null":
+            lines += s.sgl_xfer_ms.render("sglang:kv_transfer_latency_ms", lab)
+            for key in ("bootstrap_failed_reqs", "transfer_failed_reqs"):
+                lines += [
+                    f"# TYPE sglang:num_{key}_total counter",
+                    f"sglang:num_{key}_total{{{lab}}} {c('sgl:' + key, 0)}",
+                ]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- text generation
+
+
+def prompt_of(body: dict[str, Any], chat: bool) -> str:
+    """The request's prompt text (chat: the messages' text joined)."""
+    if chat:
+        parts = []
+        for msg in body.get("messages") or []:
+            content = msg.get("content")
+            if isinstance(content, list):
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(str(content or ""))
+        return "\n".join(parts)
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return " ".join(str(t) for t in prompt)
+        if len(prompt) > 1:
+            raise ValueError("simulated engine: batched prompts are not supported")
+        prompt = prompt[0] if prompt else ""
+    return str(prompt)
+
+
+def count_prompt_tokens(body: dict[str, Any], text: str, chat: bool) -> int:
+    """Token count: ids are counted exactly, text as ~4 characters per token."""
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    extra = 4 * len(body.get("messages") or []) if chat else 0
+    return max(1, math.ceil(len(text.encode()) / 4)) + extra
+
+
+def last_user_text(body: dict[str, Any], chat: bool, text: str) -> str:
+    if not chat:
+        return text
+    for msg in reversed(body.get("messages") or []):
+        if msg.get("role") == "user":
+            content = msg.get("content")
+            if isinstance(content, list):
+                content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return str(content or "")
+    return text
+
+
+def plan_tokens(body: dict[str, Any], text: str, chat: bool) -> tuple[list[str], list[str], str]:
+    """Decide (reasoning tokens, answer tokens, natural finish) for a request, deterministically."""
+    seed_src = f"{text}|{body.get('seed', '')}"
+    temperature = body.get("temperature", 1.0)
+    if temperature not in (0, 0.0) and "seed" not in body:
+        seed_src += str(random.random())
+    rng = random.Random(hashlib.sha256(seed_src.encode()).hexdigest())
+    if "garbage" in STATE.fail:
+        junk = [
+            chr(rng.randrange(0x4E00, 0x9FA5)) + rng.choice(["}", "ä", "_x", ";;"])
+            for _ in range(rng.randrange(8, 24))
+        ]
+        return [], [t + " " for t in junk], "stop"
+    reasoning: list[str] = []
+    kwargs = body.get("chat_template_kwargs") or {}
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking", True))
+    if chat and STATE.reasoning_parser and thinking is not False:
+        reasoning = [w + " " for w in ["Let", "me", "think:"] + rng.sample(WORDS, 5)]
+    if "FIRST_TOKEN_EOS" in text:
+        return reasoning, [], "stop"
+    match = ANSWER_RE.search(last_user_text(body, chat, text))
+    if match:
+        return reasoning, [match.group(1)], "stop"
+    n = 16 + rng.randrange(48)
+    return reasoning, [rng.choice(WORDS) + " " for _ in range(n)], "stop"
+
+
+# --------------------------------------------------------------------------- HTTP plumbing
+
+
+class Conn:
+    """One client connection: a minimal HTTP/1.1 server side with keep-alive and chunking."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    def gone(self) -> bool:
+        return self.reader.at_eof() or self.writer.is_closing()
+
+    async def send(
+        self,
+        status: int,
+        body: bytes,
+        ctype: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        head = [
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Status')}",
+            f"content-type: {ctype}",
+            f"content-length: {len(body)}",
+        ]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        await self.writer.drain()
+
+    async def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+        await self.send(status, json.dumps(obj).encode(), headers=headers)
+
+    async def start_stream(self, headers: dict[str, str] | None = None) -> None:
+        head = [
+            "HTTP/1.1 200 OK",
+            "content-type: text/event-stream; charset=utf-8",
+            "transfer-encoding: chunked",
+            "cache-control: no-cache",
+        ]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
+        await self.writer.drain()
+
+    async def chunk(self, data: bytes) -> None:
+        self.writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await self.writer.drain()
+
+    async def end_stream(self) -> None:
+        self.writer.write(b"0\r\n\r\n")
+        await self.writer.drain()
+
+
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    411: "Length Required",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+def error_body(status: int, message: str, etype: str = "BadRequestError") -> dict[str, Any]:
+    return {"error": {"message": message, "type": etype, "param": None, "code": status}}
+
+
+class Aborted(Exception):
+    pass
+
+
+async def pause(conn: Conn | None, seconds: float) -> None:
+    """Sleep, noticing a client that went away (so its request is aborted, as vLLM does)."""
+    end = time.monotonic() + seconds
+    while True:
+        if conn is not None and conn.gone():
+            raise Aborted()
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        await asyncio.sleep(min(left, 0.02))
+
+
+async def handle_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    conn = Conn(reader, writer)
+    try:
+        while not STATE.stopping:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                break
+            lines = head.decode("latin-1").split("\r\n")
+            try:
+                method, target, version = lines[0].split(" ", 2)
+            except ValueError:
+                break
+            headers = {}
+            for line in lines[1:]:
+                if ":" in line:
+                    key, _, value = line.partition(":")
+                    headers[key.strip().lower()] = value.strip()
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                await conn.send_json(411, error_body(411, "chunked request bodies not supported"))
+                break
+            length = int(headers.get("content-length", "0") or 0)
+            body = await reader.readexactly(length) if length else b""
+            await route(conn, method, target.split("?", 1)[0], headers, body)
+            if headers.get("connection", "").lower() == "close" or version == "HTTP/1.0":
+                break
+    except (ConnectionError, asyncio.IncompleteReadError, Aborted):
+        pass
+    finally:
+        writer.close()
+
+
+async def route(conn: Conn, method: str, path: str, headers: dict[str, str], raw: bytes) -> None:
+    s = STATE
+    if path == "/health" and method == "GET":
+        if "never_healthy" in s.fail:
+            await conn.send(503, b"")
+        elif s.engine == "sglang" and s.health_generates:
+            # SGLang's default /health runs a real one-token generation (seed 003 §12.4).
+            await health_generate()
+            await conn.send(200, b"")
+        else:
+            await conn.send(200, b"")
+    elif path == "/health_generate" and method == "GET" and s.engine == "sglang":
+        await health_generate()
+        await conn.send(200, b"")
+    elif path == "/metrics" and method == "GET":
+        await conn.send(200, render_metrics().encode(), ctype="text/plain; version=0.0.4")
+    elif path == "/v1/models" and method == "GET":
+        now = int(time.time())
+        data = [
+            {
+                "id": n,
+                "object": "model",
+                "created": now,
+                "owned_by": s.engine,
+                "root": s.model_path,
+                "parent": None,
+                "max_model_len": s.max_model_len,
+                "permission": [],
+            }
+            for n in s.served_names
+        ]
+        await conn.send_json(200, {"object": "list", "data": data})
+    elif path == "/sim/requests" and method == "GET":
+        await conn.send_json(200, {"simulated": True, "requests": s.recent})
+    elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
+        if "never_healthy" in s.fail:
+            await conn.send_json(
+                503, error_body(503, "engine is not healthy", "ServiceUnavailable")
+            )
+            return
+        try:
+            body = json.loads(raw or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("request body must be a JSON object")
+        except ValueError as exc:
+            await conn.send_json(400, error_body(400, f"invalid JSON body: {exc}"))
+            return
+        await generate(conn, body, headers, chat=path.endswith("chat/completions"))
+        s.served += 1
+        limit = s.fail.get("exit_after")
+        if limit is not None and s.served >= int(limit):
+            log(f"simulated failure exit_after:{limit}: dying after {s.served} requests")
+            os._exit(1)
+    else:
+        await conn.send_json(404, error_body(404, f"Not Found: {path}", "NotFoundError"))
+
+
+async def health_generate() -> None:
+    STATE.inc("prompt_tokens", 1)
+    STATE.inc("generation_tokens", 1)
+    STATE.inc("requests")
+    STATE.inc("finished:length")
+    STATE.ttft.observe(0.001)
+    STATE.e2e.observe(0.001)
+
+
+# --------------------------------------------------------------------------- KV transfer
+
+
+async def nixl_pull(params: dict[str, Any]) -> tuple[bool, str, int]:
+    """Decode side: fetch the blocks from the prefill's side channel. Returns (ok, why, bytes)."""
+    remote_tp = int(params.get("tp_size") or 1)
+    if STATE.tp % remote_tp != 0:
+        return (
+            False,
+            f"Local tensor parallel size {STATE.tp} is not divisible by remote "
+            f"tensor parallel size {remote_tp}",
+            0,
+        )
+    host = str(params.get("remote_host") or "localhost")
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
+        host = os.environ.get("HGXSERVE_SIM_LOOPBACK") or "127.0.0.1"
+    port = int(params.get("remote_port") or 0)
+    timeout = env_float("HGXSERVE_SIM_HANDSHAKE_TIMEOUT", 5.0)
+    ask = {
+        "engine_id": params.get("remote_engine_id"),
+        "block_ids": params.get("remote_block_ids") or [],
+        "local_tp": STATE.tp,
+    }
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        writer.write(json.dumps(ask).encode() + b"\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        writer.close()
+        answer = json.loads(line or b"{}")
+    except (TimeoutError, OSError, ValueError) as exc:
+        return False, f"handshake_setup_failed with {host}:{port}: {exc!r}", 0
+    if not answer.get("ok"):
+        return False, f"remote refused transfer: {answer.get('error')}", 0
+    return True, "", int(answer.get("bytes", 0))
+
+
+async def nixl_side_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Prefill side: hand out held blocks for (engine id, block ids), then free them."""
+    try:
+        ask = json.loads(await reader.readline() or b"{}")
+        blocks = list(ask.get("block_ids") or [])
+        held = STATE.held_blocks.get(blocks[0]) if blocks else None
+        if ask.get("engine_id") != STATE.engine_id:
+            answer = {
+                "ok": False,
+                "error": f"engine id {ask.get('engine_id')} is not {STATE.engine_id}",
+            }
+        elif held is None or held["block_ids"] != blocks:
+            answer = {"ok": False, "error": "blocks not held (expired or unknown)"}
+        else:
+            STATE.held_blocks.pop(blocks[0], None)
+            answer = {"ok": True, "bytes": held["bytes"], "num_descriptors": len(blocks)}
+        writer.write(json.dumps(answer).encode() + b"\n")
+        await writer.drain()
+    except (OSError, ValueError):
+        pass
+    finally:
+        writer.close()
+
+
+def hold_blocks(prompt_tokens: int) -> list[int]:
+    """Prefill side: allocate and hold blocks until the decode pulls them or they expire."""
+    now = time.monotonic()
+    ttl = env_float("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", 480.0)
+    for first, held in list(STATE.held_blocks.items()):
+        if held["expires"] < now:
+            STATE.held_blocks.pop(first, None)
+            STATE.inc("nixl:kv_expired_reqs")
+    n = max(1, math.ceil(prompt_tokens / STATE.block_size))
+    ids = list(range(STATE.next_block, STATE.next_block + n))
+    STATE.next_block += n
+    STATE.held_blocks[ids[0]] = {
+        "block_ids": ids,
+        "expires": now + ttl,
+        "bytes": n * STATE.block_size * 70272,
+    }
+    return ids
+
+
+async def sglang_bootstrap(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Prefill side: answer a decode asking for a room's KV (waiting briefly for it)."""
+    try:
+        ask = json.loads(await reader.readline() or b"{}")
+        room = int(ask.get("room"))
+        wait = env_float("HGXSERVE_SIM_BOOTSTRAP_WAIT", 10.0)
+        event = STATE.room_events.setdefault(room, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), wait)
+            kv = STATE.rooms.pop(room)
+            STATE.room_events.pop(room, None)
+            answer = {"ok": True, "tokens": kv["tokens"], "bytes": kv["tokens"] * 70272}
+        except TimeoutError:
+            STATE.room_events.pop(room, None)
+            answer = {"ok": False, "error": f"room {room} never prefilled here"}
+        writer.write(json.dumps(answer).encode() + b"\n")
+        await writer.drain()
+    except (OSError, ValueError, TypeError):
+        pass
+    finally:
+        writer.close()
+
+
+async def sglang_pull(body: dict[str, Any]) -> tuple[bool, str, str]:
+    """Decode side: get the room's KV from the prefill's bootstrap server. (ok, why, kind)."""
+    host = str(body.get("bootstrap_host"))
+    if host in ("localhost", "127.0.0.1", "::1"):
+        host = os.environ.get("HGXSERVE_SIM_LOOPBACK") or "127.0.0.1"
+    port = int(body.get("bootstrap_port") or 8998)
+    wait = env_float("HGXSERVE_SIM_BOOTSTRAP_WAIT", 10.0)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5.0)
+    except (TimeoutError, OSError) as exc:
+        return False, f"bootstrap {host}:{port} unreachable: {exc!r}", "bootstrap_failed_reqs"
+    try:
+        writer.write(json.dumps({"room": body.get("bootstrap_room")}).encode() + b"\n")
+        await writer.drain()
+        answer = json.loads(await asyncio.wait_for(reader.readline(), wait + 5) or b"{}")
+    except (TimeoutError, OSError, ValueError) as exc:
+        return False, f"transfer failed: {exc!r}", "transfer_failed_reqs"
+    finally:
+        writer.close()
+    if not answer.get("ok"):
+        return False, f"transfer failed: {answer.get('error')}", "transfer_failed_reqs"
+    return True, "", ""
+
+
+# --------------------------------------------------------------------------- generation
+
+
+async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], chat: bool) -> None:
+    s = STATE
+    start = time.monotonic()
+    req_id = headers.get("x-request-id") or uuid.uuid4().hex
+    model = body.get("model") or s.served_names[0]
+    if model not in s.served_names:
+        await conn.send_json(
+            404, error_body(404, f"The model `{model}` does not exist.", "NotFoundError")
+        )
+        return
+    try:
+        text = prompt_of(body, chat)
+    except ValueError as exc:
+        await conn.send_json(400, error_body(400, str(exc)))
+        return
+    prompt_tokens = count_prompt_tokens(body, text, chat)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = s.max_model_len - prompt_tokens
+    max_tokens = int(max_tokens)
+    if prompt_tokens + max_tokens > s.max_model_len:
+        await conn.send_json(
+            400,
+            error_body(
+                400,
+                (
+                    f"This model's maximum context length is {s.max_model_len} tokens. "
+                    f"However, you requested {prompt_tokens + max_tokens} tokens "
+                    f"({prompt_tokens} in the messages, {max_tokens} in the completion). "
+                    "Please reduce the length of the messages or completion."
+                ),
+            ),
+        )
+        return
+    entry: dict[str, Any] = {
+        "request_id": req_id,
+        "chat": chat,
+        "stream": bool(body.get("stream")),
+        "max_tokens": body.get("max_tokens"),
+        "max_completion_tokens": body.get("max_completion_tokens"),
+        "has_stream_options": "stream_options" in body,
+        "has_min_tokens": "min_tokens" in body,
+        "kv_transfer_params_in": body.get("kv_transfer_params"),
+        "bootstrap_room": body.get("bootstrap_room"),
+        "prompt_tokens": prompt_tokens,
+        "kv": "local",
+        "aborted": False,
+        "status": 200,
+    }
+    s.record(entry)
+    s.inc("requests")
+    kv_in = body.get("kv_transfer_params") or {}
+    nixl = s.kv.get("kv_connector") == "NixlConnector"
+    prefill_time = prompt_tokens / 1000 * env_float("HGXSERVE_SIM_PREFILL_SECONDS_PER_1K", 0.02)
+    remote_prefill = bool(
+        nixl and kv_in.get("do_remote_prefill") and s.kv_role in ("kv_consumer", "kv_both")
+    )
+    remote_decode = bool(
+        nixl and kv_in.get("do_remote_decode") and s.kv_role in ("kv_producer", "kv_both")
+    )
+    s.waiting += 1
+    assert s.slots is not None
+    try:
+        await s.slots.acquire()
+    finally:
+        s.waiting -= 1
+    s.running += 1
+    try:
+        # ----- obtain the prompt's KV: remote transfer, or local compute
+        if remote_prefill:
+            t0 = time.monotonic()
+            ok, why, nbytes = await nixl_pull(kv_in)
+            if ok:
+                dt = max(time.monotonic() - t0, 1e-6)
+                for _ in range(s.tp):  # one transfer per local TP rank, as vLLM counts them
+                    s.nixl_xfer.observe(dt)
+                    s.nixl_post.observe(dt / 10)
+                    s.nixl_bytes.observe(nbytes / s.tp)
+                    s.nixl_desc.observe(len(kv_in.get("remote_block_ids") or []))
+                s.inc("prompt_src:external_kv_transfer", prompt_tokens)
+                entry["kv"] = "transferred"
+            else:
+                s.inc("nixl:failed_transfers")
+                log(f"request {req_id}: KV transfer failed: {why}")
+                entry["kv_error"] = why
+                if s.failure_policy == "fail":
+                    entry.update(kv="failed", status=500)
+                    s.inc("finished:abort")
+                    await conn.send_json(
+                        500, error_body(500, f"KV load failed: {why}", "InternalServerError")
+                    )
+                    return
+                entry["kv"] = "recomputed"
+                s.inc("prompt_src:local_compute", prompt_tokens)
+                await pause(conn, prefill_time)
+        elif s.disagg_mode == "decode":
+            if body.get("bootstrap_room") is None or not body.get("bootstrap_host"):
+                entry["status"] = 400
+                await conn.send_json(
+                    400,
+                    error_body(
+                        400, "decode server needs bootstrap_host, bootstrap_port, bootstrap_room"
+                    ),
+                )
+                return
+            t0 = time.monotonic()
+            ok, why, kind = await sglang_pull(body)
+            if not ok:
+                s.inc("sgl:" + kind)
+                entry.update(kv="failed", status=500, kv_error=why)
+                log(f"request {req_id}: {why}")
+                await conn.send_json(500, error_body(500, why, "InternalServerError"))
+                return
+            s.sgl_xfer_ms.observe((time.monotonic() - t0) * 1000)
+            entry["kv"] = "transferred"
+        else:
+            s.inc("prompt_src:local_compute", prompt_tokens)
+            await pause(conn, prefill_time)
+        if s.disagg_mode == "prefill":
+            room = body.get("bootstrap_room")
+            if room is None:
+                entry["status"] = 400
+                await conn.send_json(400, error_body(400, "prefill server needs bootstrap_room"))
+                return
+            s.rooms[int(room)] = {"tokens": prompt_tokens}
+            s.room_events.setdefault(int(room), asyncio.Event()).set()
+            entry["kv"] = "held"
+        s.inc("prompt_tokens", prompt_tokens)
+
+        reasoning, answer, natural = plan_tokens(body, text, chat)
+        ignore_eos = bool(body.get("ignore_eos"))
+        if s.disagg_mode == "prefill":
+            max_tokens = 1
+        tokens: list[tuple[str, str]] = [("reasoning", t) for t in reasoning]
+        tokens += [("content", t) for t in answer]
+        if ignore_eos:
+            filler = random.Random(text)
+            while len(tokens) < max_tokens:
+                tokens.append(("content", filler.choice(WORDS) + " "))
+        # EOS needs a slot of its own: an answer that fills max_tokens is length-capped
+        finish = natural
+        if len(tokens) >= max_tokens:
+            tokens, finish = tokens[:max_tokens], "length"
+
+        kv_out: dict[str, Any] | None = None
+        if remote_decode:
+            entry["kv"] = "held"
+            if finish == "length":
+                # vLLM's request_finished returns params only for length-capped prefill requests
+                kv_out = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_block_ids": hold_blocks(prompt_tokens),
+                    "remote_engine_id": s.engine_id,
+                    "remote_host": s.side_channel_host,
+                    "remote_port": s.side_channel_port + s.dp_start,
+                    "tp_size": s.tp,
+                }
+            else:
+                entry["kv"] = "first_token_eos"
+        await emit(conn, body, chat, model, req_id, tokens, finish, prompt_tokens, kv_out, start)
+        s.inc(f"finished:{finish}")
+        s.inc("generation_tokens", len(tokens))
+        s.e2e.observe(time.monotonic() - start)
+    except (Aborted, ConnectionError):
+        entry["aborted"] = True
+        s.inc("finished:abort")
+        log(f"request {req_id}: client went away, aborted")
+        raise Aborted() from None
+    finally:
+        s.running -= 1
+        s.slots.release()
+
+
+async def emit(
+    conn: Conn,
+    body: dict[str, Any],
+    chat: bool,
+    model: str,
+    req_id: str,
+    tokens: list[tuple[str, str]],
+    finish: str,
+    prompt_tokens: int,
+    kv_out: dict[str, Any] | None,
+    start: float,
+) -> None:
+    """Write the answer: SSE chunks as tokens are produced, or one JSON body at the end."""
+    token_time = env_float("HGXSERVE_SIM_TOKEN_SECONDS", 0.01)
+    created = int(time.time())
+    rid = ("chatcmpl-" if chat else "cmpl-") + req_id
+    obj = "chat.completion" if chat else "text_completion"
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + len(tokens),
+        "completion_tokens": len(tokens),
+        "prompt_tokens_details": None,
+    }
+    out_headers = {"x-request-id": req_id}
+    tool_call = None
+    tools = body.get("tools")
+    if chat and tools and body.get("tool_choice", "auto") != "none" and finish != "length":
+        choice = body.get("tool_choice")
+        fn = (
+            choice["function"]["name"] if isinstance(choice, dict) else tools[0]["function"]["name"]
+        )
+        args = json.dumps({"query": "".join(t for k, t in tokens if k == "content")[:40].strip()})
+        tool_call = {
+            "id": "chatcmpl-tool-" + req_id[:16],
+            "type": "function",
+            "function": {"name": fn, "arguments": args},
+        }
+        tokens = [t for t in tokens if t[0] == "reasoning"]
+        finish = "tool_calls"
+    if body.get("stream"):
+        await conn.start_stream(out_headers)
+
+        async def sse(payload: dict[str, Any]) -> None:
+            await conn.chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        base = {
+            "id": rid,
+            "object": obj + ".chunk" if chat else obj,
+            "created": created,
+            "model": model,
+        }
+        if chat:
+            await sse(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+        first = True
+        for kind, tok in tokens:
+            await pause(conn, token_time)
+            if first:
+                STATE.ttft.observe(time.monotonic() - start)
+                first = False
+            if chat:
+                delta = (
+                    {"content": tok}
+                    if kind == "content"
+                    else {"reasoning_content": tok, "reasoning": tok}
+                )
+                choice_obj: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            else:
+                choice_obj = {
+                    "index": 0,
+                    "text": tok,
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                }
+            await sse({**base, "choices": [choice_obj]})
+        if tool_call:
+            await sse(
+                {
+                    **base,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"tool_calls": [{"index": 0, **tool_call}]},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
+        last: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        last.update({"delta": {}} if chat else {"text": "", "stop_reason": None})
+        await sse({**base, "choices": [last]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await sse({**base, "choices": [], "usage": usage})
+        await conn.chunk(b"data: [DONE]\n\n")
+        await conn.end_stream()
+        return
+    for _ in tokens:
+        await pause(conn, token_time)
+    if tokens:
+        STATE.ttft.observe(time.monotonic() - start - token_time * (len(tokens) - 1))
+    reasoning_text = "".join(t for k, t in tokens if k == "reasoning") or None
+    content = "".join(t for k, t in tokens if k == "content")
+    if chat:
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content or None,
+            "reasoning_content": reasoning_text,
+            "reasoning": reasoning_text,
+            "tool_calls": [tool_call] if tool_call else [],
+        }
+        choice_obj = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+    else:
+        choice_obj = {
+            "index": 0,
+            "text": content,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
+    await conn.send_json(
+        200,
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice_obj],
+            "usage": usage,
+            "kv_transfer_params": kv_out,
+        },
+        headers=out_headers,
+    )
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def gpu_dir() -> str:
+    return os.environ.get("HGXSERVE_SIM_GPU_DIR") or "/run/hgxserve-sim/gpus"
+
+
+def hold_gpu_memory(fraction: float) -> None:
+    """Write one memory file per visible GPU, as the fake nvidia-smi expects."""
+    visible = [
+        g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()
+    ]
+    if not visible:
+        log("CUDA_VISIBLE_DEVICES is empty: holding no simulated GPU memory")
+        return
+    total = env_float("HGXSERVE_SIM_GPU_TOTAL_MIB", 143771)
+    name = "VLLM::EngineCore" if STATE.engine == "vllm" else "sglang::scheduler"
+    os.makedirs(gpu_dir(), exist_ok=True)
+    for index in visible:
+        path = os.path.join(gpu_dir(), f"{index}.json")
+        tmp = path + f".{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(
+                {"pid": os.getpid(), "used_mib": int(fraction * total), "process_name": name}, fh
+            )
+        os.replace(tmp, path)
+        STATE.gpu_files.append(path)
+    mib = int(fraction * total)
+    log(f"holding simulated GPU memory on GPUs {','.join(visible)} ({mib} MiB each)")
+
+
+def release_gpu_memory() -> None:
+    for path in STATE.gpu_files:
+        try:
+            with open(path) as fh:
+                if json.load(fh).get("pid") != os.getpid():
+                    continue  # another process took this GPU since; not ours to remove
+            os.remove(path)
+        except (OSError, ValueError):
+            pass
+    STATE.gpu_files.clear()
+
+
+def configure(args: dict[str, Any]) -> None:
+    """Fill STATE from parsed flags."""
+    s = STATE
+    pos = args["_positional"]
+    if s.engine == "vllm":
+        s.model_path = str(args.get("--model") or (pos[0] if pos else "") or "facebook/opt-125m")
+        s.tp = int(args.get("--tensor-parallel-size") or args.get("-tp") or 1)
+        s.dp_size = int(args.get("--data-parallel-size") or 1)
+        s.dp_local = int(args.get("--data-parallel-size-local") or s.dp_size)
+        s.dp_start = int(args.get("--data-parallel-start-rank") or 0)
+        s.max_num_seqs = int(args.get("--max-num-seqs") or 256)
+        s.block_size = int(args.get("--block-size") or 16)
+        s.reasoning_parser = args.get("--reasoning-parser")
+        s.kv = args.get("--kv-transfer-config") or {}
+        s.kv_role = s.kv.get("kv_role")
+        s.engine_id = str(s.kv.get("engine_id") or s.engine_id)
+        extra = s.kv.get("kv_connector_extra_config") or {}
+        s.failure_policy = str(extra.get("kv_load_failure_policy", "recompute"))
+        s.side_channel_host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
+        s.side_channel_port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+        default_port = 8000
+        default_host = None
+    else:
+        s.model_path = str(
+            args.get("--model-path") or args.get("--model") or (pos[0] if pos else "")
+        )
+        s.tp = int(
+            args.get("--tp") or args.get("--tp-size") or args.get("--tensor-parallel-size") or 1
+        )
+        s.dp_size = int(args.get("--dp") or args.get("--dp-size") or 1)
+        s.max_num_seqs = int(args.get("--max-running-requests") or 256)
+        s.reasoning_parser = args.get("--reasoning-parser")
+        s.disagg_mode = str(args.get("--disaggregation-mode") or "null")
+        s.bootstrap_port = int(args.get("--disaggregation-bootstrap-port") or 8998)
+        flag = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower()
+        s.health_generates = flag not in ("0", "false", "no", "off")
+        default_port = 30000
+        default_host = "127.0.0.1"
+    names = args.get("--served-model-name")
+    s.served_names = names if isinstance(names, list) else ([names] if names else [s.model_path])
+    s.max_model_len = int(args.get("--max-model-len") or args.get("--context-length") or 8192)
+    args["_port"] = int(args.get("--port") or default_port)
+    args["_host"] = args.get("--host") or default_host
+
+
+async def serve(args: dict[str, Any]) -> int:
+    s = STATE
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    slow = "slow_stop" in s.fail
+
+    def on_term() -> None:
+        if slow and not s.stopping:
+            s.stopping = True
+            delay = env_float("HGXSERVE_SIM_SLOW_STOP_SECONDS", 30)
+            log(f"SIGTERM received; simulated slow_stop: ignoring it for {delay:g}s")
+            loop.call_later(delay, stop.set)
+            return
+        s.stopping = True
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, on_term)
+    s.slots = asyncio.Semaphore(s.max_num_seqs)
+    start_delay = env_float("HGXSERVE_SIM_START_SECONDS", 2.0)
+    log(f"loading model {s.model_path} (simulated, {start_delay:g}s)")
+    try:
+        await asyncio.wait_for(stop.wait(), start_delay)
+        log("stopped before ready")
+        return 0
+    except TimeoutError:
+        pass
+    if "crash_on_start" in s.fail:
+        log("RuntimeError: simulated engine crash on start (HGXSERVE_SIM_FAIL=crash_on_start)")
+        return 1
+    servers: list[asyncio.AbstractServer] = []
+    fraction = float(
+        args.get("--gpu-memory-utilization")
+        or args.get("--mem-fraction-static")
+        or (0.9 if s.engine == "vllm" else 0.88)
+    )
+    hold_gpu_memory(fraction)
+    try:
+        if s.kv.get("kv_connector") == "NixlConnector":
+            bind = s.side_channel_host
+            if bind in ("localhost", "127.0.0.1"):
+                bind = os.environ.get("HGXSERVE_SIM_LOOPBACK") or "127.0.0.1"
+            for rank in range(s.dp_start, s.dp_start + s.dp_local):
+                port = s.side_channel_port + rank
+                servers.append(await asyncio.start_server(nixl_side_channel, bind, port))
+                log(
+                    f"NIXL side channel (simulated) listening on {bind}:{port} "
+                    f"engine_id={s.engine_id} dp_rank={rank}"
+                )
+        if s.disagg_mode == "prefill":
+            bind = args["_host"] or "0.0.0.0"
+            servers.append(await asyncio.start_server(sglang_bootstrap, bind, s.bootstrap_port))
+            log(f"disaggregation bootstrap server (simulated) on {bind}:{s.bootstrap_port}")
+        headless = args.get("--headless") is True or int(args.get("--node-rank") or 0) > 0
+        if headless:
+            log("headless: no API server, holding GPUs until SIGTERM")
+        else:
+            host = args["_host"]
+            servers.append(
+                await asyncio.start_server(
+                    handle_client, host, args["_port"], limit=1 << 22, backlog=1024
+                )
+            )
+            s.ready = True
+            log(
+                f"Application startup complete. serving {s.served_names} on "
+                f"http://{host or '0.0.0.0'}:{args['_port']}"
+            )
+        await stop.wait()
+    except OSError as exc:
+        log(f"cannot listen: {exc}")
+        release_gpu_memory()
+        return 1
+    log("shutting down: closing listeners")
+    for srv in servers:
+        srv.close()
+    await asyncio.sleep(env_float("HGXSERVE_SIM_STOP_SECONDS", 1.0))
+    release_gpu_memory()
+    log("simulated GPU memory released; exit 0")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[0] != "--engine" or argv[1] not in ("vllm", "sglang"):
+        print("usage: simengine.py --engine vllm|sglang serve [MODEL] [flags...]", file=sys.stderr)
+        return 2
+    STATE.engine = argv[1]
+    rest = argv[2:]
+    if rest and rest[0] == "serve":
+        rest = rest[1:]
+    try:
+        args = parse_args(rest)
+    except ArgError as exc:
+        print(f"{STATE.engine} serve: error: {exc}", file=sys.stderr)
+        return 2
+    for item in filter(None, os.environ.get("HGXSERVE_SIM_FAIL", "").split(",")):
+        key, _, value = item.partition(":")
+        STATE.fail[key.strip()] = value.strip()
+    configure(args)
+    log(f"argv: {json.dumps(sys.argv)}")
+    env_keys = [
+        "CUDA_VISIBLE_DEVICES",
+        "VLLM_PORT",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",
+    ]
+    env_keys += sorted(k for k in os.environ if k.startswith(("UCX_", "HGXSERVE_SIM_")))
+    log("env: " + json.dumps({k: os.environ[k] for k in env_keys if k in os.environ}))
+    if STATE.fail:
+        log(f"failure injection: {STATE.fail}")
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
