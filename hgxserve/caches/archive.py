@@ -1,0 +1,531 @@
+"""Content-addressed cache archives: deterministic tar + zstd, a manifest, verified atomic restore.
+
+An archive is a POSIX tar stream compressed with zstd. Entries come in sorted path order with
+mtime 0, uid/gid 0 and no owner names, so the same tree always gives the same bytes and the same
+sha256; the archive file is named `<sha256>.tar.zst`. The last member is `.hgxserve-manifest.json`:
+every file with its size, mode and sha256, every directory and symlink. Restore unpacks into a
+temporary sibling directory, checks every file against the manifest (and the archive against its
+sha256 when known), and only then swaps it into place, so a bad archive leaves the old cache as
+it was.
+
+    >>> result = pack_dir("/var/cache/hgxserve/3f2a", "/srv/caches/")  # doctest: +SKIP
+    >>> restore_archive(result.path, "/var/cache/hgxserve/3f2a")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import io
+import json
+import os
+import posixpath
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import zstandard
+
+from hgxserve.caches.layout import MANIFEST_NAME, RESTORE_MARKER
+
+FORMAT = "hgxserve-cache/1"
+ZSTD_LEVEL = 3
+# zstd's multi-threaded mode gives the same bytes for any worker count >= 1, so archives are
+# identical on a 2-core controller and a 192-core host.
+ZSTD_THREADS = -1
+COPY_BUFSIZE = 1 << 20
+DIGEST_NAME = re.compile(r"^([0-9a-f]{64})\.tar\.zst$")
+
+
+class ArchiveError(Exception):
+    """A pack or restore that cannot go on; the message says what and where."""
+
+
+@dataclass
+class PackResult:
+    path: str
+    sha256: str
+    manifest_sha256: str
+    files: int
+    bytes: int
+    archive_bytes: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "archive": self.path,
+            "sha256": self.sha256,
+            "manifest_sha256": self.manifest_sha256,
+            "files": self.files,
+            "bytes": self.bytes,
+            "archive_bytes": self.archive_bytes,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class RestoreResult:
+    dir: str
+    sha256: str | None
+    manifest_sha256: str
+    files: int
+    bytes: int
+    changed: bool
+    seconds: float
+    replaced: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dir": self.dir,
+            "sha256": self.sha256,
+            "manifest_sha256": self.manifest_sha256,
+            "files": self.files,
+            "bytes": self.bytes,
+            "changed": self.changed,
+            "replaced": self.replaced,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+class _HashingWriter(io.RawIOBase):
+    """Counts and hashes bytes on their way to a file."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.hasher = hashlib.sha256()
+        self.count = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.hasher.update(view)
+        self.fh.write(view)
+        self.count += len(view)
+        return len(view)
+
+
+class _HashingReader(io.RawIOBase):
+    """Hashes a file while tarfile copies it into the archive (one read per file)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh = fh
+        self.hasher = hashlib.sha256()
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.fh.read(size)
+        self.hasher.update(data)
+        self.count += len(data)
+        return data
+
+
+def _tarinfo(name: str, kind: bytes, mode: int, size: int = 0, target: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.mode = mode
+    info.size = size
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.linkname = target
+    return info
+
+
+def _normal_mode(st_mode: int, is_dir: bool) -> int:
+    # Only "executable or not" survives: owners and umasks differ between hosts.
+    return 0o755 if is_dir or st_mode & 0o111 else 0o644
+
+
+def _walk(src: str) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """Sorted (dirs, files, symlinks) relative to src; host-local state files left out."""
+    dirs: list[str] = []
+    files: list[str] = []
+    links: list[tuple[str, str]] = []
+    for top, subdirs, names in os.walk(src, followlinks=False):
+        rel_top = os.path.relpath(top, src)
+        for name in list(subdirs) + names:
+            rel = name if rel_top == "." else posixpath.join(rel_top, name)
+            if rel in (RESTORE_MARKER, MANIFEST_NAME):
+                continue
+            full = os.path.join(src, rel)
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(full)
+                if not _link_stays_inside(rel, target):
+                    raise ArchiveError(
+                        f"{full}: symlink to {target!r} points outside the cache dir"
+                    )
+                links.append((rel, target))
+            elif stat.S_ISDIR(st.st_mode):
+                dirs.append(rel)
+            elif stat.S_ISREG(st.st_mode):
+                files.append(rel)
+            else:
+                raise ArchiveError(f"{full}: not a file, directory or symlink; refusing to pack it")
+    return sorted(dirs), sorted(files), sorted(links)
+
+
+def _link_stays_inside(rel: str, target: str) -> bool:
+    if target.startswith("/"):
+        return False
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+    return not (joined == ".." or joined.startswith("../"))
+
+
+def pack_dir(src: str, out: str, key: str | None = None, level: int = ZSTD_LEVEL) -> PackResult:
+    """Pack a cache key directory into `<out>/<sha256>.tar.zst` (or exactly `out` if a file name).
+
+    >>> pack_dir("/var/cache/hgxserve/3f2a", "/srv/caches/").sha256  # doctest: +SKIP
+    'c0ffee...'
+    """
+    started = time.monotonic()
+    if not os.path.isdir(src):
+        raise ArchiveError(f"{src}: no such cache directory")
+    src = os.path.abspath(src)
+    dirs, files, links = _walk(src)
+    out_is_dir = out.endswith("/") or os.path.isdir(out)
+    out_dir = out if out_is_dir else (os.path.dirname(os.path.abspath(out)) or ".")
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".pack-", suffix=".tmp", dir=out_dir)
+    entries: list[dict[str, Any]] = []
+    total = 0
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            hashed = _HashingWriter(raw)
+            cctx = zstandard.ZstdCompressor(level=level, threads=ZSTD_THREADS)
+            with cctx.stream_writer(hashed, closefd=False) as zst:
+                tar = tarfile.open(fileobj=zst, mode="w|", format=tarfile.PAX_FORMAT)
+                tar.copybufsize = COPY_BUFSIZE
+                ordered = sorted(
+                    [(d, "dir") for d in dirs]
+                    + [(f, "file") for f in files]
+                    + [(n, "link") for n, _ in links]
+                )
+                targets = dict(links)
+                for rel, kind in ordered:
+                    full = os.path.join(src, rel)
+                    if kind == "dir":
+                        tar.addfile(_tarinfo(rel, tarfile.DIRTYPE, 0o755))
+                    elif kind == "link":
+                        tar.addfile(_tarinfo(rel, tarfile.SYMTYPE, 0o777, target=targets[rel]))
+                    else:
+                        with open(full, "rb") as fh:
+                            st = os.fstat(fh.fileno())
+                            mode = _normal_mode(st.st_mode, False)
+                            reader = _HashingReader(fh)
+                            tar.addfile(_tarinfo(rel, tarfile.REGTYPE, mode, st.st_size), reader)
+                            if reader.count != st.st_size:
+                                raise ArchiveError(f"{full}: changed size while being packed")
+                        entries.append(
+                            {
+                                "path": rel,
+                                "size": st.st_size,
+                                "mode": f"{mode:o}",
+                                "sha256": reader.hasher.hexdigest(),
+                            }
+                        )
+                        total += st.st_size
+                manifest = {
+                    "format": FORMAT,
+                    "key": key or os.path.basename(src.rstrip("/")),
+                    "files": entries,
+                    "dirs": dirs,
+                    "symlinks": [{"path": n, "target": t} for n, t in links],
+                    "total_bytes": total,
+                }
+                body = json.dumps(manifest, sort_keys=True, indent=1).encode() + b"\n"
+                tar.addfile(
+                    _tarinfo(MANIFEST_NAME, tarfile.REGTYPE, 0o644, len(body)), io.BytesIO(body)
+                )
+                tar.close()
+        digest = hashed.hasher.hexdigest()
+        final = os.path.join(out_dir, f"{digest}.tar.zst") if out_is_dir else out
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return PackResult(
+        path=final,
+        sha256=digest,
+        manifest_sha256=hashlib.sha256(body).hexdigest(),
+        files=len(entries),
+        bytes=total,
+        archive_bytes=hashed.count,
+        seconds=time.monotonic() - started,
+    )
+
+
+def sha256_of(path: str) -> str:
+    """sha256 hex of a whole file."""
+    hasher = hashlib.sha256()
+    buf = bytearray(COPY_BUFSIZE)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            hasher.update(view[:n])
+    return hasher.hexdigest()
+
+
+def expected_digest(archive: str, given: str | None) -> str | None:
+    """The sha256 the archive must have: the one given, else the one in its `<sha256>` name."""
+    if given:
+        if not re.fullmatch(r"[0-9a-f]{64}", given):
+            raise ArchiveError(f"--sha256 {given!r} is not 64 lowercase hex digits")
+        return given
+    match = DIGEST_NAME.match(os.path.basename(archive))
+    return match.group(1) if match else None
+
+
+def read_marker(dest: str) -> dict[str, Any] | None:
+    """The restore marker of a key directory, or None when absent or unreadable."""
+    try:
+        with open(os.path.join(dest, RESTORE_MARKER)) as fh:
+            value = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def write_marker(dest: str, marker: dict[str, Any]) -> None:
+    tmp = os.path.join(dest, RESTORE_MARKER + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(marker, fh, sort_keys=True, indent=1)
+        fh.write("\n")
+    os.replace(tmp, os.path.join(dest, RESTORE_MARKER))
+
+
+def _safe_member_name(name: str) -> str:
+    clean = name[2:] if name.startswith("./") else name
+    clean = clean.rstrip("/")
+    parts = clean.split("/")
+    if (
+        not clean
+        or clean.startswith("/")
+        or "\\" in clean
+        or "\x00" in clean
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise ArchiveError(f"unsafe path in archive: {name!r} (absolute or with '..'); refusing it")
+    return clean
+
+
+def _unpack(archive: str, tmp: str) -> tuple[dict[str, Any], bytes]:
+    """Unpack into tmp, hashing each file; return (manifest, manifest bytes)."""
+    seen: dict[str, tuple[int, str]] = {}
+    seen_dirs: set[str] = set()
+    seen_links: dict[str, str] = {}
+    manifest_body: bytes | None = None
+    dctx = zstandard.ZstdDecompressor()
+    with open(archive, "rb") as raw, dctx.stream_reader(raw) as zst:
+        tar = tarfile.open(fileobj=zst, mode="r|")
+        for member in tar:
+            if manifest_body is not None:
+                raise ArchiveError(f"{archive}: entries after the manifest; not a cache archive")
+            name = _safe_member_name(member.name)
+            if name in seen or name in seen_dirs or name in seen_links:
+                raise ArchiveError(f"{archive}: {name!r} appears twice")
+            target_path = os.path.join(tmp, name)
+            parent = os.path.dirname(target_path)
+            # Only this restore creates symlinks in tmp, so knowing them all is enough.
+            prefixes = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
+            if any(p in seen_links for p in prefixes):
+                raise ArchiveError(f"{archive}: {name!r} would be written through a symlink")
+            if name == MANIFEST_NAME:
+                if not member.isfile():
+                    raise ArchiveError(f"{archive}: manifest is not a regular file")
+                fh = tar.extractfile(member)
+                manifest_body = fh.read() if fh else b""
+                continue
+            if name == RESTORE_MARKER:
+                raise ArchiveError(f"{archive}: carries a host restore marker; refusing it")
+            if member.isdir():
+                os.makedirs(target_path, exist_ok=True)
+                seen_dirs.add(name)
+            elif member.issym():
+                if not _link_stays_inside(name, member.linkname):
+                    raise ArchiveError(
+                        f"unsafe symlink in archive: {name!r} -> {member.linkname!r}; refusing it"
+                    )
+                os.makedirs(parent, exist_ok=True)
+                os.symlink(member.linkname, target_path)
+                seen_links[name] = member.linkname
+            elif member.isfile():
+                os.makedirs(parent, exist_ok=True)
+                src = tar.extractfile(member)
+                assert src is not None
+                hasher = hashlib.sha256()
+                size = 0
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                fd = os.open(target_path, flags, 0o755 if member.mode & 0o111 else 0o644)
+                with os.fdopen(fd, "wb") as out:
+                    while chunk := src.read(COPY_BUFSIZE):
+                        hasher.update(chunk)
+                        out.write(chunk)
+                        size += len(chunk)
+                seen[name] = (size, hasher.hexdigest())
+            else:
+                raise ArchiveError(
+                    f"{archive}: {name!r} is a device, fifo or hard link; refusing it"
+                )
+    if manifest_body is None:
+        raise ArchiveError(f"{archive}: no manifest at the end: truncated or not a cache archive")
+    try:
+        manifest = json.loads(manifest_body)
+    except ValueError as exc:
+        raise ArchiveError(f"{archive}: manifest is not JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArchiveError(f"{archive}: manifest format is not {FORMAT}")
+    _check_against_manifest(archive, manifest, seen, seen_dirs, seen_links)
+    return manifest, manifest_body
+
+
+def _check_against_manifest(
+    archive: str,
+    manifest: dict[str, Any],
+    seen: dict[str, tuple[int, str]],
+    seen_dirs: set[str],
+    seen_links: dict[str, str],
+) -> None:
+    listed = {e["path"]: (int(e["size"]), e["sha256"]) for e in manifest.get("files", [])}
+    for path, (size, digest) in listed.items():
+        got = seen.get(path)
+        if got is None:
+            raise ArchiveError(f"{archive}: {path} is in the manifest but not in the archive")
+        if got[0] != size:
+            raise ArchiveError(f"{archive}: {path}: {got[0]} bytes, manifest says {size}")
+        if got[1] != digest:
+            raise ArchiveError(f"{archive}: {path}: sha256 {got[1]}, manifest says {digest}")
+    extra = sorted(set(seen) - set(listed))
+    if extra:
+        raise ArchiveError(f"{archive}: {extra[0]} is in the archive but not in the manifest")
+    links = {e["path"]: e["target"] for e in manifest.get("symlinks", [])}
+    if links != seen_links or set(manifest.get("dirs", [])) != seen_dirs:
+        raise ArchiveError(f"{archive}: directories or symlinks differ from the manifest")
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def restore_archive(
+    archive: str, dest: str, sha256: str | None = None, force: bool = False
+) -> RestoreResult:
+    """Restore an archive into `dest`, atomically and verified; a no-op if already restored.
+
+    >>> restore_archive("/srv/caches/c0ffee....tar.zst", "/var/cache/hgxserve/3f2a")  # doctest: +SKIP
+    """
+    started = time.monotonic()
+    dest = os.path.abspath(dest.rstrip("/"))
+    if not os.path.isfile(archive):
+        raise ArchiveError(f"{archive}: no such archive")
+    want = expected_digest(archive, sha256)
+    marker = read_marker(dest) if os.path.isdir(dest) else None
+    if not force and marker and want and marker.get("archive_sha256") == want:
+        return RestoreResult(
+            dest, want, marker.get("manifest_sha256", ""), int(marker.get("files", 0)),
+            int(marker.get("bytes", 0)), changed=False, seconds=time.monotonic() - started,
+        )  # fmt: skip
+    if want:
+        got = sha256_of(archive)
+        if got != want:
+            raise ArchiveError(
+                f"{archive}: sha256 is {got}, expected {want}: corrupt or truncated archive; "
+                f"{dest} left untouched"
+            )
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.realpath(
+        tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.restore-", dir=parent)
+    )
+    try:
+        try:
+            manifest, body = _unpack(archive, tmp)
+        except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+            raise ArchiveError(
+                f"{archive}: corrupt or truncated archive ({exc}); {dest} left untouched"
+            ) from exc
+        except ArchiveError as exc:
+            raise ArchiveError(f"{exc}; {dest} left untouched") from exc
+        os.chmod(tmp, 0o755)
+        manifest_sha = hashlib.sha256(body).hexdigest()
+        files = manifest.get("files", [])
+        write_marker(
+            tmp,
+            {
+                "format": FORMAT,
+                "key": manifest.get("key"),
+                "archive_sha256": want or sha256_of(archive),
+                "manifest_sha256": manifest_sha,
+                "files": len(files),
+                "bytes": int(manifest.get("total_bytes", 0)),
+            },
+        )
+        replaced = os.path.lexists(dest)
+        if replaced:
+            if not _exchange(tmp, dest):
+                old = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.old-", dir=parent)
+                os.rmdir(old)
+                os.rename(dest, old)
+                os.rename(tmp, dest)
+                tmp = old
+            # tmp now holds the previous cache
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return RestoreResult(
+        dest,
+        want,
+        manifest_sha,
+        len(files),
+        int(manifest.get("total_bytes", 0)),
+        changed=True,
+        seconds=time.monotonic() - started,
+        replaced=replaced,
+    )
+
+
+def mark_packed(dest: str, result: PackResult) -> None:
+    """Record on the bake host that `dest` holds exactly the archive it was packed into."""
+    write_marker(
+        dest,
+        {
+            "format": FORMAT,
+            "key": os.path.basename(dest.rstrip("/")),
+            "archive_sha256": result.sha256,
+            "manifest_sha256": result.manifest_sha256,
+            "files": result.files,
+            "bytes": result.bytes,
+        },
+    )
