@@ -28,7 +28,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import zstandard
 
@@ -205,9 +205,12 @@ def pack_dir(src: str, out: str, key: str | None = None, level: int = ZSTD_LEVEL
         with os.fdopen(fd, "wb") as raw:
             hashed = _HashingWriter(raw)
             cctx = zstandard.ZstdCompressor(level=level, threads=ZSTD_THREADS)
-            with cctx.stream_writer(hashed, closefd=False) as zst:
-                tar = tarfile.open(fileobj=zst, mode="w|", format=tarfile.PAX_FORMAT)
-                tar.copybufsize = COPY_BUFSIZE
+            with (
+                cctx.stream_writer(cast(BinaryIO, hashed), closefd=False) as zst,
+                tarfile.open(  # type: ignore[call-overload]
+                    fileobj=zst, mode="w|", format=tarfile.PAX_FORMAT, copybufsize=COPY_BUFSIZE
+                ) as tar,
+            ):
                 ordered = sorted(
                     [(d, "dir") for d in dirs]
                     + [(f, "file") for f in files]
@@ -329,8 +332,11 @@ def _unpack(archive: str, tmp: str) -> tuple[dict[str, Any], bytes]:
     seen_links: dict[str, str] = {}
     manifest_body: bytes | None = None
     dctx = zstandard.ZstdDecompressor()
-    with open(archive, "rb") as raw, dctx.stream_reader(raw) as zst:
-        tar = tarfile.open(fileobj=zst, mode="r|")
+    with (
+        open(archive, "rb") as raw,
+        dctx.stream_reader(raw) as zst,
+        tarfile.open(fileobj=zst, mode="r|") as tar,
+    ):
         for member in tar:
             if manifest_body is not None:
                 raise ArchiveError(f"{archive}: entries after the manifest; not a cache archive")
@@ -441,7 +447,7 @@ def restore_archive(
 ) -> RestoreResult:
     """Restore an archive into `dest`, atomically and verified; a no-op if already restored.
 
-    >>> restore_archive("/srv/caches/c0ffee....tar.zst", "/var/cache/hgxserve/3f2a")  # doctest: +SKIP
+    >>> restore_archive("/srv/c0ffee.tar.zst", "/var/cache/hgxserve/3f2a")  # doctest: +SKIP
     """
     started = time.monotonic()
     dest = os.path.abspath(dest.rstrip("/"))

@@ -142,7 +142,7 @@ def _assert_untouched(dest):
 
 def test_truncated_archive_is_refused_and_old_dir_untouched(tree, tmp_path):
     result = pack_dir(str(tree), str(tmp_path / "out") + "/")
-    data = open(result.path, "rb").read()
+    data = open(result.path, "rb").read()  # noqa: SIM115
     cut = tmp_path / "cut.tar.zst"
     cut.write_bytes(data[: len(data) // 2])
     dest = _old_cache(tmp_path)
@@ -153,7 +153,7 @@ def test_truncated_archive_is_refused_and_old_dir_untouched(tree, tmp_path):
 
 def test_corrupt_archive_named_by_digest_is_refused(tree, tmp_path):
     result = pack_dir(str(tree), str(tmp_path / "out") + "/")
-    data = bytearray(open(result.path, "rb").read())
+    data = bytearray(open(result.path, "rb").read())  # noqa: SIM115
     data[len(data) // 2] ^= 0xFF
     with open(result.path, "wb") as fh:
         fh.write(data)
