@@ -1,0 +1,26 @@
+"""Release stage: render this host's units from the topology, stage them as a release, switch
+all hosts together, gate the topology, then confirm everywhere or roll back everywhere.
+
+    pyinfra inventory/testhosts.py deploys/engines.py --data topology=topologies/demo/demo-pd.yml
+"""
+
+from pyinfra import host, inventory
+
+from hgxserve.release.deploying import plan_switch, secret_values, topology_from_data
+from hgxserve.release.plan import gate_host, plan_release
+from roles.agent import agent
+from roles.releases import release
+
+topology = topology_from_data(host)
+coord = plan_switch(topology, list(inventory.iter_activated_hosts()))
+plan = plan_release(topology, host.name)
+
+agent()
+release(
+    plan=plan,
+    secret_values=secret_values(plan),
+    switch=host.name in coord.switching,
+    coord=coord,
+    gate=bool(coord.switching) and host.name == gate_host(topology),
+    confirm_within=int(host.data.get("confirm_within", 300)),
+)

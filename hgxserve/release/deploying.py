@@ -1,0 +1,81 @@
+"""Deploy-time helpers shared by deploys/engines.py and deploys/rollback.py: load the topology
+named by `--data topology=FILE`, decide per run which hosts switch, resolve secret values."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pyinfra.api import DeployError
+from pyinfra.api.host import Host
+
+from hgxserve.release.ops import Coordination, ReleaseState, coordination, needs_switch
+from hgxserve.release.plan import HostRelease, plan_release
+from hgxserve.topology import Topology, TopologyError, load_topology
+
+
+def topology_from_data(host: Host) -> Topology:
+    """The validated topology `--data topology=FILE` names; a clear DeployError otherwise."""
+    path = host.data.get("topology") or os.environ.get("HGXSERVE_TOPOLOGY")
+    if not path:
+        raise DeployError("no topology given: pass --data topology=topologies/<name>.yml")
+    try:
+        return load_topology(path)
+    except TopologyError as exc:
+        raise DeployError(f"invalid topology {path}:\n{exc}") from None
+
+
+def plan_switch(
+    topo: Topology, hosts: list[Host], targets: dict[str, str] | None = None
+) -> Coordination:
+    """Work out, once per run, which hosts switch and to which release.
+
+    With `targets` (rollback) each host goes to the given staged release id; otherwise to the
+    release the topology renders for it.
+    """
+    key = f"{topo.digest}:{sorted((targets or {}).items())}"
+    coord = coordination(key)
+    if coord.planned:
+        return coord
+    for h in hosts:
+        release_id = targets[h.name] if targets is not None else plan_release(topo, h.name).id
+        coord.targets[h.name] = release_id
+        if needs_switch(h.get_fact(ReleaseState), release_id):
+            coord.switching[h.name] = release_id
+    coord.planned = True
+    return coord
+
+
+def secret_values(plan: HostRelease) -> dict[str, str]:
+    """Values for credentials the controller pushes: only `env` references (read here)."""
+    values = {}
+    for path, ref in plan.secrets.items():
+        if ref.kind != "env":
+            continue
+        value = os.environ.get(ref.value)
+        if value is None:
+            raise DeployError(
+                f"environment variable {ref.value} is not set on the controller "
+                f"(the topology references it for {path})"
+            )
+        values[path] = value
+    return values
+
+
+def rollback_targets(hosts: list[Host], to: str) -> dict[str, str]:
+    """Each host's `previous` or `baseline` release id; DeployError if any host lacks one."""
+    if to not in ("previous", "baseline"):
+        raise DeployError(f"--data to= must be previous or baseline, not {to!r}")
+    targets: dict[str, str] = {}
+    missing = []
+    for h in hosts:
+        state: dict[str, Any] = h.get_fact(ReleaseState)
+        pending = state.get("pending")
+        target = pending.get("previous") if to == "previous" and pending else state.get(to)
+        if target is None:
+            missing.append(h.name)
+        else:
+            targets[h.name] = target
+    if missing:
+        raise DeployError(f"no {to} release on: {', '.join(missing)}; nothing was changed")
+    return targets

@@ -1,0 +1,133 @@
+"""The topology-wide health gate, run on the proxy's host after every host switched.
+
+A green `/health` is not enough (seed 003 §11.3-11.4: HTTP 200 and both engines busy while
+decode silently recomputed every prompt). The gate checks, in order: the proxy's /health,
+/v1/models names the served model, one deterministic completion through the proxy returns the
+same non-empty text twice, and for vLLM P/D that decode really pulled KV over NIXL (its
+transfer count grew and no transfer failed) instead of recomputing locally.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+# vLLM's NIXL connector metrics (KV transfer evidence on the decode side).
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+XFER_FAILED = "vllm:nixl_num_failed_transfers_total"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfa]+)$")
+
+
+class GateError(Exception):
+    """The gate failed; the message says which check and why."""
+
+
+@dataclass
+class GateSpec:
+    proxy_url: str
+    served_name: str
+    api_key_file: str | None = None
+    pd_engine: str | None = None  # vllm when the topology has vLLM P/D routes
+    decode_metrics: list[str] = field(default_factory=list)
+    prompt_words: int = 64  # long enough to pass the proxy's prompt-length bucket
+    timeout_s: float = 120.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GateSpec:
+        return cls(**data)
+
+
+def _request(
+    url: str, *, body: dict[str, Any] | None = None, key: str | None = None, timeout: float
+) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise GateError(f"{url}: cannot connect ({reason})") from None
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of all samples of one metric (over label sets) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match and match.group(1) == name:
+            total += float(match.group(3))
+    return total
+
+
+def _kv_counters(spec: GateSpec) -> tuple[float, float]:
+    ok = failed = 0.0
+    for url in spec.decode_metrics:
+        status, text = _request(url, timeout=10)
+        if status != 200:
+            raise GateError(f"{url}: HTTP {status}")
+        ok += metric_sum(text, XFER_COUNT)
+        failed += metric_sum(text, XFER_FAILED)
+    return ok, failed
+
+
+def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
+    """Run every check; return a summary or raise GateError naming the failed check."""
+    key = None
+    if spec.api_key_file:
+        with open(spec.api_key_file, encoding="utf-8") as fh:
+            key = fh.read().strip()
+    base = spec.proxy_url.rstrip("/")
+    status, _ = _request(f"{base}/health", timeout=10)
+    if status != 200:
+        raise GateError(f"proxy /health answered HTTP {status}")
+    log("gate: proxy /health ok")
+    status, text = _request(f"{base}/v1/models", key=key, timeout=10)
+    if status != 200:
+        raise GateError(f"proxy /v1/models answered HTTP {status}: {text[:200]}")
+    names = [m.get("id") for m in json.loads(text).get("data", [])]
+    if spec.served_name not in names:
+        raise GateError(f"/v1/models lists {names}, not the served model '{spec.served_name}'")
+    log(f"gate: /v1/models lists {spec.served_name}")
+    before = _kv_counters(spec) if spec.pd_engine == "vllm" else (0.0, 0.0)
+    prompt = " ".join(f"hgxserve gate check {i}." for i in range(spec.prompt_words // 4 + 1))
+    body = {"model": spec.served_name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    texts = []
+    for _ in range(2):
+        url = f"{base}/v1/completions"
+        status, text = _request(url, body=body, key=key, timeout=spec.timeout_s)
+        if status != 200:
+            raise GateError(f"completion through the proxy answered HTTP {status}: {text[:300]}")
+        choice = (json.loads(text).get("choices") or [{}])[0]
+        texts.append(choice.get("text") or "")
+    if not texts[0]:
+        raise GateError("completion through the proxy returned no text")
+    if texts[0] != texts[1]:
+        raise GateError(f"completion at temperature 0 is not deterministic: {texts!r}")
+    log(f"gate: deterministic completion {texts[0]!r}")
+    result: dict[str, Any] = {"completion": texts[0]}
+    if spec.pd_engine == "vllm":
+        after = _kv_counters(spec)
+        transfers, failures = after[0] - before[0], after[1] - before[1]
+        if failures > 0:
+            raise GateError(
+                f"decode reported {failures:.0f} failed KV transfers: it recomputed the prompt "
+                "instead of pulling KV (check the NIXL side channel address and P/D TP)"
+            )
+        if transfers < 2:
+            raise GateError(
+                f"decode pulled KV {transfers:.0f} times for 2 P/D requests: requests were served "
+                "without P/D KV transfer (silent local recompute)"
+            )
+        log(f"gate: decode pulled KV over NIXL {transfers:.0f} times, 0 failures")
+        result["kv_transfers"] = transfers
+    return result

@@ -1,0 +1,112 @@
+"""Controller side: what one host's release is, from a validated topology and its render."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from hgxserve.release.store import ReleaseSpec, UnitSpec, tree_digest
+from hgxserve.topology import Topology
+from hgxserve.topology.model import SecretRef, is_loopback
+
+
+@dataclass
+class HostRelease:
+    """A host's release: its spec (release.json), the files of its tree, and the secrets the
+    controller must push (as 0600 files) for the units' LoadCredential= lines."""
+
+    host: str
+    spec: ReleaseSpec
+    files: dict[str, tuple[str, int]]
+    secrets: dict[str, SecretRef] = field(default_factory=dict)  # host path -> reference
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+
+def _local_url(bind: str | None, port: int, path: str) -> str:
+    host = "127.0.0.1" if bind in (None, "", "0.0.0.0", "::") or is_loopback(bind or "") else bind
+    return f"http://{host}:{port}{path}"
+
+
+def gate_host(topo: Topology) -> str | None:
+    """The host that runs the topology-wide gate: the proxy's host."""
+    return topo.proxy.host if topo.proxy else None
+
+
+def gate_spec(topo: Topology) -> dict[str, object] | None:
+    proxy = topo.proxy
+    if proxy is None:
+        return None
+    decode_metrics = []
+    pd_engine = None
+    for route in proxy.routes:
+        for name in route.decode:
+            engine = topo.engines[name]
+            pd_engine = engine.engine
+            addr = "127.0.0.1" if engine.head == proxy.host else topo.hosts[engine.head].address
+            decode_metrics.append(f"http://{addr}:{engine.port}/metrics")
+    words = max(64, proxy.pd_min_prompt_tokens * 2)  # an English word is >= 1 token
+    api_key_file = None
+    if proxy.api_key is not None:
+        from hgxserve.render import credential_path
+
+        api_key_file = credential_path(proxy.api_key, "proxy-api-key")
+    return {
+        "proxy_url": _local_url(proxy.listen_host, proxy.listen_port, ""),
+        "served_name": topo.model.served_name,
+        "api_key_file": api_key_file,
+        "pd_engine": pd_engine if proxy.routes else None,
+        "decode_metrics": sorted(set(decode_metrics)),
+        "prompt_words": words if proxy.routes else 16,
+    }
+
+
+def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) -> HostRelease:
+    """The release `host` gets for `topo` (an empty one when the topology leaves it unused)."""
+    from hgxserve.render import render_host, secrets_for_host
+
+    files: dict[str, tuple[str, int]] = {}
+    units: list[UnitSpec] = []
+    if host in topo.hosts_in_use():
+        rendered = render_host(topo, host)
+        files = {path: (f.content, f.mode) for path, f in rendered.files.items()}
+        for unit in rendered.units:
+            if unit.engine is None:
+                proxy = topo.proxy
+                assert proxy is not None
+                url = _local_url(proxy.listen_host, proxy.listen_port, "/health")
+                units.append(UnitSpec(unit.name, "proxy", url, []))
+                continue
+            engine = topo.engines[unit.engine]
+            if host == engine.head:
+                url = _local_url(engine.bind, engine.port, "/health")
+                units.append(UnitSpec(unit.name, "engine", url, list(unit.gpus)))
+            else:
+                units.append(UnitSpec(unit.name, "worker", None, list(unit.gpus)))
+    gate = gate_spec(topo) if host == gate_host(topo) else None
+    secrets = secrets_for_host(topo, host) if host in topo.hosts_in_use() else {}
+    identity = json.dumps(
+        {
+            "tree": tree_digest(files),
+            "units": [u.__dict__ for u in units],
+            "gate": gate,
+            "topology": topo.digest,
+        },
+        sort_keys=True,
+    )
+    release_id = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    spec = ReleaseSpec(
+        id=release_id,
+        topology=topo.name,
+        topology_digest=topo.digest,
+        baseline=topo.baseline,
+        host=host,
+        units=units,
+        files={path: mode for path, (_, mode) in files.items()},
+        health_timeout_s=health_timeout_s,
+        gate=gate,
+    )
+    return HostRelease(host, spec, files, secrets)

@@ -1,0 +1,182 @@
+"""The host-side release store: read releases, install their trees, move the links."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hgxserve.release import RELEASE_ROOT
+
+LINKS = ("current", "previous", "baseline")
+
+
+@dataclass
+class UnitSpec:
+    """One unit of a release, in start order."""
+
+    name: str
+    kind: str  # engine | worker | proxy
+    health_url: str | None = None
+    gpus: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ReleaseSpec:
+    """release.json: everything the host needs to switch to a release without the controller."""
+
+    id: str
+    topology: str
+    topology_digest: str
+    baseline: bool
+    host: str
+    units: list[UnitSpec]
+    files: dict[str, int]  # absolute path on the host -> mode
+    health_timeout_s: float = 900.0
+    gate: dict[str, Any] | None = None  # only on the host that runs the topology's gate
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> ReleaseSpec:
+        data = json.loads(text)
+        data["units"] = [UnitSpec(**u) for u in data["units"]]
+        return cls(**data)
+
+    @property
+    def unit_names(self) -> list[str]:
+        return [u.name for u in self.units]
+
+    @property
+    def gpus(self) -> set[int]:
+        return {g for u in self.units for g in u.gpus}
+
+
+class ReleaseError(Exception):
+    """A release operation failed; the message says why and what state the host is in."""
+
+
+class Store:
+    """Releases under one root (default /var/lib/hgxserve); `system_root` prefixes installed
+    paths so tests can install into a scratch directory."""
+
+    def __init__(self, root: str = RELEASE_ROOT, system_root: str = "/") -> None:
+        self.root = Path(root)
+        self.system_root = Path(system_root)
+
+    # -- reading ------------------------------------------------------------------------------
+    def release_dir(self, release_id: str) -> Path:
+        return self.root / "releases" / release_id
+
+    def load(self, release_id: str) -> ReleaseSpec:
+        path = self.release_dir(release_id) / "release.json"
+        try:
+            return ReleaseSpec.from_json(path.read_text())
+        except FileNotFoundError:
+            raise ReleaseError(f"release {release_id} is not staged here ({path})") from None
+
+    def link(self, name: str) -> str | None:
+        path = self.root / name
+        if not path.is_symlink():
+            return None
+        return Path(os.readlink(path)).name
+
+    def set_link(self, name: str, release_id: str | None) -> None:
+        path = self.root / name
+        if release_id is None:
+            path.unlink(missing_ok=True)
+            return
+        tmp = self.root / f".{name}.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(Path("releases") / release_id)
+        tmp.replace(path)  # atomic: readers see the old or the new link, never none
+
+    def pending(self) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads((self.root / "pending.json").read_text())
+            return data
+        except FileNotFoundError:
+            return None
+
+    def set_pending(self, data: dict[str, Any] | None) -> None:
+        path = self.root / "pending.json"
+        if data is None:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        tmp.replace(path)
+
+    def status(self) -> dict[str, Any]:
+        """What ReleaseState reports: links, pending switch and staged releases."""
+        releases = sorted(p.name for p in (self.root / "releases").glob("*") if p.is_dir())
+        return {
+            **{name: self.link(name) for name in LINKS},
+            "pending": self.pending(),
+            "releases": releases,
+        }
+
+    # -- installing ---------------------------------------------------------------------------
+    def _target(self, path: str) -> Path:
+        return self.system_root / path.lstrip("/")
+
+    def install(self, spec: ReleaseSpec, old: ReleaseSpec | None) -> None:
+        """Make the installed files exactly those of `spec` (removing the old release's others)."""
+        tree = self.release_dir(spec.id) / "tree"
+        for path, mode in sorted(spec.files.items()):
+            src = tree / path.lstrip("/")
+            if not src.is_file():
+                raise ReleaseError(f"release {spec.id} is incomplete: {src} is missing")
+            dest = self._target(path)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.hgxserve-tmp")
+            shutil.copyfile(src, tmp)
+            os.chmod(tmp, mode)
+            tmp.replace(dest)
+        if old is not None:
+            for path in sorted(set(old.files) - set(spec.files)):
+                self._target(path).unlink(missing_ok=True)
+
+    def verify_tree(self, spec: ReleaseSpec) -> None:
+        """Every file of the release is staged (the controller pushed all of them)."""
+        tree = self.release_dir(spec.id) / "tree"
+        missing = [p for p in spec.files if not (tree / p.lstrip("/")).is_file()]
+        if missing:
+            raise ReleaseError(f"release {spec.id} is incomplete, missing: {', '.join(missing)}")
+
+    def prune(self, keep: int = 5) -> list[str]:
+        """Delete old releases, never one a link or the pending switch points to."""
+        pinned = {self.link(n) for n in LINKS}
+        pending = self.pending() or {}
+        pinned |= {pending.get("id"), pending.get("previous")}
+        dirs = sorted(
+            (p for p in (self.root / "releases").glob("*") if p.is_dir()),
+            key=lambda p: p.stat().st_mtime,
+            reverse=True,
+        )
+        removed = []
+        for path in dirs[keep:]:
+            if path.name not in pinned:
+                shutil.rmtree(path)
+                removed.append(path.name)
+        return removed
+
+
+def tree_digest(files: dict[str, tuple[str, int]]) -> str:
+    """Content digest of a host tree {path: (content, mode)}; names the release."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        content, mode = files[path]
+        h.update(f"{path}\0{mode:o}\0{len(content.encode())}\0".encode())
+        h.update(content.encode())
+    return h.hexdigest()
+
+
+def now() -> float:
+    return time.time()
