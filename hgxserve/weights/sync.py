@@ -1,0 +1,413 @@
+"""`hgxserve weights sync`: bring a model tree to DEST, verified, resumable, cheap when unchanged.
+
+Steps: list the source (and read its published manifest), compare each file with the local state
+record (size, mtime_ns, ETag, verified sha256) so unchanged files cost one stat, rehash files that
+exist without a record, fetch the rest with the parallel engine (sha256 inline), and write the
+"verified" marker only when every file matched.
+
+    report = sync("s3://models/x/", "/models/x", SyncOptions(concurrency=16))
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from hgxserve.weights.errors import LocalIOError, SourceError, UsageError, VerifyError, WeightsError
+from hgxserve.weights.hashing import sha256_file
+from hgxserve.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile
+from hgxserve.weights.progress import Progress, human_bytes
+from hgxserve.weights.s3 import S3Options, S3Url, make_client
+from hgxserve.weights.sources import LocalSource, S3Source, is_s3, open_source
+from hgxserve.weights.state import (
+    FileState,
+    State,
+    read_marker,
+    remove_marker,
+    save_manifest_copy,
+    state_dir_for,
+    write_marker,
+)
+from hgxserve.weights.transfer import FileResult, SourceFile, Transfer, io_error
+
+DEFAULT_CONCURRENCY = 16
+DEFAULT_PART_SIZE = 32 << 20
+
+
+@dataclass
+class SyncOptions:
+    """Tunables of one sync run."""
+
+    concurrency: int = DEFAULT_CONCURRENCY
+    part_size: int = DEFAULT_PART_SIZE
+    manifest: str | None = None  # file path, s3:// URL, or "none" to ignore a published one
+    state_dir: str | None = None
+    s3: S3Options = field(default_factory=S3Options)
+    fsync: bool = True
+    require_sha256: bool = False
+    quiet: bool = False
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class SyncReport:
+    """What a sync did; printed as a summary and as JSON with --json."""
+
+    source: str
+    dest: str
+    files: int = 0
+    unchanged: int = 0
+    rehashed: int = 0
+    fetched: int = 0
+    bytes_fetched: int = 0
+    bytes_resumed: int = 0
+    seconds: float = 0.0
+    verified_by: dict[str, int] = field(default_factory=dict)
+    manifest_digest: str | None = None
+    manifest_origin: str = ""
+    marker: bool = False
+    errors: list[str] = field(default_factory=list)
+    source_requests: int = 0
+
+    def summary(self) -> str:
+        rate = self.bytes_fetched / self.seconds if self.seconds > 0 else 0.0
+        kinds = ", ".join(
+            f"{n} by {_KIND_WORDS.get(k, k)}" for k, n in sorted(self.verified_by.items())
+        )
+        lines = [
+            f"{self.dest}: {self.files} files; {self.fetched} fetched "
+            f"({human_bytes(self.bytes_fetched)} in {self.seconds:.1f}s, {human_bytes(rate)}/s"
+            + (f", {human_bytes(self.bytes_resumed)} resumed" if self.bytes_resumed else "")
+            + f"), {self.unchanged} unchanged, {self.rehashed} rehashed",
+            f"verified: {kinds or 'nothing'}; "
+            f"manifest {self.manifest_digest} ({self.manifest_origin})",
+        ]
+        lines.append(
+            f"marker: written ({self.manifest_digest})" if self.marker else "marker: NOT written"
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+_KIND_WORDS = {
+    "manifest": "sha256 against the manifest",
+    "s3-checksum": "sha256 against the S3 object checksum",
+    "none": "size + ETag only (the source offers no sha256)",
+}
+
+
+def load_manifest_ref(ref: str, s3_options: S3Options) -> Manifest:
+    """Load a manifest from a file path or an s3:// URL.
+
+    load_manifest_ref("s3://models/x/hgxserve-manifest.json", S3Options())
+    """
+    if is_s3(ref):
+        url = S3Url.parse(ref)
+        client = make_client(url.bucket, s3_options)
+        return Manifest.loads(client.get_bytes(url.prefix), ref)
+    return Manifest.load(ref)
+
+
+def _plan_files(
+    source: S3Source | LocalSource, opts: SyncOptions, report: SyncReport
+) -> tuple[list[SourceFile], Manifest | None]:
+    listing = source.list()
+    manifest: Manifest | None = None
+    if opts.manifest and opts.manifest != "none":
+        manifest = load_manifest_ref(opts.manifest, opts.s3)
+        report.manifest_origin = opts.manifest
+    elif opts.manifest != "none" and source.has_published_manifest:
+        manifest = Manifest.loads(source.read_small(MANIFEST_NAME), f"{source}{MANIFEST_NAME}")
+        report.manifest_origin = f"published at {source}{MANIFEST_NAME}"
+    files: list[SourceFile] = []
+    if manifest is not None:
+        problems = []
+        for entry in manifest.files:
+            listed = listing.get(entry.path)
+            if listed is None:
+                problems.append(f"{entry.path}: in the manifest but not in {source}")
+            elif listed.size != entry.size:
+                problems.append(
+                    f"{entry.path}: {listed.size} bytes in the source, manifest says {entry.size}"
+                )
+            else:
+                files.append(
+                    SourceFile(entry.path, entry.size, listed.etag, entry.sha256, "manifest")
+                )
+        if problems:
+            raise VerifyError(
+                "source does not match the manifest:\n  " + "\n  ".join(problems),
+                hint="the model changed after its manifest was built: rebuild and publish it",
+            )
+        extra = sorted(set(listing) - set(manifest.by_path()))
+        if extra:
+            opts.log(
+                f"warning: {len(extra)} source files not in the manifest, skipped: "
+                + ", ".join(extra[:5])
+                + (" ..." if len(extra) > 5 else "")
+            )
+    else:
+        for path in sorted(listing):
+            listed = listing[path]
+            files.append(SourceFile(path, listed.size, listed.etag, None, "none"))
+    if not files:
+        raise SourceError(f"{source}: no files found", hint="check the bucket and prefix")
+    return files, manifest
+
+
+def _resolve_checksums(
+    source: S3Source, files: list[SourceFile], listing_has: set[str], workers: int
+) -> None:
+    """Fill expected sha256 from S3 object checksums for files about to be fetched."""
+    wanted = [f for f in files if f.path in listing_has]
+    if not wanted:
+        return
+
+    def one(f: SourceFile) -> None:
+        sha, version, _note = source.sha256_checksum(f.path)
+        f.version_id = version
+        if sha:
+            f.expected_sha256 = sha
+            f.verified_by = "s3-checksum"
+
+    with ThreadPoolExecutor(max_workers=min(workers, 16)) as pool:
+        list(pool.map(one, wanted))
+
+
+def sync(src: str, dest: str, opts: SyncOptions) -> SyncReport:
+    """Sync `src` (s3:// URL or directory) into `dest`; raise WeightsError on failure.
+
+    report = sync("s3://models/x/", "/models/x", SyncOptions())
+    """
+    started = time.monotonic()
+    if opts.part_size < 1 << 20:
+        raise UsageError("--part-size must be at least 1MiB")
+    report = SyncReport(source=src, dest=dest)
+    source = open_source(src, opts.s3, on_retry=opts.log)
+    try:
+        os.makedirs(dest, exist_ok=True)
+    except OSError as exc:
+        raise io_error(exc, dest, os.path.dirname(dest) or ".") from None
+    directory = state_dir_for(dest, opts.state_dir)
+    try:
+        files, manifest = _plan_files(source, opts, report)
+        state = State.load(directory)
+        marker = read_marker(directory)
+        unchanged: list[SourceFile] = []
+        rehash: list[SourceFile] = []
+        fetch: list[SourceFile] = []
+        for f in files:
+            entry = state.files.get(f.path)
+            try:
+                st = os.stat(os.path.join(dest, f.path))
+            except FileNotFoundError:
+                fetch.append(f)
+                continue
+            except OSError as exc:
+                raise io_error(exc, os.path.join(dest, f.path), dest) from None
+            if (
+                entry is not None
+                and entry.matches_stat(st)
+                and entry.etag == f.etag
+                and (f.expected_sha256 is None or entry.sha256 == f.expected_sha256)
+            ):
+                if f.expected_sha256 is None:
+                    f.expected_sha256 = entry.sha256
+                    f.verified_by = entry.verified_by
+                unchanged.append(f)
+            elif st.st_size == f.size:
+                rehash.append(f)
+            else:
+                fetch.append(f)
+        report.files = len(files)
+        report.unchanged = len(unchanged)
+        if isinstance(source, S3Source) and manifest is None:
+            # Only files that will be read need their S3 checksum: a no-op run sends no HEADs.
+            listing_sha = {f.path for f in rehash + fetch}
+            _resolve_checksums(source, rehash + fetch, listing_sha, opts.concurrency)
+        # Files already on disk without a record are kept only if they hash to the known value.
+        rehash_unknown = [f for f in rehash if f.expected_sha256 is None]
+        rehash = [f for f in rehash if f.expected_sha256 is not None]
+        fetch.extend(rehash_unknown)
+        changing = bool(rehash or fetch)
+        if changing or (marker is not None and state.manifest_digest != marker):
+            # The tree is about to change: no engine may start on it until the marker is back.
+            remove_marker(directory)
+        results: dict[str, tuple[str, int]] = {}
+        verified_by: dict[str, str] = {}
+        failures: list[str] = []
+        for f in unchanged:
+            entry = state.files[f.path]
+            results[f.path] = (entry.sha256, entry.mtime_ns)
+            verified_by[f.path] = f.verified_by
+        _rehash_existing(dest, rehash, fetch, results, verified_by, opts)
+        report.rehashed = len(rehash) - sum(1 for f in rehash if f in fetch)
+        fetch.sort(key=lambda f: f.path)
+        # The state record always reflects what is on disk and verified, even after failures.
+        new_state = State(source=src, manifest_digest=None)
+
+        def record() -> None:
+            for f in files:
+                if f.path in results:
+                    sha, mtime_ns = results[f.path]
+                    new_state.files[f.path] = FileState(
+                        f.size, mtime_ns, sha, f.etag, verified_by.get(f.path, "none")
+                    )
+
+        if fetch:
+            report.fetched = len(fetch)
+            try:
+                _fetch(source, dest, fetch, opts, results, verified_by, failures, report)
+            except WeightsError:
+                record()
+                new_state.save(directory)
+                raise
+        record()
+        for kind in verified_by.values():
+            report.verified_by[kind] = report.verified_by.get(kind, 0) + 1
+        if failures:
+            report.errors = failures
+            remove_marker(directory)
+            new_state.save(directory)
+            raise VerifyError(
+                f"{len(failures)} file(s) failed verification, nothing marked verified:\n  "
+                + "\n  ".join(failures)
+            )
+        effective = manifest
+        if effective is None:
+            effective = Manifest(
+                files=[
+                    ManifestFile(f.path, f.size, results[f.path][0], f.etag, f.version_id)
+                    for f in files
+                ],
+                source=src,
+                extra={"derived": True},
+            )
+            report.manifest_origin = "derived from this sync's own sha256 (no published manifest)"
+        report.manifest_digest = effective.digest
+        new_state.manifest_digest = effective.digest
+        unverified = [p for p, k in verified_by.items() if k == "none"]
+        save_manifest_copy(directory, effective)
+        new_state.save(directory)
+        if opts.require_sha256 and unverified:
+            remove_marker(directory)
+            raise VerifyError(
+                f"{len(unverified)} file(s) have no sha256 to check against (no manifest, no S3 "
+                f"checksum): {', '.join(unverified[:5])}",
+                hint="publish a manifest with `hgxserve weights manifest SRC --publish`",
+            )
+        if read_marker(directory) != effective.digest:
+            write_marker(directory, effective.digest)
+        report.marker = True
+        _warn_extra(dest, effective, opts)
+    except OSError as exc:
+        raise io_error(exc, directory, dest) from None
+    finally:
+        report.seconds = time.monotonic() - started
+        if isinstance(source, S3Source):
+            report.source_requests = source.client.request_count
+        elif isinstance(source, LocalSource):
+            source.close()
+    return report
+
+
+def _rehash_existing(
+    dest: str,
+    rehash: list[SourceFile],
+    fetch: list[SourceFile],
+    results: dict[str, tuple[str, int]],
+    verified_by: dict[str, str],
+    opts: SyncOptions,
+) -> None:
+    if not rehash:
+        return
+
+    def one(f: SourceFile) -> None:
+        path = os.path.join(dest, f.path)
+        sha = sha256_file(path)
+        if sha == f.expected_sha256:
+            results[f.path] = (sha, os.stat(path).st_mtime_ns)
+            verified_by[f.path] = f.verified_by
+        else:
+            fetch.append(f)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        list(pool.map(one, rehash))
+
+
+def _fetch(
+    source: S3Source | LocalSource,
+    dest: str,
+    fetch: list[SourceFile],
+    opts: SyncOptions,
+    results: dict[str, tuple[str, int]],
+    verified_by: dict[str, str],
+    failures: list[str],
+    report: SyncReport,
+) -> None:
+    total = sum(f.size for f in fetch)
+    progress = Progress("sync", total, len(fetch), quiet=opts.quiet)
+    lock = threading.Lock()
+
+    def on_file(result: FileResult) -> None:
+        with lock:
+            report.bytes_fetched += result.downloaded
+            report.bytes_resumed += result.resumed
+            if result.error is None and result.sha256 is not None:
+                results[result.file.path] = (result.sha256, result.mtime_ns)
+                verified_by[result.file.path] = result.file.verified_by
+
+    engine = Transfer(
+        source, dest, fetch, opts.concurrency, opts.part_size, progress, opts.fsync, on_file
+    )
+    try:
+        try:
+            outcome = engine.run()
+        except LocalIOError:
+            raise
+        except WeightsError:
+            raise
+        retry: list[SourceFile] = []
+        for result in outcome:
+            if result.error is not None:
+                if result.resumed:
+                    # The resumed bytes were bad (e.g. written before a crash): fetch afresh once.
+                    retry.append(result.file)
+                else:
+                    failures.append(str(result.error))
+        if retry:
+            opts.log(f"{len(retry)} resumed file(s) did not verify; fetching them afresh")
+            engine = Transfer(
+                source, dest, retry, opts.concurrency, opts.part_size, progress, opts.fsync, on_file
+            )
+            for result in engine.run():
+                if result.error is not None:
+                    failures.append(str(result.error))
+    finally:
+        progress.close()
+
+
+def _warn_extra(dest: str, manifest: Manifest, opts: SyncOptions) -> None:
+    """Name files in DEST that the manifest does not list (left alone, never deleted)."""
+    known = set(manifest.by_path())
+    extra = []
+    for dirpath, dirnames, filenames in os.walk(dest):
+        dirnames[:] = [d for d in dirnames if d != ".hgxserve"]
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), dest).replace(os.sep, "/")
+            if rel not in known and rel != MANIFEST_NAME:
+                extra.append(rel)
+    if extra:
+        extra.sort()
+        opts.log(
+            f"warning: {len(extra)} file(s) in {dest} are not in the manifest: "
+            + ", ".join(extra[:5])
+            + (" ..." if len(extra) > 5 else "")
+        )

@@ -1,0 +1,432 @@
+"""The download engine: parallel ranged reads across and within files, sha256 while downloading.
+
+Parts of all files go through one queue in path/offset order to `concurrency` worker threads. A
+worker takes a buffer from a bounded pool, fetches one part into it (ranged GET or pread), writes
+it to `<file>.partial` with pwrite, records the part in `<file>.partial.parts`, and hands the
+buffer to the file's in-order hasher; whichever worker completes the part the hash is waiting for
+hashes every buffered part that follows (hashlib releases the GIL, so hashing runs on the second
+core while other workers download). Because parts leave the queue in order, the part a file's
+hash waits for is always already in flight, so the bounded pool cannot deadlock. A file is
+renamed into place only after its hash matches; a resumed file re-reads its recorded parts from
+the .partial instead of downloading them again.
+
+    engine = Transfer(source, "/models/x", files, concurrency=16, part_size=32 << 20)
+    results = engine.run()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from hgxserve.weights.errors import LocalIOError, SourceError, VerifyError, WeightsError
+from hgxserve.weights.progress import Progress
+
+PARTIAL_SUFFIX = ".partial"
+PARTS_SUFFIX = ".partial.parts"
+
+
+@dataclass
+class SourceFile:
+    """One file to bring over, with what it must hash to (when known)."""
+
+    path: str  # relative path in the tree
+    size: int
+    etag: str  # S3 ETag, or "size:mtime_ns" for a local source
+    expected_sha256: str | None = None
+    verified_by: str = "none"  # manifest | s3-checksum | none
+    version_id: str | None = None
+
+
+class Source(Protocol):
+    """Where parts come from."""
+
+    def describe(self, f: SourceFile) -> str: ...
+
+    def fetch_into(self, f: SourceFile, offset: int, buf: memoryview) -> None: ...
+
+
+@dataclass
+class FileResult:
+    """Outcome of one file."""
+
+    file: SourceFile
+    sha256: str | None = None
+    mtime_ns: int = 0
+    error: WeightsError | None = None
+    downloaded: int = 0
+    resumed: int = 0
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise SourceError(f"{what}: file ended early (was it truncated while being read?)")
+        view = view[n:]
+        offset += n
+
+
+def io_error(exc: OSError, what: str, dest: str) -> WeightsError:
+    """A clear LocalIOError for an OSError on the destination.
+
+    raise io_error(exc, "/models/x/a.safetensors.partial", "/models/x")
+    """
+    if exc.errno == errno.ENOSPC:
+        try:
+            st = os.statvfs(dest)
+            free = f"; {st.f_bavail * st.f_frsize} bytes free on {dest}"
+        except OSError:
+            free = ""
+        return LocalIOError(
+            f"disk full writing {what}{free}; the file stays as .partial and is not marked "
+            "verified",
+            hint="free space (the model needs its full size on the destination) and run again",
+        )
+    if exc.errno == errno.EROFS:
+        return LocalIOError(f"{what}: destination is read-only")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return LocalIOError(f"{what}: permission denied")
+    return LocalIOError(f"{what}: {exc.strerror or exc}")
+
+
+class _BufferPool:
+    """At most `limit` part buffers, allocated on first use and then reused."""
+
+    def __init__(self, limit: int, size: int) -> None:
+        self._free: list[bytearray] = []
+        self._sem = threading.Semaphore(limit)
+        self._lock = threading.Lock()
+        self._size = size
+
+    def get(self) -> bytearray:
+        self._sem.acquire()
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return bytearray(self._size)
+
+    def put(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
+        self._sem.release()
+
+
+class _Job:
+    """One file in flight: its .partial, the parts log, and the in-order hasher."""
+
+    def __init__(self, f: SourceFile, dest: str, part_size: int) -> None:
+        self.f = f
+        self.final = os.path.join(dest, f.path)
+        self.partial = self.final + PARTIAL_SUFFIX
+        self.parts_log = self.final + PARTS_SUFFIX
+        self.part_size = part_size
+        self.fd: int | None = None
+        self.log_fd: int | None = None
+        self.hasher = hashlib.sha256()
+        self.next_offset = 0
+        self.pending: dict[int, tuple[memoryview, bytearray]] = {}
+        self.hashing = False
+        self.lock = threading.Lock()
+        self.result = FileResult(f)
+        self.done_parts: set[int] = set()
+        self.closed = False
+
+    def header(self) -> dict[str, object]:
+        return {"etag": self.f.etag, "size": self.f.size, "part_size": self.part_size}
+
+    def open(self, dest: str) -> None:
+        """Open or resume the .partial; fills done_parts from a matching parts log."""
+        os.makedirs(os.path.dirname(self.final), exist_ok=True)
+        self.done_parts = self._read_parts_log()
+        try:
+            if self.done_parts and os.path.exists(self.partial):
+                self.fd = os.open(self.partial, os.O_RDWR)
+                if os.fstat(self.fd).st_size != self.f.size:
+                    self.done_parts = set()
+            else:
+                self.done_parts = set()
+                self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            if not self.done_parts:
+                _reserve(self.fd, self.f.size)
+                with open(self.parts_log, "w", encoding="utf-8") as fh:
+                    fh.write(json.dumps(self.header(), sort_keys=True) + "\n")
+            self.log_fd = os.open(self.parts_log, os.O_WRONLY | os.O_APPEND)
+        except OSError as exc:
+            self.close_fds()
+            raise io_error(exc, self.partial, dest) from None
+
+    def _read_parts_log(self) -> set[int]:
+        try:
+            with open(self.parts_log, encoding="utf-8") as fh:
+                lines = fh.read().split("\n")
+        except OSError:
+            return set()
+        try:
+            if json.loads(lines[0]) != json.loads(json.dumps(self.header())):
+                return set()
+        except ValueError:
+            return set()
+        done = set()
+        # The last line may be cut by a kill; only complete lines count.
+        for line in lines[1:-1]:
+            if line.isdigit():
+                done.add(int(line))
+        return done
+
+    def record_part(self, offset: int) -> None:
+        assert self.log_fd is not None
+        os.write(self.log_fd, f"{offset}\n".encode())
+
+    def close_fds(self) -> None:
+        for name in ("fd", "log_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, name, None)
+
+
+def _reserve(fd: int, size: int) -> None:
+    # Reserve the blocks up front: a full disk fails here, before any byte is fetched.
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.ftruncate(fd, size)
+        else:
+            raise
+
+
+class Transfer:
+    """Fetch `files` from `source` into `dest` with inline sha256 and resumable .partial files."""
+
+    def __init__(
+        self,
+        source: Source,
+        dest: str,
+        files: list[SourceFile],
+        concurrency: int = 16,
+        part_size: int = 32 << 20,
+        progress: Progress | None = None,
+        fsync: bool = True,
+        on_file: Callable[[FileResult], None] | None = None,
+    ) -> None:
+        self.source = source
+        self.dest = dest
+        self.files = files
+        self.concurrency = max(1, concurrency)
+        self.part_size = part_size
+        self.progress = progress
+        self.fsync = fsync
+        self.on_file = on_file
+        self.pool = _BufferPool(self.concurrency + max(2, self.concurrency // 2), part_size)
+        self.queue: queue.Queue[tuple[_Job, int, int, bool] | None] = queue.Queue()
+        self.fatal: WeightsError | None = None
+        self._fatal_lock = threading.Lock()
+        self.results: list[FileResult] = []
+        self._remaining = 0
+        self._remaining_lock = threading.Lock()
+        self._all_done = threading.Event()
+
+    def run(self) -> list[FileResult]:
+        jobs: list[_Job] = []
+        for f in self.files:
+            job = _Job(f, self.dest, self.part_size)
+            try:
+                job.open(self.dest)
+            except WeightsError as exc:
+                self._set_fatal(exc)
+                break
+            jobs.append(job)
+        if self.fatal is not None:
+            for job in jobs:
+                job.close_fds()
+            raise self.fatal
+        self._remaining = len(jobs)
+        for job in jobs:
+            if job.f.size == 0:
+                continue
+            for offset in range(0, job.f.size, self.part_size):
+                length = min(self.part_size, job.f.size - offset)
+                self.queue.put((job, offset, length, offset in job.done_parts))
+        # Empty files finish at once.
+        for job in jobs:
+            if job.f.size == 0:
+                self._finish(job)
+        if self._remaining == 0:
+            self._all_done.set()
+        workers = [
+            threading.Thread(target=self._worker, name=f"fetch-{i}", daemon=True)
+            for i in range(self.concurrency)
+        ]
+        for w in workers:
+            w.start()
+        try:
+            while not self._all_done.wait(0.2):
+                if self.fatal is not None and all(not w.is_alive() for w in workers):
+                    break
+        finally:
+            for _ in workers:
+                self.queue.put(None)
+            if self.fatal is not None or not self._all_done.is_set():
+                self._drain()
+            for w in workers:
+                w.join(timeout=30)
+            for job in jobs:
+                job.close_fds()
+        if self.fatal is not None:
+            raise self.fatal
+        self.results = [job.result for job in jobs]
+        return self.results
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                item = self.queue.get_nowait()
+                if item is None:
+                    self.queue.put(None)
+                    return
+        except queue.Empty:
+            return
+
+    def _set_fatal(self, exc: WeightsError) -> None:
+        with self._fatal_lock:
+            if self.fatal is None:
+                self.fatal = exc
+        self._all_done.set()
+
+    def _worker(self) -> None:
+        while True:
+            buf = self.pool.get()
+            item = self.queue.get()
+            if item is None or self.fatal is not None:
+                self.pool.put(buf)
+                if item is None:
+                    return
+                continue
+            job, offset, length, local = item
+            if job.result.error is not None:
+                self.pool.put(buf)
+                continue
+            view = memoryview(buf)[:length]
+            try:
+                if local:
+                    assert job.fd is not None
+                    _pread_exact(job.fd, view, offset, job.partial)
+                    job.result.resumed += length
+                else:
+                    self.source.fetch_into(job.f, offset, view)
+                    assert job.fd is not None
+                    try:
+                        _pwrite_all(job.fd, view, offset)
+                        job.record_part(offset)
+                    except OSError as exc:
+                        raise io_error(exc, job.partial, self.dest) from None
+                    job.result.downloaded += length
+                    if self.progress:
+                        self.progress.add(length)
+            except WeightsError as exc:
+                self.pool.put(buf)
+                if isinstance(exc, VerifyError):
+                    self._fail_job(job, exc)
+                else:
+                    self._set_fatal(exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a worker must never die silently
+                self.pool.put(buf)
+                self._set_fatal(SourceError(f"{self.source.describe(job.f)}: {exc!r}"))
+                continue
+            self._deliver(job, offset, view, buf)
+
+    def _deliver(self, job: _Job, offset: int, view: memoryview, buf: bytearray) -> None:
+        with job.lock:
+            if job.result.error is not None:
+                self.pool.put(buf)
+                return
+            job.pending[offset] = (view, buf)
+            if job.hashing:
+                return
+            job.hashing = True
+        while True:
+            with job.lock:
+                item = job.pending.pop(job.next_offset, None)
+                if item is None or job.result.error is not None:
+                    job.hashing = False
+                    if item is not None:
+                        self.pool.put(item[1])
+                    return
+            part_view, part_buf = item
+            job.hasher.update(part_view)
+            job.next_offset += len(part_view)
+            self.pool.put(part_buf)
+            if job.next_offset >= job.f.size:
+                with job.lock:
+                    job.hashing = False
+                self._finish(job)
+                return
+
+    def _fail_job(self, job: _Job, exc: WeightsError) -> None:
+        with job.lock:
+            job.result.error = exc
+            for _, buf in job.pending.values():
+                self.pool.put(buf)
+            job.pending.clear()
+        self._job_done(job)
+
+    def _finish(self, job: _Job) -> None:
+        digest = job.hasher.hexdigest()
+        job.result.sha256 = digest
+        expected = job.f.expected_sha256
+        if expected is not None and digest != expected:
+            job.close_fds()
+            # Never keep content known to be wrong: the next run starts this file afresh.
+            for path in (job.partial, job.parts_log):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            what = "the manifest" if job.f.verified_by == "manifest" else "its S3 checksum"
+            job.result.error = VerifyError(
+                f"{job.f.path}: sha256 {digest} does not match {what} ({expected}); "
+                "the file was not kept"
+            )
+            self._job_done(job)
+            return
+        try:
+            assert job.fd is not None
+            if self.fsync:
+                os.fsync(job.fd)
+            job.close_fds()
+            os.replace(job.partial, job.final)
+            os.unlink(job.parts_log)
+            job.result.mtime_ns = os.stat(job.final).st_mtime_ns
+        except OSError as exc:
+            self._set_fatal(io_error(exc, job.final, self.dest))
+            return
+        self._job_done(job)
+
+    def _job_done(self, job: _Job) -> None:
+        if self.progress:
+            self.progress.file_done()
+        if self.on_file:
+            self.on_file(job.result)
+        with self._remaining_lock:
+            self._remaining -= 1
+            if self._remaining == 0:
+                self._all_done.set()
