@@ -167,7 +167,8 @@ def _section(chk: _Checker, raw: dict[str, Any], key: str, cls: type, types: dic
             values[name] = data[name]
         else:
             values[name] = chk.number(data[name], f"$.{key}.{name}", minimum, kind is int)
-    return cls(**values)
+    # an invalid value was reported above; keep the default so later checks can still run
+    return cls(**{k: v for k, v in values.items() if v is not None})
 
 
 def parse_proxy_config(raw: Any) -> ProxyConfig:

@@ -1,0 +1,99 @@
+"""Fixtures: simulated engines (tests/simengine/harness.py) and a real `hgxserve proxy serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simengine"))
+
+from harness import SimEngine, free_port, http, port_open  # noqa: E402
+
+HGXSERVE = Path(sys.executable).with_name("hgxserve")
+
+
+class ProxyProcess:
+    def __init__(self, config: dict[str, Any], workdir: Path) -> None:
+        self.port = free_port()
+        config = {
+            "listen": {"host": "127.0.0.1", "port": self.port},
+            "health": {"interval_s": 0.1, "timeout_s": 1},
+            **config,
+        }
+        self.config_path = workdir / f"proxy-{self.port}.json"
+        self.config_path.write_text(json.dumps(config))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"proxy-{self.port}.log"
+        self.log_file = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [str(HGXSERVE), "proxy", "serve", "--config", str(self.config_path)],
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+        )
+
+    def wait_routable(self, timeout: float = 15) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"proxy exited: {self.log()}")
+            if port_open("127.0.0.1", self.port) and http("GET", self.url + "/health")[0] == 200:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"proxy not routable: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> str:
+        return http("GET", self.url + "/metrics")[1].decode()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Callable[..., SimEngine]]:
+    started: list[SimEngine] = []
+
+    def start(engine: str, args: list[str], **kw: Any) -> SimEngine:
+        eng = SimEngine(engine, args, tmp_path, **kw)
+        started.append(eng)
+        eng.start()
+        return eng
+
+    yield start
+    for eng in started:
+        eng.stop()
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[Callable[..., ProxyProcess]]:
+    started: list[ProxyProcess] = []
+
+    def start(config: dict[str, Any], wait: bool = True) -> ProxyProcess:
+        p = ProxyProcess(config, tmp_path)
+        started.append(p)
+        if wait:
+            p.wait_routable()
+        return p
+
+    yield start
+    for p in started:
+        p.stop()

@@ -1,0 +1,106 @@
+"""ProxyConfig parsing: every problem reported with its JSON path; `proxy check` exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hgxserve.proxy.config import ProxyConfigError, load_proxy_config, parse_proxy_config
+from hgxserve.proxy.server import estimate_prompt_tokens
+
+HGXSERVE = Path(sys.executable).with_name("hgxserve")
+
+
+def test_full_config_parses() -> None:
+    cfg = parse_proxy_config(
+        {
+            "listen": {"host": "0.0.0.0", "port": 8000},
+            "protocol": "sglang",
+            "served_model_name": "DeepSeek-V4-Flash",
+            "pd_groups": [
+                {
+                    "name": "pd-0",
+                    "prefill": [{"url": "http://10.0.0.11:30000", "bootstrap_port": 8998}],
+                    "decode": ["http://10.0.0.12:30000"],
+                }
+            ],
+            "combined": ["http://10.0.0.13:8000/"],
+            "routing": {"pd_min_prompt_tokens": 2049, "bytes_per_token": 3.5},
+            "limits": {"max_body_bytes": 1048576},
+            "health": {"interval_s": 5},
+            "auth": {"api_key_file": "/run/credentials/hgxserve-proxy.service/api-key"},
+        }
+    )
+    assert cfg.pd_groups[0].prefill[0].bootstrap_host == "10.0.0.11"
+    assert cfg.pd_groups[0].prefill[0].bootstrap_port == 8998
+    assert cfg.combined[0].url == "http://10.0.0.13:8000"
+    assert cfg.routing.pd_min_prompt_tokens == 2049 and cfg.health.interval_s == 5
+
+
+def test_every_error_is_reported_with_its_path() -> None:
+    with pytest.raises(ProxyConfigError) as err:
+        parse_proxy_config(
+            {
+                "protocol": "nixl",
+                "pd_groups": [{"prefill": ["10.0.0.1:8100"], "decode": []}],
+                "routing": {"pd_min_prompt_tokens": -1, "colour": 1},
+            }
+        )
+    text = str(err.value)
+    for expected in (
+        "$.protocol: must be one of vllm-nixl, sglang",
+        "$.served_model_name: must be a non-empty string",
+        "$.pd_groups[0].prefill[0].url: must be an http(s) URL",
+        "$.pd_groups[0].decode: must list at least one decode engine URL",
+        "$.routing.pd_min_prompt_tokens: must be an integer >= 0",
+        "$.routing.colour: unknown key",
+    ):
+        assert expected in text
+
+
+def test_short_prompt_bucket_needs_combined() -> None:
+    with pytest.raises(ProxyConfigError, match="short prompts need combined engines"):
+        parse_proxy_config(
+            {
+                "protocol": "vllm-nixl",
+                "served_model_name": "m",
+                "pd_groups": [{"prefill": ["http://a:1"], "decode": ["http://b:2"]}],
+                "routing": {"pd_min_prompt_tokens": 100},
+            }
+        )
+
+
+def test_check_command(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(
+        json.dumps(
+            {
+                "protocol": "vllm-nixl",
+                "served_model_name": "m",
+                "combined": ["http://127.0.0.1:8100"],
+            }
+        )
+    )
+    out = subprocess.run(
+        [str(HGXSERVE), "proxy", "check", "--config", str(good)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "ok: vllm-nixl" in out.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"protocol": "vllm-nixl",\n "served_model_name": }')
+    out = subprocess.run(
+        [str(HGXSERVE), "proxy", "check", "--config", str(bad)], capture_output=True, text=True
+    )
+    assert out.returncode == 1 and f"{bad}:2:" in out.stderr and "Traceback" not in out.stderr
+    with pytest.raises(ProxyConfigError, match="cannot read"):
+        load_proxy_config(tmp_path / "missing.json")
+
+
+def test_prompt_estimate() -> None:
+    assert estimate_prompt_tokens({"prompt": "x" * 400}, 4.0) == 100
+    assert estimate_prompt_tokens({"prompt": [1, 2, 3]}, 4.0) == 3
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 80}]}]}
+    assert estimate_prompt_tokens(chat, 4.0) == 20
