@@ -158,6 +158,30 @@ class Testbed:
             raise TestbedError(f"ssh {name} {command!r} failed ({proc.returncode}): {proc.stderr}")
         return proc
 
+    def pyinfra(
+        self,
+        *args: str,
+        inventory: str = "inventory/testhosts.py",
+        timeout: float = 900,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the real pyinfra CLI (``-y``) from the repository root against the test hosts.
+
+        Example: ``bed.pyinfra("exec", "--", "hostname").returncode == 0``
+        """
+        exe = REPO / ".venv" / "bin" / "pyinfra"
+        cmd = [str(exe) if exe.exists() else "pyinfra", "-y", inventory, *args]
+        environment = {**os.environ, "HGXSERVE_TESTBED_DIR": str(STATE_DIR), **(env or {})}
+        return subprocess.run(
+            cmd,
+            cwd=REPO,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
 
 # ---------------------------------------------------------------- state file and process identity
 
@@ -794,6 +818,37 @@ def status() -> list[dict[str, object]]:
             row["ram_mib"] = round(memory, 1) if memory is not None else None
         rows.append(row)
     return rows
+
+
+def take_lease(pid: int) -> None:
+    """Record that process ``pid`` (e.g. a pytest session) uses the test hosts.
+
+    Example: ``take_lease(os.getpid())``
+    """
+    leases = STATE_DIR / "users"
+    leases.mkdir(parents=True, exist_ok=True)
+    (leases / str(pid)).write_text(_starttime(pid) or "")
+
+
+def other_users(pid: int) -> list[int]:
+    """Return live processes other than ``pid`` that hold a lease on the test hosts."""
+    leases = STATE_DIR / "users"
+    users = []
+    for entry in sorted(leases.iterdir()) if leases.is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        holder = int(entry.name)
+        if _starttime(holder) == entry.read_text() and holder != pid:
+            users.append(holder)
+        elif holder != pid:
+            entry.unlink(missing_ok=True)  # its process is gone
+    return users
+
+
+def drop_lease(pid: int) -> list[int]:
+    """Drop ``pid``'s lease; return the other live users (tear down only when there are none)."""
+    (STATE_DIR / "users" / str(pid)).unlink(missing_ok=True)
+    return other_users(pid)
 
 
 def require() -> Testbed:
