@@ -1,0 +1,383 @@
+"""Render a validated topology into what each host runs: systemd units and config files.
+
+Pure Python, no host access. `render_topology(topo)` gives one `HostRender` per host in use;
+its `files` map absolute paths on the host to content and mode, its `units` list the engine
+units (in topology order) and then the proxy unit, each with the argv and environment it runs.
+
+>>> from hgxserve.topology import load_topology
+>>> topo = load_topology("topologies/h20-v4flash-4p4d.yml")  # doctest: +SKIP
+>>> host = render_host(topo, "h20-a")  # doctest: +SKIP
+>>> [u.name for u in host.units]  # doctest: +SKIP
+['hgxserve-prefill-0.service', 'hgxserve-decode-0.service', 'hgxserve-proxy.service']
+>>> sorted(host.files)[0]  # doctest: +SKIP
+'/etc/hgxserve/proxy.json'
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import jinja2
+
+from hgxserve.caches.key import cache_key
+from hgxserve.caches.layout import ENV_SUBDIRS, cache_env
+from hgxserve.render.engines import (
+    NodePlan,
+    RenderError,
+    engine_args,
+    engine_program,
+    node_plan,
+)
+from hgxserve.render.systemd import environment_value, exec_line, path_value
+from hgxserve.topology.model import Engine, SecretRef, Topology
+
+__all__ = [
+    "AGENT",
+    "CREDENTIALS_DIR",
+    "CredentialSpec",
+    "HostRender",
+    "RenderError",
+    "RenderedFile",
+    "RenderedUnit",
+    "render_host",
+    "render_topology",
+    "tree_digest",
+    "unit_name",
+]
+
+# The hgxserve agent installed on every host (a venv at /opt/hgxserve).
+AGENT = "/opt/hgxserve/bin/hgxserve"
+UNIT_DIR = "/etc/systemd/system"
+CONFIG_DIR = "/etc/hgxserve"
+PROXY_CONFIG = f"{CONFIG_DIR}/proxy.json"
+# The release role writes env-referenced secrets here, mode 0600; units load them from here.
+CREDENTIALS_DIR = f"{CONFIG_DIR}/credentials"
+RUN_ROOT = "/var/lib/hgxserve/run"
+MKDIR = "/usr/bin/mkdir"
+CONTAINER_TOOLS = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker"}
+GPU_WAIT_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class RenderedFile:
+    content: str
+    mode: int = 0o644
+
+
+@dataclass(frozen=True)
+class RenderedUnit:
+    """One systemd unit: what it runs and where."""
+
+    name: str
+    engine: str | None  # None for the proxy
+    role: str  # combined | prefill | decode | proxy
+    argv: list[str]
+    env: dict[str, str]
+    gpus: tuple[int, ...]
+    content: str
+    node_rank: int = 0
+    nnodes: int = 1
+
+    @property
+    def path(self) -> str:
+        return f"{UNIT_DIR}/{self.name}"
+
+
+@dataclass(frozen=True)
+class CredentialSpec:
+    """A secret a unit loads with LoadCredential=.
+
+    `path` is where the release role must write the value (mode 0600) for `env` references;
+    None for `file` references (already on the host) and systemd `credential` references.
+    """
+
+    name: str
+    ref: SecretRef
+    path: str | None
+    units: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HostRender:
+    host: str
+    units: list[RenderedUnit]
+    files: dict[str, RenderedFile]
+    credentials: list[CredentialSpec] = field(default_factory=list)
+
+    @property
+    def digest(self) -> str:
+        return tree_digest(self)
+
+
+def tree_digest(host_render: HostRender) -> str:
+    """sha256 over the sorted paths, modes and contents of a host's files.
+
+    Releases are named by it: equal trees give equal digests, any change gives a new one.
+
+    >>> tree_digest(HostRender("h", [], {"/a": RenderedFile("x")}))[:12]
+    'c5bf7b4cf3b4'
+    """
+    digest = hashlib.sha256()
+    for path in sorted(host_render.files):
+        item = host_render.files[path]
+        data = item.content.encode()
+        # lengths make the encoding unambiguous: no two trees share a byte stream
+        digest.update(f"{len(path)}:{path}\0{item.mode:o}\0{len(data)}:".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def unit_name(name: str) -> str:
+    """`hgxserve-<engine>.service` (or hgxserve-proxy.service)."""
+    return f"hgxserve-{name}.service"
+
+
+@cache
+def _templates() -> jinja2.Environment:
+    root = Path(__file__).resolve().parent.parent / "files" / "units"
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(root)),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+    )
+
+
+def render_topology(topo: Topology) -> dict[str, HostRender]:
+    """Render every host the topology uses, in the topology's host order."""
+    return {host: render_host(topo, host) for host in topo.hosts_in_use()}
+
+
+def render_host(topo: Topology, host: str) -> HostRender:
+    """Render one host: its engine units, then the proxy unit and config when it runs there."""
+    if host not in topo.hosts:
+        known = ", ".join(topo.hosts)
+        raise RenderError(f"host {host!r} is not in topology {topo.name} (hosts: {known})")
+    units: list[RenderedUnit] = []
+    files: dict[str, RenderedFile] = {}
+    creds: dict[str, CredentialSpec] = {}
+    for engine in topo.engines_on(host):
+        unit = _engine_unit(topo, engine, host, creds)
+        units.append(unit)
+        files[unit.path] = RenderedFile(unit.content)
+    if topo.proxy is not None and topo.proxy.host == host:
+        from hgxserve.render.proxy import render_proxy
+
+        unit, proxy_files = render_proxy(topo, creds)
+        units.append(unit)
+        files[unit.path] = RenderedFile(unit.content)
+        files.update(proxy_files)
+    return HostRender(host, units, files, sorted(creds.values(), key=lambda c: c.name))
+
+
+# --------------------------------------------------------------------------------------------
+# engine units
+# --------------------------------------------------------------------------------------------
+
+
+def run_dir(engine: Engine) -> str:
+    return f"{RUN_ROOT}/{engine.name}"
+
+
+def engine_env(topo: Topology, engine: Engine, plan: NodePlan, key: str) -> dict[str, str]:
+    """The unit environment of one engine node, in a fixed order; topology env last."""
+    env: dict[str, str] = {}
+    container = engine.runtime is not None and engine.runtime.is_container
+    if not container:
+        # In a container the CDI devices are the only GPUs, numbered from 0.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in plan.gpus)
+    if engine.engine == "vllm" and engine.internal_port is not None:
+        env["VLLM_PORT"] = str(engine.internal_port)
+    kv = engine.kv
+    if kv is not None and engine.engine == "vllm" and kv.connector == "nixl":
+        assert plan.side_channel_host is not None
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.side_channel_host
+        # vLLM adds the DP rank itself (base_scheduler.py: + data_parallel_index)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.side_channel_port)
+    if kv is not None and kv.ucx_devices is not None:
+        devices = kv.ucx_devices
+        env["UCX_NET_DEVICES"] = devices if isinstance(devices, str) else ",".join(devices)
+    if kv is not None and kv.ucx_tls:
+        env["UCX_TLS"] = ",".join(kv.ucx_tls)
+    pinned = cache_env(topo.cache.root, key)
+    for var in ENV_SUBDIRS:
+        if var == "SGLANG_DG_CACHE_DIR" and engine.engine != "sglang":
+            continue
+        env[var] = pinned[var]
+    rundir = run_dir(engine)
+    env["TMPDIR"] = f"{rundir}/tmp"
+    if engine.engine == "vllm":
+        env["VLLM_RPC_BASE_PATH"] = f"{rundir}/rpc"
+    env["XDG_CACHE_HOME"] = f"{rundir}/cache"
+    env["HF_HOME"] = f"{rundir}/hf"
+    env["HF_HUB_OFFLINE"] = "1"
+    if engine.engine == "sglang":
+        # /health must not generate: probes would pollute load tests (seed 003 §12.4)
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
+    for name, value in engine.env.items():
+        env[name] = value
+    return env
+
+
+def credential_for(var: str, ref: SecretRef) -> tuple[str, str, str | None]:
+    """(credential name, LoadCredential= value, file the release role writes or None)."""
+    if ref.kind == "credential":
+        return ref.value, ref.value, None
+    if ref.kind == "file":
+        name = var.lower().replace("_", "-")
+        return name, f"{name}:{ref.value}", None
+    name = ref.value.lower().replace("_", "-")
+    path = f"{CREDENTIALS_DIR}/{name}"
+    return name, f"{name}:{path}", path
+
+
+def _add_credential(
+    creds: dict[str, CredentialSpec], unit: str, name: str, ref: SecretRef, path: str | None
+) -> None:
+    known = creds.get(name)
+    if known is not None and (known.ref != ref or known.path != path):
+        raise RenderError(
+            f"credential {name!r} is used for two different secrets on one host "
+            f"({known.ref.kind}:{known.ref.value} and {ref.kind}:{ref.value})"
+        )
+    units = (*known.units, unit) if known else (unit,)
+    creds[name] = CredentialSpec(name, ref, path, units)
+
+
+def secret_wrapper(
+    secret_env: dict[str, SecretRef], unit: str, creds: dict[str, CredentialSpec]
+) -> tuple[list[str], list[str]]:
+    """LoadCredential= lines and the argv prefix that exports each secret from
+    $CREDENTIALS_DIRECTORY, so no secret value is in the unit or on a command line."""
+    lines: list[str] = []
+    prefix: list[str] = []
+    for var, ref in sorted(secret_env.items()):
+        name, line, path = credential_for(var, ref)
+        _add_credential(creds, unit, name, ref, path)
+        lines.append(path_value(line))
+        prefix.append(f"{var}={name}")
+    if prefix:
+        prefix = [AGENT, "gpus", "exec-with-credentials", *prefix, "--"]
+    return lines, prefix
+
+
+def _engine_unit(
+    topo: Topology, engine: Engine, host: str, creds: dict[str, CredentialSpec]
+) -> RenderedUnit:
+    if engine.runtime is None:
+        raise RenderError(f"engine {engine.name}: no runtime (set runtime.venv or runtime.image)")
+    plan = node_plan(topo, engine, host)
+    name = unit_name(engine.name)
+    key = cache_key(topo, engine)
+    args = engine_args(topo, engine, plan)
+    env = engine_env(topo, engine, plan, key)
+    program = engine_program(engine)
+    gpus = ",".join(str(g) for g in plan.gpus)
+    rundir = run_dir(engine)
+    key_dir = f"{topo.cache.root}/{key}"
+    pre_dirs = sorted({env[v] for v in ENV_SUBDIRS if v in env})
+    pre_dirs += [f"{rundir}/{d}" for d in ("tmp", "rpc", "cache", "hf")]
+    exec_start_pre = [exec_line([MKDIR, "-p", *pre_dirs])]
+    exec_stop: list[str] = []
+    exec_stop_post: list[str] = []
+    credential_lines, wrapper = secret_wrapper(engine.secret_env, name, creds)
+    runtime = engine.runtime
+    if runtime.is_container:
+        tool_name = runtime.tool or "podman"
+        tool = CONTAINER_TOOLS[tool_name]
+        container = f"hgxserve-{engine.name}"
+        argv = [
+            tool,
+            "run",
+            "--rm",
+            "--name",
+            container,
+            "--network",
+            "host",
+            "--ipc",
+            "host",
+            "--ulimit",
+            "memlock=-1:-1",
+        ]
+        for gpu in plan.gpus:
+            argv += ["--device", f"nvidia.com/gpu={gpu}"]
+        argv += ["--volume", f"{topo.model.path}:{topo.model.path}:ro"]
+        argv += ["--volume", f"{key_dir}:{key_dir}", "--volume", f"{rundir}:{rundir}"]
+        for var in [*env, *sorted(engine.secret_env)]:
+            # --env NAME passes the value from the unit's environment, never on the command line
+            argv += ["--env", var]
+        argv += ["--entrypoint", program[0], str(runtime.image), *program[1:], *args]
+        remove = (
+            [tool, "rm", "--force", "--ignore", container]
+            if tool_name == "podman"
+            else [tool, "rm", "--force", container]
+        )
+        exec_start_pre.append("-" + exec_line(remove))
+        exec_stop.append(exec_line([tool, "stop", "--time", "60", container]))
+        exec_stop_post.append("-" + exec_line(remove))
+        plan.notes.append(f"container {runtime.image} with CDI GPUs {gpus} via {tool_name}")
+    else:
+        argv = [*program, *args]
+    exec_start_pre.append(exec_line([AGENT, "weights", "check-marker", topo.model.path]))
+    exec_start_pre.append(exec_line([AGENT, "gpus", "check-free", "--gpus", gpus]))
+    exec_stop_post.append(
+        exec_line(
+            [AGENT, "gpus", "wait-free", "--gpus", gpus, "--timeout", str(GPU_WAIT_TIMEOUT_S)]
+        )
+    )
+    if engine.dp > 1 and engine.kv is not None and "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
+        base = engine.kv.side_channel_port
+        ranks = engine.dp_ranks_on(host)
+        plan.notes.append(
+            f"NIXL side channel ports {base + ranks.start}-{base + ranks.stop - 1} on this host: "
+            f"base {base} + DP rank, added by vLLM"
+        )
+    plan.notes.append(f"cache key {key}")
+    where = f"GPUs {gpus}"
+    if plan.nnodes > 1:
+        where += f", node {plan.node_rank}/{plan.nnodes}"
+    description = (
+        f"hgxserve {engine.role} engine {engine.name} "
+        f"({engine.engine} {engine.version or ''}".rstrip()
+        + f", {where})"
+    )
+    headline = f"{engine.engine} {engine.version or '(version not pinned)'} {engine.role} engine "
+    headline += engine.name
+    if plan.nnodes > 1:
+        kind = "head" if plan.is_head else "worker"
+        headline += f", node {plan.node_rank} of {plan.nnodes} ({kind})"
+    content = (
+        _templates()
+        .get_template("engine.service.j2")
+        .render(
+            topology=topo.name,
+            topology_digest=topo.digest[:12],
+            headline=headline,
+            notes=plan.notes,
+            description=description,
+            environment=[environment_value(k, v) for k, v in env.items()],
+            credentials=credential_lines,
+            exec_start_pre=exec_start_pre,
+            exec_start=exec_line([*wrapper, *argv]),
+            exec_stop=exec_stop,
+            exec_stop_post=exec_stop_post,
+            read_only_paths=["-" + path_value(topo.model.path)],
+            read_write_paths=["-" + path_value(key_dir), "-" + path_value(rundir)],
+        )
+    )
+    return RenderedUnit(
+        name=name,
+        engine=engine.name,
+        role=engine.role,
+        argv=argv,
+        env=env,
+        gpus=plan.gpus,
+        content=content,
+        node_rank=plan.node_rank,
+        nnodes=plan.nnodes,
+    )

@@ -1,0 +1,100 @@
+"""`hgxserve render FILE --out DIR [--host NAME]`: write the tree each host will get.
+
+$ hgxserve render topologies/h20-v4flash-4p4d.yml --out build/render
+h20-a  3 units  4 files  tree 9cdc26667fcc
+  /etc/hgxserve/proxy.json
+  /etc/systemd/system/hgxserve-decode-0.service
+  ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+# Files written by the last render of a host tree, so a re-render removes what it no longer has.
+MANIFEST = ".hgxserve-render.json"
+
+
+def write_tree(out: Path, host_render: object) -> list[str]:
+    """Write one HostRender under `out` (paths below it mirror the host); return the paths."""
+    from hgxserve.render import HostRender
+
+    assert isinstance(host_render, HostRender)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = out / MANIFEST
+    previous: list[str] = []
+    if manifest.is_file():
+        try:
+            previous = list(json.loads(manifest.read_text()).get("files", []))
+        except (ValueError, AttributeError):
+            previous = []
+    for path, item in sorted(host_render.files.items()):
+        target = out / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(item.content)
+        os.chmod(tmp, item.mode)
+        tmp.replace(target)
+    for stale in set(previous) - set(host_render.files):
+        stale_path = out / stale.lstrip("/")
+        if stale_path.is_file():
+            stale_path.unlink()
+    manifest.write_text(
+        json.dumps({"files": sorted(host_render.files), "digest": host_render.digest}) + "\n"
+    )
+    return sorted(host_render.files)
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Directory to write DIR/<host>/<absolute path> into.")  # fmt: skip
+@click.option("--host", "only_host", default=None, help="Render only this host.")
+def render(file: str, out_dir: str, only_host: str | None) -> None:
+    """Write the systemd units and config files each host will get.
+
+    \b
+    hgxserve render topologies/h20-v4flash-4p4d.yml --out build/render
+    hgxserve render topologies/h20-v4flash-4p4d.yml --out build/render --host h20-a
+    """
+    from hgxserve.render import RenderError, render_host
+    from hgxserve.topology import check_topology
+
+    result = check_topology(file)
+    for problem in result.problems:
+        click.echo(problem.text(), err=True)
+    if result.errors or result.topology is None:
+        click.echo(f"{file}: not rendered: the topology has errors", err=True)
+        sys.exit(1)
+    topo = result.topology
+    hosts = topo.hosts_in_use()
+    if only_host is not None:
+        if only_host not in topo.hosts:
+            click.echo(
+                f"error: host {only_host!r} is not in {file} (hosts: {', '.join(topo.hosts)})",
+                err=True,
+            )
+            sys.exit(1)
+        hosts = [only_host]
+    try:
+        renders = [render_host(topo, host) for host in hosts]
+    except RenderError as exc:
+        click.echo(f"error: {file}: {exc}", err=True)
+        sys.exit(1)
+    for host_render in renders:
+        paths = write_tree(Path(out_dir) / host_render.host, host_render)
+        click.echo(
+            f"{host_render.host}  {len(host_render.units)} units  {len(paths)} files  "
+            f"tree {host_render.digest[:12]}"
+        )
+        for path in paths:
+            click.echo(f"  {path}")
+        for cred in host_render.credentials:
+            source = f"{cred.ref.kind}:{cred.ref.value}"
+            where = cred.path or "(on the host already)"
+            click.echo(f"  credential {cred.name} <- {source} -> {where}")

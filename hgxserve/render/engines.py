@@ -1,0 +1,433 @@
+"""Engine command lines: the typed topology args mapped to vLLM and SGLang flags.
+
+One function per engine builds the argv of one node of one engine (a single-node engine has one
+node). Flags follow the seeds' working commands (seed 003 §5, §9.2, §12.1; seed 002; seed 000).
+
+>>> plan = node_plan(topo, topo.engines["decode-0"], "h20-a")  # doctest: +SKIP
+>>> vllm_argv(topo, topo.engines["decode-0"], plan)[:3]  # doctest: +SKIP
+['/opt/vllm-0.26/bin/vllm', 'serve', '/models/DeepSeek-V4-Flash-0731']
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hgxserve.topology.model import Engine, Topology, is_loopback
+from hgxserve.topology.ports import engine_bind, side_channel_host, uses_nixl_side_channel
+
+
+class RenderError(Exception):
+    """The topology asks for something the renderer cannot express; the message says what."""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What one host runs of one engine."""
+
+    host: str
+    node_rank: int
+    nnodes: int
+    gpus: tuple[int, ...]
+    head_address: str
+    bind: str
+    side_channel_host: str | None
+    dp_start: int
+    dp_local: int
+    # lines written as comments at the top of the unit (why a value was chosen)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def is_head(self) -> bool:
+        return self.node_rank == 0
+
+
+VLLM_CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+SGLANG_KV_CACHE_DTYPES = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float16": "auto"}
+
+# Typed args each engine has no flag for; the unit names them in a comment.
+VLLM_ONLY = frozenset(
+    {"distributed_executor_backend", "async_scheduling", "disable_nccl_for_dp_synchronization"}
+)
+SGLANG_ONLY = frozenset({"moe_runner_backend", "enable_dp_attention"})
+SGLANG_NO_FLAG = frozenset({"enable_auto_tool_choice"})
+
+
+def compact_json(value: Any) -> str:
+    """JSON without spaces, keys in the order written (as in seed 003's commands)."""
+    return json.dumps(value, separators=(",", ":"))
+
+
+def peers(topo: Topology, engine: Engine) -> set[str]:
+    """Engines on the other side of this engine's P/D routes."""
+    out: set[str] = set()
+    if topo.proxy is None:
+        return out
+    for route in topo.proxy.routes:
+        if engine.name in route.prefill:
+            out.update(route.decode)
+        if engine.name in route.decode:
+            out.update(route.prefill)
+    return out
+
+
+def is_cross_host(topo: Topology, engine: Engine) -> bool:
+    """True when KV for this engine crosses hosts (multi-node, or a peer on another host)."""
+    hosts = set(engine.place)
+    for name in peers(topo, engine):
+        other = topo.engines.get(name)
+        if other is not None:
+            hosts.update(other.place)
+    return len(hosts) > 1
+
+
+def node_plan(topo: Topology, engine: Engine, host: str) -> NodePlan:
+    """Plan one engine's node on `host` (rank, GPUs, addresses, DP ranks)."""
+    hosts = engine.hosts
+    rank = hosts.index(host)
+    head = topo.hosts[engine.head]
+    ranks = engine.dp_ranks_on(host)
+    side: str | None = None
+    notes: list[str] = []
+    if uses_nixl_side_channel(engine):
+        # hgxserve.topology.ports is the one place that decides the side-channel address
+        side = side_channel_host(topo, engine, host)
+        if is_loopback(side) and is_cross_host(topo, engine):
+            notes.append(f"warning: side channel {side} is loopback but P/D crosses hosts")
+        elif is_cross_host(topo, engine):
+            notes.append(
+                f"NIXL side channel on {side}: P/D crosses hosts, loopback would not be "
+                "reachable (seed 003 §11.3)"
+            )
+    return NodePlan(
+        host=host,
+        node_rank=rank,
+        nnodes=len(hosts),
+        gpus=engine.place[host],
+        head_address=head.address,
+        bind=engine_bind(topo, engine),
+        side_channel_host=side,
+        dp_start=ranks.start if ranks else 0,
+        dp_local=len(ranks),
+        notes=notes,
+    )
+
+
+def max_num_seqs(topo: Topology, engine: Engine, plan: NodePlan) -> int:
+    """Explicit max_num_seqs: the arg, else the largest warmup concurrency (bounds CUDA graphs)."""
+    if "max_num_seqs" in engine.args:
+        return int(engine.args["max_num_seqs"])
+    if topo.warmup:
+        value = max(w.concurrency for w in topo.warmup)
+        plan.notes.append(
+            f"max-num-seqs {value}: not set in args; the largest warmup concurrency, so CUDA "
+            "graphs are captured only for batch sizes that will be used (seed 003 §5)"
+        )
+        return value
+    plan.notes.append(
+        "max-num-seqs 256: not set in args and no warmup shapes; the engines' usual default"
+    )
+    return 256
+
+
+def _skipped(engine: Engine, not_for: frozenset[str], plan: NodePlan) -> None:
+    unused = sorted(k for k in engine.args if k in not_for)
+    if unused:
+        plan.notes.append(f"not applicable to {engine.engine}, not rendered: {', '.join(unused)}")
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM
+# --------------------------------------------------------------------------------------------
+
+
+def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
+    """`vllm serve` arguments (without the program) for one node."""
+    args = engine.args
+    argv: list[str] = [topo.model.path, "--served-model-name", topo.model.served_name]
+    if plan.is_head:
+        argv += ["--host", plan.bind, "--port", str(engine.port)]
+    argv += ["--tensor-parallel-size", str(engine.tp)]
+    if engine.pp > 1:
+        argv += ["--pipeline-parallel-size", str(engine.pp)]
+    argv += _vllm_parallel(topo, engine, plan)
+    if engine.ep:
+        argv.append("--enable-expert-parallel")
+    if "dtype" in args:
+        argv += ["--dtype", str(args["dtype"])]
+    if args.get("trust_remote_code"):
+        argv.append("--trust-remote-code")
+    for key, flag in (
+        ("kv_cache_dtype", "--kv-cache-dtype"),
+        ("block_size", "--block-size"),
+        ("gpu_memory_utilization", "--gpu-memory-utilization"),
+        ("max_model_len", "--max-model-len"),
+    ):
+        if key in args:
+            argv += [flag, str(args[key])]
+    argv += ["--max-num-seqs", str(max_num_seqs(topo, engine, plan))]
+    for key, flag in (
+        ("max_num_batched_tokens", "--max-num-batched-tokens"),
+        ("max_cudagraph_capture_size", "--max-cudagraph-capture-size"),
+        ("tokenizer_mode", "--tokenizer-mode"),
+        ("tool_call_parser", "--tool-call-parser"),
+    ):
+        if key in args:
+            argv += [flag, str(args[key])]
+    if args.get("enable_auto_tool_choice"):
+        argv.append("--enable-auto-tool-choice")
+    for key, flag in (
+        ("reasoning_parser", "--reasoning-parser"),
+        ("chat_template", "--chat-template"),
+    ):
+        if key in args:
+            argv += [flag, str(args[key])]
+    argv += _tristate(args, "enable_prefix_caching", "--enable-prefix-caching")
+    if args.get("enforce_eager"):
+        argv.append("--enforce-eager")
+    if "speculative_config" in args:
+        argv += ["--speculative-config", compact_json(args["speculative_config"])]
+    if "attention_backend" in args:
+        argv += ["--attention-backend", str(args["attention_backend"])]
+    backend = args.get("distributed_executor_backend")
+    if backend is None and not engine.is_multi_node:
+        backend = "mp"
+        plan.notes.append(
+            "distributed-executor-backend mp: single-node engine (ray gave garbled output, "
+            "seed 003 §11.3)"
+        )
+    if backend is not None:
+        argv += ["--distributed-executor-backend", str(backend)]
+    argv += _tristate(args, "async_scheduling", "--async-scheduling")
+    argv += _tristate(
+        args, "disable_nccl_for_dp_synchronization", "--disable-nccl-for-dp-synchronization"
+    )
+    if args.get("enable_eplb"):
+        argv.append("--enable-eplb")
+    if "eplb_config" in args:
+        argv += ["--eplb-config", compact_json(args["eplb_config"])]
+    if "all2all_backend" in args:
+        argv += ["--all2all-backend", str(args["all2all_backend"])]
+    if engine.kv is not None:
+        argv += ["--kv-transfer-config", compact_json(vllm_kv_transfer_config(engine))]
+    _skipped(engine, SGLANG_ONLY, plan)
+    argv += list(engine.extra_args)
+    return argv
+
+
+def vllm_kv_transfer_config(engine: Engine) -> dict[str, Any]:
+    """The --kv-transfer-config object (vLLM KVTransferConfig field names).
+
+    `kv_load_failure_policy` is a top-level KVTransferConfig field in vLLM (default "fail"), so
+    it is written only when it differs from that default, keeping seed 003 §9.2's exact text.
+    """
+    kv = engine.kv
+    assert kv is not None
+    if engine.role not in KV_ROLES:
+        raise RenderError(f"engine {engine.name}: role {engine.role} takes no kv transfer")
+    config: dict[str, Any] = {
+        "kv_connector": VLLM_CONNECTORS[kv.connector],
+        "kv_role": KV_ROLES[engine.role],
+        "kv_buffer_device": kv.buffer_device,
+    }
+    if kv.failure_policy != "fail":
+        config["kv_load_failure_policy"] = kv.failure_policy
+    return config
+
+
+def _tristate(args: dict[str, Any], key: str, flag: str) -> list[str]:
+    """true -> --flag, false -> --no-flag (argparse BooleanOptionalAction), unset -> nothing."""
+    if key not in args:
+        return []
+    return [flag] if args[key] else ["--no-" + flag[2:]]
+
+
+def _vllm_parallel(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
+    per_host_ranks = plan.dp_local
+    if not engine.is_multi_node:
+        return ["--data-parallel-size", str(engine.dp)] if engine.dp > 1 else []
+    if per_host_ranks == 0:
+        # One model replica spans hosts (TP/PP across nodes): vLLM's mp multi-node launch.
+        if engine.dp > 1:
+            raise RenderError(
+                f"engine {engine.name}: data parallel with a replica spanning hosts is not "
+                "supported; place whole tp x pp replicas on each host"
+            )
+        out = [
+            "--nnodes",
+            str(plan.nnodes),
+            "--node-rank",
+            str(plan.node_rank),
+            "--master-addr",
+            plan.head_address,
+            "--master-port",
+            str(engine.rpc_port),
+        ]
+        return out if plan.is_head else [*out, "--headless"]
+    out = [
+        "--data-parallel-size",
+        str(engine.dp),
+        "--data-parallel-size-local",
+        str(per_host_ranks),
+    ]
+    if not plan.is_head:
+        out = ["--headless", *out, "--data-parallel-start-rank", str(plan.dp_start)]
+    return [
+        *out,
+        "--data-parallel-address",
+        plan.head_address,
+        "--data-parallel-rpc-port",
+        str(engine.rpc_port),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# SGLang
+# --------------------------------------------------------------------------------------------
+
+
+def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
+    """`sglang serve` arguments (without the program) for one node."""
+    args = engine.args
+    dp_attention = bool(args.get("enable_dp_attention"))
+    # With DP attention SGLang's --tp is the whole world (seed 002: --tp 8 --dp 8 on 8 GPUs).
+    tp = engine.tp * engine.dp if dp_attention else engine.tp
+    argv: list[str] = []
+    if args.get("trust_remote_code"):
+        argv.append("--trust-remote-code")
+    argv += ["--model-path", topo.model.path, "--served-model-name", topo.model.served_name]
+    argv += ["--tp", str(tp)]
+    if engine.dp > 1:
+        argv += ["--dp", str(engine.dp)]
+    if dp_attention:
+        argv.append("--enable-dp-attention")
+    if engine.pp > 1:
+        argv += ["--pp-size", str(engine.pp)]
+    if engine.ep:
+        argv += ["--ep-size", str(tp)]
+    if engine.is_multi_node:
+        argv += [
+            "--nnodes",
+            str(plan.nnodes),
+            "--node-rank",
+            str(plan.node_rank),
+            "--dist-init-addr",
+            _host_port(plan.head_address, engine.rpc_port),
+        ]
+    if "moe_runner_backend" in args:
+        argv += ["--moe-runner-backend", str(args["moe_runner_backend"])]
+    if "all2all_backend" in args:
+        argv += _sglang_a2a(str(args["all2all_backend"]))
+    if "speculative_config" in args:
+        argv += _sglang_speculative(args["speculative_config"])
+    if "dtype" in args:
+        argv += ["--dtype", str(args["dtype"])]
+    if "kv_cache_dtype" in args:
+        kv_dtype = str(args["kv_cache_dtype"])
+        argv += ["--kv-cache-dtype", SGLANG_KV_CACHE_DTYPES.get(kv_dtype, kv_dtype)]
+    for key, flag in (
+        ("block_size", "--page-size"),
+        ("gpu_memory_utilization", "--mem-fraction-static"),
+        ("max_model_len", "--context-length"),
+    ):
+        if key in args:
+            argv += [flag, str(args[key])]
+    argv += ["--max-running-requests", str(max_num_seqs(topo, engine, plan))]
+    for key, flag in (
+        ("max_num_batched_tokens", "--chunked-prefill-size"),
+        ("max_cudagraph_capture_size", "--cuda-graph-max-bs"),
+        ("tokenizer_mode", "--tokenizer-mode"),
+        ("reasoning_parser", "--reasoning-parser"),
+        ("tool_call_parser", "--tool-call-parser"),
+        ("chat_template", "--chat-template"),
+        ("attention_backend", "--attention-backend"),
+    ):
+        if key in args:
+            argv += [flag, str(args[key])]
+    if args.get("enable_prefix_caching") is False:
+        argv.append("--disable-radix-cache")
+    if args.get("enforce_eager"):
+        argv.append("--disable-cuda-graph")
+    if args.get("enable_eplb"):
+        argv.append("--enable-eplb")
+    eplb = args.get("eplb_config") or {}
+    if "num_redundant_experts" in eplb:
+        argv += ["--ep-num-redundant-experts", str(eplb["num_redundant_experts"])]
+    argv += ["--host", plan.bind, "--port", str(engine.port)]
+    if engine.kv is not None:
+        argv += _sglang_disaggregation(topo, engine, plan)
+    _skipped(engine, VLLM_ONLY | SGLANG_NO_FLAG, plan)
+    argv += list(engine.extra_args)
+    return argv
+
+
+def _sglang_disaggregation(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
+    kv = engine.kv
+    assert kv is not None
+    if engine.role not in KV_ROLES:
+        raise RenderError(f"engine {engine.name}: role {engine.role} takes no kv transfer")
+    out = [
+        "--disaggregation-mode",
+        engine.role,
+        "--disaggregation-transfer-backend",
+        kv.connector,
+    ]
+    if engine.role == "prefill":
+        # The bootstrap server runs on the prefill side; decode learns it per request.
+        out += ["--disaggregation-bootstrap-port", str(kv.bootstrap_port)]
+    rdma = topo.hosts[plan.host].rdma
+    if kv.connector == "mooncake" and rdma:
+        out += ["--disaggregation-ib-device", ",".join(rdma)]
+    return out
+
+
+def _sglang_a2a(backend: str) -> list[str]:
+    modes = {"deepep_high_throughput": "normal", "deepep_low_latency": "low_latency"}
+    if backend in modes:
+        return ["--moe-a2a-backend", "deepep", "--deepep-mode", modes[backend]]
+    return ["--moe-a2a-backend", backend]
+
+
+def _sglang_speculative(config: dict[str, Any]) -> list[str]:
+    """vLLM-style {method, num_speculative_tokens} to SGLang's speculative flags.
+
+    DeepSeek MTP runs as SGLang's EAGLE algorithm; k speculative tokens are k steps, top-1,
+    k+1 draft tokens (seed 002: EAGLE 1/1/2).
+    """
+    method = str(config.get("method", "")).lower()
+    algorithm = {"mtp": "EAGLE", "deepseek_mtp": "EAGLE"}.get(method, method.upper())
+    out = ["--speculative-algorithm", algorithm]
+    tokens = config.get("num_speculative_tokens")
+    if tokens is not None:
+        out += [
+            "--speculative-num-steps",
+            str(tokens),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            str(int(tokens) + 1),
+        ]
+    return out
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def engine_program(engine: Engine) -> list[str]:
+    """The program part of the argv: `<venv>/bin/vllm serve` or, in an image, `vllm serve`."""
+    name = "vllm" if engine.engine == "vllm" else "sglang"
+    runtime = engine.runtime
+    if runtime is None or runtime.venv is None:
+        return [name, "serve"]
+    return [f"{runtime.venv.rstrip('/')}/bin/{name}", "serve"]
+
+
+def engine_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
+    if engine.engine == "vllm":
+        return vllm_args(topo, engine, plan)
+    if engine.engine == "sglang":
+        return sglang_args(topo, engine, plan)
+    raise RenderError(f"engine {engine.name}: unknown engine {engine.engine!r}")

@@ -1,0 +1,239 @@
+"""The proxy: hgxserve's own (unit + /etc/hgxserve/proxy.json) or vllm-router / sglang-router.
+
+The JSON follows `hgxserve.proxy.config` (the proxy's own loader) and is checked with its
+`parse_proxy_config` at render time, so a config the proxy would refuse is never rendered.
+
+>>> unit, files = render_proxy(topo, {})  # doctest: +SKIP
+>>> sorted(files)  # doctest: +SKIP
+['/etc/hgxserve/proxy.json']
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from hgxserve.render.engines import RenderError
+from hgxserve.render.systemd import exec_line
+from hgxserve.topology.model import Engine, Topology
+from hgxserve.topology.ports import engine_url
+
+if TYPE_CHECKING:
+    from hgxserve.render import CredentialSpec, RenderedFile, RenderedUnit
+
+PROXY_UNIT = "hgxserve-proxy.service"
+AGENT_VENV = "/opt/hgxserve"
+API_KEY_CREDENTIAL = "api-key"
+
+
+def _protocol(topo: Topology) -> str:
+    proxy = topo.proxy
+    assert proxy is not None
+    names = [n for r in proxy.routes for n in (*r.prefill, *r.decode)] or list(proxy.combined)
+    kinds = {topo.engines[n].engine for n in names if n in topo.engines}
+    if len(kinds) > 1:
+        raise RenderError("proxy routes mix vLLM and SGLang engines; one protocol per proxy")
+    return "sglang" if kinds == {"sglang"} else "vllm-nixl"
+
+
+def proxy_config(topo: Topology) -> dict[str, Any]:
+    """The proxy.json document for `hgxserve proxy serve`."""
+    proxy = topo.proxy
+    assert proxy is not None
+    protocol = _protocol(topo)
+    groups = []
+    for index, route in enumerate(proxy.routes):
+        prefill = []
+        for name in route.prefill:
+            engine = topo.engines[name]
+            endpoint: dict[str, Any] = {"url": engine_url(topo, engine)}
+            if protocol == "sglang":
+                assert engine.kv is not None
+                endpoint["bootstrap_host"] = topo.hosts[engine.head].address
+                endpoint["bootstrap_port"] = engine.kv.bootstrap_port
+            prefill.append(endpoint)
+        decode = [{"url": engine_url(topo, topo.engines[n])} for n in route.decode]
+        groups.append({"name": f"pd-{index}", "prefill": prefill, "decode": decode})
+    config: dict[str, Any] = {
+        "listen": {"host": proxy.listen_host, "port": proxy.listen_port},
+        "protocol": protocol,
+        "served_model_name": topo.model.served_name,
+        "pd_groups": groups,
+        "combined": [{"url": engine_url(topo, topo.engines[n])} for n in proxy.combined],
+        "routing": {"pd_min_prompt_tokens": proxy.pd_min_prompt_tokens},
+        "limits": {
+            "max_body_bytes": proxy.max_body,
+            "prefill_timeout_s": proxy.timeout_s,
+            "read_timeout_s": proxy.timeout_s,
+        },
+    }
+    if proxy.api_key is not None:
+        name = _api_key_name(topo)
+        config["auth"] = {"api_key_file": f"/run/credentials/{PROXY_UNIT}/{name}"}
+    return config
+
+
+def _api_key_name(topo: Topology) -> str:
+    proxy = topo.proxy
+    assert proxy is not None and proxy.api_key is not None
+    return proxy.api_key.value if proxy.api_key.kind == "credential" else API_KEY_CREDENTIAL
+
+
+def _router_argv(topo: Topology) -> list[str]:
+    proxy = topo.proxy
+    assert proxy is not None
+    if proxy.api_key is not None:
+        raise RenderError(
+            f"proxy kind {proxy.kind} takes its API key only on the command line, where it would "
+            "leak; use kind hgxserve for auth, or drop proxy.auth"
+        )
+    if proxy.routes and proxy.combined:
+        raise RenderError(
+            f"proxy kind {proxy.kind} cannot mix P/D routes and combined engines "
+            "(no prompt-length buckets); use kind hgxserve"
+        )
+    runtime = proxy.runtime
+    venv = runtime.venv if runtime and runtime.venv else AGENT_VENV
+    prefills = [topo.engines[n] for r in proxy.routes for n in r.prefill]
+    decodes = [topo.engines[n] for r in proxy.routes for n in r.decode]
+    combined = [topo.engines[n] for n in proxy.combined]
+    listen = ["--host", proxy.listen_host, "--port", str(proxy.listen_port)]
+    if proxy.kind == "vllm-router":
+        argv = [f"{venv}/bin/vllm-router", "--policy", "consistent_hash"]
+        if prefills:
+            kv = prefills[0].kv
+            connector = kv.connector if kv else "nixl"
+            argv += ["--vllm-pd-disaggregation", "--kv-connector", connector]
+            for engine in _unique(prefills):
+                argv += ["--prefill", engine_url(topo, engine)]
+            for engine in _unique(decodes):
+                argv += ["--decode", engine_url(topo, engine)]
+            local_dp = max(max(len(e.dp_ranks_on(e.head)), 1) for e in _unique(prefills + decodes))
+            argv += ["--intra-node-data-parallel-size", str(local_dp)]
+        else:
+            argv += ["--worker-urls", *[engine_url(topo, e) for e in combined]]
+        return argv + listen + ["--request-timeout-secs", str(int(proxy.timeout_s))]
+    argv = [f"{venv}/bin/python", "-m", "sglang_router.launch_router"]
+    if prefills:
+        argv.append("--pd-disaggregation")
+        for engine in _unique(prefills):
+            port = engine.kv.bootstrap_port if engine.kv else 8998
+            argv += ["--prefill", engine_url(topo, engine), str(port)]
+        for engine in _unique(decodes):
+            argv += ["--decode", engine_url(topo, engine)]
+    else:
+        argv += ["--worker-urls", *[engine_url(topo, e) for e in combined]]
+    return argv + listen
+
+
+def _unique(engines: list[Engine]) -> list[Engine]:
+    seen: dict[str, Engine] = {}
+    for engine in engines:
+        seen.setdefault(engine.name, engine)
+    return list(seen.values())
+
+
+def render_proxy(
+    topo: Topology, creds: dict[str, CredentialSpec]
+) -> tuple[RenderedUnit, dict[str, RenderedFile]]:
+    """The proxy unit and, for kind hgxserve, /etc/hgxserve/proxy.json."""
+    from hgxserve.render import (
+        AGENT,
+        CONTAINER_TOOLS,
+        CREDENTIALS_DIR,
+        PROXY_CONFIG,
+        RenderedFile,
+        RenderedUnit,
+        _add_credential,
+        _templates,
+        unit_name,
+    )
+    from hgxserve.render.systemd import environment_value, path_value
+
+    proxy = topo.proxy
+    assert proxy is not None
+    files: dict[str, RenderedFile] = {}
+    notes: list[str] = []
+    credentials: list[str] = []
+    routed = {n for r in proxy.routes for n in (*r.prefill, *r.decode)} | set(proxy.combined)
+    local = [
+        unit_name(e.name)
+        for e in topo.engines.values()
+        if e.name in routed and proxy.host in e.place
+    ]
+    if proxy.kind == "hgxserve":
+        from hgxserve.proxy.config import ProxyConfigError, parse_proxy_config
+
+        config = proxy_config(topo)
+        try:
+            parse_proxy_config(config)
+        except ProxyConfigError as exc:
+            raise RenderError(f"rendered proxy config is invalid:\n{exc}") from exc
+        files[PROXY_CONFIG] = RenderedFile(json.dumps(config, indent=2) + "\n")
+        argv = [AGENT, "proxy", "serve", "--config", PROXY_CONFIG]
+        if proxy.api_key is not None:
+            ref = proxy.api_key
+            name = _api_key_name(topo)
+            path: str | None = None
+            if ref.kind == "credential":
+                line = name
+            elif ref.kind == "file":
+                line = f"{name}:{ref.value}"
+            else:
+                path = f"{CREDENTIALS_DIR}/{name}"
+                line = f"{name}:{path}"
+            _add_credential(creds, PROXY_UNIT, name, ref, path)
+            credentials.append(path_value(line))
+            notes.append("API key: systemd credential, read from $CREDENTIALS_DIRECTORY")
+    else:
+        argv = _router_argv(topo)
+        notes.append(f"{proxy.kind}: no prompt-length buckets, no combined fallback")
+    exec_stop: list[str] = []
+    runtime = proxy.runtime
+    if runtime is not None and runtime.is_container:
+        tool = CONTAINER_TOOLS[runtime.tool or "podman"]
+        name = "hgxserve-proxy"
+        argv = [
+            tool,
+            "run",
+            "--rm",
+            "--name",
+            name,
+            "--network",
+            "host",
+            "--entrypoint",
+            argv[0].rsplit("/", 1)[-1],
+            str(runtime.image),
+            *argv[1:],
+        ]
+        exec_stop.append(exec_line([tool, "stop", "--time", "30", name]))
+    listen = f"{proxy.listen_host}:{proxy.listen_port}"
+    content = (
+        _templates()
+        .get_template("proxy.service.j2")
+        .render(
+            topology=topo.name,
+            topology_digest=topo.digest[:12],
+            kind=proxy.kind,
+            listen=listen,
+            notes=notes,
+            description=f"hgxserve proxy ({proxy.kind}) on {listen} for {topo.model.served_name}",
+            after=["network-online.target", *local],
+            environment=[environment_value("HF_HUB_OFFLINE", "1")],
+            credentials=credentials,
+            exec_start_pre=[],
+            exec_start=exec_line(argv),
+            exec_stop=exec_stop,
+            exec_stop_post=[],
+        )
+    )
+    unit = RenderedUnit(
+        name=PROXY_UNIT,
+        engine=None,
+        role="proxy",
+        argv=argv,
+        env={"HF_HUB_OFFLINE": "1"},
+        gpus=(),
+        content=content,
+    )
+    return unit, files
