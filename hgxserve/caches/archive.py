@@ -443,7 +443,11 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def restore_archive(
-    archive: str, dest: str, sha256: str | None = None, force: bool = False
+    archive: str,
+    dest: str,
+    sha256: str | None = None,
+    force: bool = False,
+    full_key: str | None = None,
 ) -> RestoreResult:
     """Restore an archive into `dest`, atomically and verified; a no-op if already restored.
 
@@ -455,7 +459,8 @@ def restore_archive(
         raise ArchiveError(f"{archive}: no such archive")
     want = expected_digest(archive, sha256)
     marker = read_marker(dest) if os.path.isdir(dest) else None
-    if not force and marker and want and marker.get("archive_sha256") == want:
+    same_key = full_key is None or marker is not None and marker.get("full_key") == full_key
+    if not force and marker and want and marker.get("archive_sha256") == want and same_key:
         return RestoreResult(
             dest, want, marker.get("manifest_sha256", ""), int(marker.get("files", 0)),
             int(marker.get("bytes", 0)), changed=False, seconds=time.monotonic() - started,
@@ -489,6 +494,7 @@ def restore_archive(
             {
                 "format": FORMAT,
                 "key": manifest.get("key"),
+                "full_key": full_key,
                 "archive_sha256": want or sha256_of(archive),
                 "manifest_sha256": manifest_sha,
                 "files": len(files),
@@ -522,13 +528,14 @@ def restore_archive(
     )
 
 
-def mark_packed(dest: str, result: PackResult) -> None:
+def mark_packed(dest: str, result: PackResult, full_key: str | None = None) -> None:
     """Record on the bake host that `dest` holds exactly the archive it was packed into."""
     write_marker(
         dest,
         {
             "format": FORMAT,
             "key": os.path.basename(dest.rstrip("/")),
+            "full_key": full_key,
             "archive_sha256": result.sha256,
             "manifest_sha256": result.manifest_sha256,
             "files": result.files,

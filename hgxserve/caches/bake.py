@@ -1,0 +1,307 @@
+"""Bake a JIT/compile cache: start the engine as its unit would, warm every shape, until quiet.
+
+The engine runs as a local child process with exactly the unit's argv and environment (plus the
+PATH and locale systemd gives every unit), its output in a log file. After `/health` answers 200
+the bake sends every warm-up shape, scans what the engine logged meanwhile for JIT/compile lines,
+and warms again until a round logs none (bounded). Then it stops the engine like systemd would
+(SIGTERM to its process group, wait, SIGKILL after a timeout) and writes a bake record into the
+cache directory. For SGLang it first runs `python -m sglang.compile_deep_gemm` with the server's
+own arguments, which compiles DeepGEMM kernels for every M ahead of time.
+
+    >>> record = bake(BakeSpec(argv=unit.argv, env=unit.env, cache_dir=d,  # doctest: +SKIP
+    ...                        base_url="http://127.0.0.1:8100", shapes=plan))
+    >>> record["settled"]  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from hgxserve.caches.layout import BAKE_RECORD, ENV_SUBDIRS
+from hgxserve.caches.logscan import JitHit, read_from, scan
+from hgxserve.caches.warmup import Shape, run_shape, served_model
+
+# What systemd puts in every unit's environment before Environment= lines.
+SYSTEMD_BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+}
+
+
+class BakeError(Exception):
+    """The bake could not finish; the message says why and where the engine log is."""
+
+
+@dataclass
+class BakeSpec:
+    argv: list[str]
+    env: dict[str, str]
+    cache_dir: str
+    base_url: str
+    shapes: list[Shape]
+    engine: str = "vllm"
+    key: str | None = None
+    unit: str | None = None
+    log_path: str | None = None
+    ready_timeout: float = 3600.0
+    request_timeout: float = 900.0
+    stop_timeout: float = 120.0
+    max_rounds: int = 4
+    settle_seconds: float = 1.0
+    deep_gemm_timeout: float = 7200.0
+    compile_deep_gemm: bool = True
+    model: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def unit_environment(env: dict[str, str]) -> dict[str, str]:
+    """The environment a systemd unit with these Environment= entries would start with."""
+    return {**SYSTEMD_BASE_ENV, **env}
+
+
+def deep_gemm_argv(argv: list[str]) -> list[str]:
+    """`python -m sglang.compile_deep_gemm <server args>` from an `sglang serve` argv.
+
+    >>> deep_gemm_argv(["/opt/sg/bin/sglang", "serve", "--model-path", "/m", "--tp", "8"])
+    ['/opt/sg/bin/python', '-m', 'sglang.compile_deep_gemm', '--model-path', '/m', '--tp', '8']
+    """
+    program = os.path.basename(argv[0])
+    if program == "sglang" and len(argv) > 1 and argv[1] == "serve":
+        flags = argv[2:]
+    elif "-m" in argv and argv[argv.index("-m") + 1 : argv.index("-m") + 2] == [
+        "sglang.launch_server"
+    ]:
+        flags = argv[argv.index("-m") + 2 :]
+    else:
+        raise BakeError(
+            f"cannot derive compile_deep_gemm from {argv[:3]}: expected `sglang serve ...` or "
+            "`python -m sglang.launch_server ...`; use --no-deep-gemm to skip it"
+        )
+    folder = os.path.dirname(argv[0])
+    python = os.path.join(folder, "python") if folder else "python3"
+    return [python, "-m", "sglang.compile_deep_gemm", *flags]
+
+
+# Scratch directories a unit's ExecStartPre creates besides the cache dirs.
+RUN_DIR_VARS = ("TMPDIR", "VLLM_RPC_BASE_PATH", "XDG_CACHE_HOME", "HF_HOME")
+
+
+def ensure_cache_dirs(env: dict[str, str]) -> list[str]:
+    """Create the directories the unit's cache (and scratch) variables point at.
+
+    Returns the cache directories.
+    """
+    for var in RUN_DIR_VARS:
+        if env.get(var, "").startswith("/"):
+            os.makedirs(env[var], exist_ok=True)
+    made = []
+    for var in ENV_SUBDIRS:
+        path = env.get(var)
+        if path and os.path.isabs(path):
+            os.makedirs(path, exist_ok=True)
+            made.append(path)
+    return sorted(set(made))
+
+
+def _health(base_url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return None
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 8192))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join("    " + ln for ln in text.splitlines()[-lines:])
+
+
+def stop_engine(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    """SIGTERM the engine's process group (KillMode=control-group), wait, SIGKILL if needed."""
+    started = time.monotonic()
+    killed = False
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    # Workers left in the group after the leader exited get the same end.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return {
+        "pid": proc.pid,
+        "returncode": proc.returncode,
+        "sigkill": killed,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def _run_deep_gemm(spec: BakeSpec, env: dict[str, str], log: Any) -> dict[str, Any]:
+    argv = deep_gemm_argv(spec.argv)
+    log.write(f"### hgxserve cache bake: {' '.join(argv)}\n".encode())
+    log.flush()
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=spec.deep_gemm_timeout
+        )
+    except FileNotFoundError as exc:
+        raise BakeError(f"compile_deep_gemm: {exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise BakeError(f"compile_deep_gemm ran past {spec.deep_gemm_timeout:g}s") from exc
+    if proc.returncode != 0:
+        raise BakeError(
+            f"compile_deep_gemm exited {proc.returncode}; log: {spec.log_path}\n"
+            + _tail(spec.log_path or "")
+        )
+    return {"argv": argv, "seconds": round(time.monotonic() - started, 3)}
+
+
+def bake(spec: BakeSpec) -> dict[str, Any]:
+    """Run one bake and return (and write) its record.
+
+    >>> bake(spec)["rounds"][-1]["jit_lines"]  # doctest: +SKIP
+    0
+    """
+    os.makedirs(spec.cache_dir, exist_ok=True)
+    env = unit_environment(spec.env)
+    dirs = ensure_cache_dirs(env)
+    log_path = spec.log_path or os.path.join(
+        spec.cache_dir, "..", f".bake-{spec.key or 'engine'}.log"
+    )
+    log_path = os.path.abspath(log_path)
+    spec.log_path = log_path
+    record: dict[str, Any] = {
+        "format": "hgxserve-bake/1",
+        "key": spec.key,
+        "unit": spec.unit,
+        "engine": spec.engine,
+        "argv": spec.argv,
+        "env": dict(sorted(spec.env.items())),
+        "cache_dirs": dirs,
+        "shapes": [s.as_dict() for s in spec.shapes],
+        **spec.extra,
+    }
+    started = time.monotonic()
+    with open(log_path, "ab") as log:
+        if spec.engine == "sglang" and spec.compile_deep_gemm:
+            record["compile_deep_gemm"] = _run_deep_gemm(spec, env, log)
+        log.write(f"### hgxserve cache bake: {' '.join(spec.argv)}\n".encode())
+        log.flush()
+        start_offset = log.tell()
+        try:
+            proc = subprocess.Popen(
+                spec.argv,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group, stopped as one like a unit
+            )
+        except OSError as exc:
+            raise BakeError(f"cannot start {spec.argv[0]}: {exc.strerror}") from exc
+    try:
+        record.update(_bake_running(spec, proc, log_path, start_offset, started))
+    finally:
+        record["stop"] = stop_engine(proc, spec.stop_timeout)
+    record["seconds"] = round(time.monotonic() - started, 3)
+    path = os.path.join(spec.cache_dir, BAKE_RECORD)
+    with open(path + ".tmp", "w") as fh:
+        json.dump(record, fh, indent=1, sort_keys=True)
+        fh.write("\n")
+    os.replace(path + ".tmp", path)
+    return record
+
+
+def _bake_running(
+    spec: BakeSpec, proc: subprocess.Popen[bytes], log_path: str, offset: int, started: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + spec.ready_timeout
+    while True:
+        if proc.poll() is not None:
+            raise BakeError(
+                f"engine exited with {proc.returncode} before ready; log: {log_path}\n"
+                + _tail(log_path)
+            )
+        if _health(spec.base_url) == 200:
+            break
+        if time.monotonic() > deadline:
+            raise BakeError(
+                f"engine not ready after {spec.ready_timeout:g}s at {spec.base_url}/health; "
+                f"log: {log_path}\n" + _tail(log_path)
+            )
+        time.sleep(0.5)
+    ready_seconds = time.monotonic() - started
+    startup_text, offset = read_from(log_path, offset)
+    startup_hits = scan(startup_text)
+    model = spec.model or served_model(spec.base_url)
+    if not model:
+        raise BakeError(f"{spec.base_url}/v1/models lists no model; log: {log_path}")
+    rounds: list[dict[str, Any]] = []
+    settled = False
+    for round_no in range(1, spec.max_rounds + 1):
+        round_started = time.monotonic()
+        results = []
+        for shape in spec.shapes:
+            if proc.poll() is not None:
+                raise BakeError(
+                    f"engine exited with {proc.returncode} during warm-up; log: {log_path}\n"
+                    + _tail(log_path)
+                )
+            results.append(run_shape(spec.base_url, model, shape, round_no, spec.request_timeout))
+        # Lines about a request can trail its response a little.
+        time.sleep(spec.settle_seconds)
+        text, offset = read_from(log_path, offset)
+        hits: list[JitHit] = scan(text)
+        failed = sum(len(r.errors) for r in results)
+        rounds.append(
+            {
+                "round": round_no,
+                "requests": sum(r.ok for r in results) + failed,
+                "failed": failed,
+                "jit_lines": len(hits),
+                "jit": [h.as_dict() for h in hits[:50]],
+                "shapes": [r.as_dict() for r in results],
+                "seconds": round(time.monotonic() - round_started, 3),
+            }
+        )
+        if failed:
+            first = next(e for r in results for e in r.errors)
+            raise BakeError(
+                f"round {round_no}: {failed} warm-up request(s) failed, first: {first}; "
+                f"log: {log_path}"
+            )
+        if not hits:
+            settled = True
+            break
+    return {
+        "model": model,
+        "ready_seconds": round(ready_seconds, 3),
+        "startup_jit_lines": len(startup_hits),
+        "startup_jit": [h.as_dict() for h in startup_hits[:50]],
+        "rounds": rounds,
+        "settled": settled,
+        "log": log_path,
+    }

@@ -1,0 +1,332 @@
+"""`hgxserve cache`: key, facts, bake, pack, restore, scan and state of JIT/compile caches.
+
+Example:
+    hgxserve cache key --topology topologies/h20-v4flash-tp8.yml --engine combined-0 \\
+        --host h20-a --facts facts.json
+    hgxserve cache bake --topology t.yml --engine combined-0 --pack-to /srv/caches/
+    hgxserve cache pack --dir /var/cache/hgxserve/<key> --out /srv/caches/
+    hgxserve cache restore --archive /srv/caches/<sha256>.tar.zst --dir /var/cache/hgxserve/<key>
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from hgxserve.caches.archive import (
+    ArchiveError,
+    mark_packed,
+    pack_dir,
+    read_marker,
+    restore_archive,
+)
+from hgxserve.caches.hostfacts import FactsError, load_facts_file, probe_host_facts
+from hgxserve.caches.layout import DEFAULT_ROOT, ENV_SUBDIRS, valid_key
+
+EXIT_JIT_FOUND = 1
+
+
+def _dump(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _load(topology: str) -> Any:
+    from hgxserve.topology import TopologyError, load_topology
+
+    try:
+        return load_topology(topology)
+    except TopologyError as exc:
+        lines = [str(p) for p in exc.problems] if getattr(exc, "problems", None) else [str(exc)]
+        raise click.ClickException(
+            f"{topology}: not a valid topology:\n" + "\n".join(lines)
+        ) from exc
+
+
+def _engine_and_host(topo: Any, engine: str, host: str | None) -> tuple[Any, str]:
+    if engine not in topo.engines:
+        known = ", ".join(topo.engines)
+        raise click.ClickException(f"engine {engine!r} is not in {topo.name} (engines: {known})")
+    eng = topo.engines[engine]
+    if host is None:
+        host = eng.head
+    if host not in eng.place:
+        raise click.ClickException(
+            f"engine {engine} does not run on host {host!r} (it runs on {', '.join(eng.place)})"
+        )
+    return eng, host
+
+
+def _facts(path: str | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        return load_facts_file(path)
+    except FactsError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.group()
+def cache() -> None:
+    """Key, bake, pack, restore and scan JIT/compile caches (vLLM, SGLang, DeepGEMM, ...).
+
+    Example: hgxserve cache key --topology t.yml --engine decode-0 --facts facts.json
+    """
+
+
+@cache.command("key")
+@click.option("--topology", "topology", required=True, type=click.Path(dir_okay=False))
+@click.option("--engine", required=True, help="Engine name in the topology.")
+@click.option("--host", default=None, help="Host the key is for (default: the engine's head).")
+@click.option(
+    "--facts",
+    "facts_path",
+    default=None,
+    help="Host facts JSON (see docs/caches.md; `hgxserve cache facts` prints one).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print key, render key and all inputs.")
+def key_command(
+    topology: str, engine: str, host: str | None, facts_path: str | None, as_json: bool
+) -> None:
+    """Print the cache key of an engine on a host: render-time inputs plus host facts.
+
+    Example: hgxserve cache key --topology t.yml --engine combined-0 --facts facts.json
+    """
+    from hgxserve.caches.key import cache_key, key_inputs
+
+    topo = _load(topology)
+    eng, host = _engine_and_host(topo, engine, host)
+    facts = _facts(facts_path)
+    full = cache_key(topo, eng, host_facts=facts)
+    if not as_json:
+        click.echo(full)
+        return
+    _dump(
+        {
+            "key": full,
+            "render_key": cache_key(topo, eng),
+            "host": host,
+            "dir": f"{topo.cache.root}/{cache_key(topo, eng)}",
+            "inputs": key_inputs(topo, eng, facts),
+        }
+    )
+
+
+@cache.command("facts")
+@click.option("--python", "python", default=None, help="The engine runtime's Python.")
+@click.option("--engine", "engine_kind", type=click.Choice(["vllm", "sglang"]), default=None)
+@click.option("--topology", "topology", default=None, type=click.Path(dir_okay=False))
+@click.option("--engine-name", default=None, help="With --topology: engine whose runtime to probe.")
+@click.option("--manifest", default=None, help="Model manifest file to hash.")
+def facts_command(
+    python: str | None,
+    engine_kind: str | None,
+    topology: str | None,
+    engine_name: str | None,
+    manifest: str | None,
+) -> None:
+    """Print this host's key facts (engine/torch/CUDA/driver versions, GPU name, SMs) as JSON.
+
+    Example: hgxserve cache facts --python /opt/vllm-0.26/bin/python --engine vllm
+    """
+    if topology:
+        topo = _load(topology)
+        if not engine_name:
+            raise click.ClickException("--topology needs --engine-name")
+        eng, _ = _engine_and_host(topo, engine_name, None)
+        if eng.runtime is None or eng.runtime.venv is None:
+            raise click.ClickException(
+                f"engine {engine_name}: runs in an image; probe inside it with --python"
+            )
+        python = python or os.path.join(eng.runtime.venv, "bin", "python")
+        engine_kind = engine_kind or eng.engine
+        manifest = manifest or os.path.join(topo.model.path, topo.model.manifest)
+    if not python or not engine_kind:
+        raise click.ClickException("give --python and --engine, or --topology and --engine-name")
+    try:
+        _dump(probe_host_facts(python, engine_kind, manifest))
+    except FactsError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@cache.command("pack")
+@click.option("--dir", "src", required=True, help="Cache key directory, <root>/<key>.")
+@click.option("--out", required=True, help="Directory for <sha256>.tar.zst, or an archive path.")
+@click.option("--key", default=None, help="Full key to record on this host (bake host).")
+@click.option("--level", default=3, show_default=True, type=click.IntRange(1, 19))
+def pack_command(src: str, out: str, key: str | None, level: int) -> None:
+    """Pack a cache directory into a deterministic, content-addressed tar+zstd archive.
+
+    Example: hgxserve cache pack --dir /var/cache/hgxserve/<key> --out /srv/caches/
+    """
+    try:
+        result = pack_dir(src, out, level=level)
+    except ArchiveError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if key:
+        mark_packed(src, result, full_key=key)
+    _dump(result.as_dict())
+
+
+@cache.command("restore")
+@click.option("--archive", required=True, help="Archive file (named <sha256>.tar.zst).")
+@click.option("--dir", "dest", required=True, help="Cache key directory to restore into.")
+@click.option("--sha256", default=None, help="Expected archive sha256 (default: from its name).")
+@click.option("--key", "full_key", default=None, help="Full key to record with the restore.")
+@click.option("--force", is_flag=True, help="Restore even if this archive is already in place.")
+def restore_command(
+    archive: str, dest: str, sha256: str | None, full_key: str | None, force: bool
+) -> None:
+    """Restore an archive atomically: unpack aside, verify every checksum, then swap in.
+
+    Example: hgxserve cache restore --archive /srv/<sha256>.tar.zst --dir /var/cache/hgxserve/<key>
+    """
+    try:
+        result = restore_archive(archive, dest, sha256=sha256, force=force, full_key=full_key)
+    except ArchiveError as exc:
+        raise click.ClickException(str(exc)) from exc
+    _dump(result.as_dict())
+
+
+@cache.command("state")
+@click.option("--root", default=DEFAULT_ROOT, show_default=True)
+def state_command(root: str) -> None:
+    """Print the keys present under the cache root with their archive digests.
+
+    Example: hgxserve cache state --root /var/cache/hgxserve
+    """
+    _dump(cache_state(root))
+
+
+def cache_state(root: str) -> dict[str, Any]:
+    """{render key: restore marker} for every key directory with a marker."""
+    state: dict[str, Any] = {}
+    for path in sorted(glob.glob(os.path.join(root, "*", ".hgxserve-cache.json"))):
+        key = os.path.basename(os.path.dirname(path))
+        marker = read_marker(os.path.dirname(path))
+        if marker and valid_key(key):
+            state[key] = marker
+    return state
+
+
+@cache.command("scan")
+@click.argument("log", type=click.File("r"))
+def scan_command(log: Any) -> None:
+    """List JIT/compile lines in an engine log; exit 1 if there are any.
+
+    Example: journalctl -u hgxserve-decode-0 --since "10 min ago" | hgxserve cache scan -
+    """
+    from hgxserve.caches.logscan import scan
+
+    hits = [h.as_dict() for h in scan(log.read())]
+    _dump(hits)
+    if hits:
+        sys.exit(EXIT_JIT_FOUND)
+
+
+@cache.command("bake")
+@click.option("--topology", "topology", required=True, type=click.Path(dir_okay=False))
+@click.option("--engine", required=True, help="Engine name in the topology.")
+@click.option("--host", default=None, help="This host's name (default: the engine's head).")
+@click.option("--base-url", default=None, help="Engine URL (default http://127.0.0.1:<port>).")
+@click.option("--facts", "facts_path", default=None, help="Host facts JSON for the full key.")
+@click.option("--max-rounds", default=4, show_default=True, type=click.IntRange(1, 50))
+@click.option("--ready-timeout", default=3600.0, show_default=True, type=float)
+@click.option("--stop-timeout", default=120.0, show_default=True, type=float)
+@click.option("--log", "log_path", default=None, help="Engine log file (default beside the key).")
+@click.option("--no-deep-gemm", is_flag=True, help="SGLang: skip sglang.compile_deep_gemm.")
+@click.option("--pack-to", default=None, help="Then pack the cache into this directory.")
+def bake_command(
+    topology: str,
+    engine: str,
+    host: str | None,
+    base_url: str | None,
+    facts_path: str | None,
+    max_rounds: int,
+    ready_timeout: float,
+    stop_timeout: float,
+    log_path: str | None,
+    no_deep_gemm: bool,
+    pack_to: str | None,
+) -> None:
+    """Start the engine as its unit would, warm every topology shape until no JIT, stop it.
+
+    Example: hgxserve cache bake --topology t.yml --engine combined-0 --pack-to /srv/caches/
+    """
+    from hgxserve.caches.bake import BakeError, BakeSpec, bake
+    from hgxserve.caches.key import cache_key
+    from hgxserve.caches.warmup import Shape, warmup_plan
+    from hgxserve.render import RenderError, render_host
+
+    topo = _load(topology)
+    eng, host = _engine_and_host(topo, engine, host)
+    if eng.is_multi_node:
+        raise click.ClickException(
+            f"engine {engine} spans {len(eng.place)} hosts; bake a single-host engine with the "
+            "same settings (a multi-node bake needs every node started together)"
+        )
+    try:
+        units = render_host(topo, host).units
+    except RenderError as exc:
+        raise click.ClickException(str(exc)) from exc
+    unit = next((u for u in units if u.engine == engine), None)
+    if unit is None:
+        raise click.ClickException(f"no unit for engine {engine} on {host}")
+    pinned = {unit.env[v] for v in ENV_SUBDIRS if v in unit.env}
+    parents = {os.path.dirname(p) for p in pinned}
+    if len(parents) != 1:
+        raise click.ClickException(f"unit {unit.name}: cache variables do not share one key dir")
+    cache_dir = parents.pop()
+    facts = _facts(facts_path)
+    full_key = cache_key(topo, eng, host_facts=facts)
+    max_len = eng.args.get("max_model_len") or eng.args.get("context_length")
+    shapes = warmup_plan(
+        [Shape(w.input, w.output, w.concurrency, w.api) for w in topo.warmup],
+        int(max_len) if max_len else None,
+    )
+    bind = eng.bind if eng.bind and eng.bind not in ("0.0.0.0", "::") else "127.0.0.1"
+    spec = BakeSpec(
+        argv=list(unit.argv),
+        env=dict(unit.env),
+        cache_dir=cache_dir,
+        base_url=base_url or f"http://{bind}:{eng.port}",
+        shapes=shapes,
+        engine=eng.engine,
+        key=os.path.basename(cache_dir),
+        unit=unit.name,
+        log_path=log_path,
+        ready_timeout=ready_timeout,
+        stop_timeout=stop_timeout,
+        max_rounds=max_rounds,
+        compile_deep_gemm=not no_deep_gemm,
+        model=topo.model.served_name,
+        extra={"full_key": full_key, "host": host, "host_facts": facts},
+    )
+    try:
+        record = bake(spec)
+    except BakeError as exc:
+        raise click.ClickException(str(exc)) from exc
+    summary: dict[str, Any] = {
+        "dir": cache_dir,
+        "full_key": full_key,
+        "settled": record["settled"],
+        "ready_seconds": record["ready_seconds"],
+        "rounds": [{k: r[k] for k in ("round", "requests", "jit_lines")} for r in record["rounds"]],
+        "log": record["log"],
+    }
+    if pack_to:
+        try:
+            packed = pack_dir(cache_dir, pack_to if pack_to.endswith("/") else pack_to + "/")
+        except ArchiveError as exc:
+            raise click.ClickException(str(exc)) from exc
+        mark_packed(cache_dir, packed, full_key=full_key)
+        summary["archive"] = packed.as_dict()
+    _dump(summary)
+    if not record["settled"]:
+        click.echo(
+            f"warning: JIT still fired after {max_rounds} rounds; see {record['log']}", err=True
+        )

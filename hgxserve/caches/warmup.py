@@ -1,0 +1,143 @@
+"""Warm-up requests for the topology's real request shapes (input x output x concurrency).
+
+Prompts are token ids (`"prompt": [ids]`, accepted by vLLM and SGLang completions), so a shape
+of 4096 input tokens is exactly 4096 tokens with any tokenizer. Each request of a shape gets a
+different prefix, so prefix caching cannot turn the warm-up into cache hits. All requests of a
+shape are sent at once, so batched kernels of that concurrency are exercised too.
+
+    >>> plan = warmup_plan([Shape(128, 64, 8)], max_model_len=4096)
+    >>> [(s.input, s.output, s.concurrency, s.label) for s in plan][-1]
+    (4080, 16, 1, 'near-max')
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+NEAR_MAX_OUTPUT = 16
+# Token ids below 256 exist in every vocabulary, even byte-level ones of tiny test models.
+_ID_LOW, _ID_SPAN = 10, 240
+
+
+@dataclass(frozen=True)
+class Shape:
+    input: int
+    output: int
+    concurrency: int = 1
+    api: str = "completions"
+    label: str = "topology"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "input": self.input,
+            "output": self.output,
+            "concurrency": self.concurrency,
+            "api": self.api,
+            "label": self.label,
+        }
+
+
+def warmup_plan(shapes: list[Shape], max_model_len: int | None) -> list[Shape]:
+    """The topology's shapes plus one near max_model_len (seed 003 §8.2), without duplicates.
+
+    Shapes that do not fit max_model_len are clipped to fit, since the engine rejects them.
+    """
+    plan: list[Shape] = []
+    for shape in shapes:
+        if max_model_len and shape.input + shape.output > max_model_len:
+            output = min(shape.output, max(1, max_model_len // 2))
+            shape = Shape(max_model_len - output, output, shape.concurrency, shape.api, "clipped")
+        if shape not in plan:
+            plan.append(shape)
+    if max_model_len and max_model_len > NEAR_MAX_OUTPUT + 1:
+        near = Shape(max_model_len - NEAR_MAX_OUTPUT, NEAR_MAX_OUTPUT, 1, "completions", "near-max")
+        if all(s.input < near.input for s in plan):
+            plan.append(near)
+    return plan
+
+
+def prompt_ids(length: int, salt: int) -> list[int]:
+    """`length` token ids whose first ones differ per salt (defeats prefix caching)."""
+    ids = []
+    state = (salt * 2654435761 + 12345) & 0xFFFFFFFF
+    for _ in range(length):
+        state = (state * 1103515245 + 12345) & 0x7FFFFFFF
+        ids.append(_ID_LOW + state % _ID_SPAN)
+    return ids
+
+
+@dataclass
+class ShapeResult:
+    shape: Shape
+    ok: int
+    errors: list[str]
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **self.shape.as_dict(),
+            "ok": self.ok,
+            "errors": self.errors[:5],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def _request(base_url: str, model: str, shape: Shape, salt: int, timeout: float) -> str | None:
+    if shape.api == "chat":
+        # Text of ~4 characters per token; chat prompts cannot be given as ids.
+        words = " ".join(f"w{(salt + i) % 997}" for i in range(max(1, shape.input // 2)))
+        path = "/v1/chat/completions"
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": words}]}
+    else:
+        path = "/v1/completions"
+        body = {"prompt": prompt_ids(shape.input, salt)}
+    body.update(
+        model=model,
+        max_tokens=shape.output,
+        temperature=0,
+        ignore_eos=True,  # vLLM and SGLang: always generate `output` tokens
+        stream=False,
+    )
+    req = urllib.request.Request(
+        base_url.rstrip("/") + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+        return None
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:300].decode("utf-8", errors="replace")
+        return f"HTTP {exc.code}: {detail}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def run_shape(
+    base_url: str, model: str, shape: Shape, round_no: int, timeout: float = 600
+) -> ShapeResult:
+    """Send `concurrency` requests of one shape at the same time and wait for all."""
+    started = time.monotonic()
+    salts = [round_no * 100_003 + shape.input * 7 + i for i in range(shape.concurrency)]
+    with ThreadPoolExecutor(max_workers=shape.concurrency) as pool:
+        outcomes = list(pool.map(lambda s: _request(base_url, model, shape, s, timeout), salts))
+    errors = [o for o in outcomes if o]
+    return ShapeResult(shape, len(outcomes) - len(errors), errors, time.monotonic() - started)
+
+
+def served_model(base_url: str, timeout: float = 10) -> str | None:
+    """The first model id from /v1/models, or None."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+            data = json.loads(resp.read())
+        return str(data["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
