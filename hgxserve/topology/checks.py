@@ -1,22 +1,831 @@
-"""The topology rules (DESIGN.md "Validation rules"), registered with `@rule`."""
+"""The topology rules (DESIGN.md "Validation rules" 1-5), registered with `@rule`.
+
+Each rule looks at one concern and yields (json path, message); the message says what is wrong
+and what would be right, with the numbers. Findings on settings merged from `defaults` point at
+the line where the user wrote them (`ports.setting_path`).
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from typing import Any
 
-from hgxserve.topology.model import Topology
+from hgxserve.topology.model import Engine, Topology, is_loopback
+from hgxserve.topology.ports import (
+    ANY_ADDRESS,
+    listeners_by_host,
+    proxy_targets,
+    setting_path,
+    side_channel_host,
+    uses_nixl_side_channel,
+)
+from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.rules import Finding, rule
+
+HOPPER = ("H20", "H20-3e", "H100", "H800", "H200")
+BLACKWELL = ("B200",)
+# First vLLM release that certainly carries PR 32197 (--[no-]disable-nccl-for-dp-synchronization
+# with async scheduling) and PR 32175 (MTP + P/D padding fix); both merged in January 2026.
+VLLM_NCCL_DP_SYNC = (0, 15, 0)
+VLLM_MTP_PD_FIX = (0, 15, 0)
+UNSPECIFIED = (ANY_ADDRESS, "::")
+
+
+def _version(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        return None
+    return tuple(int(g or 0) for g in match.groups())
+
+
+def _show_version(version: tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def _pd_engines(topo: Topology) -> list[Engine]:
+    return [e for e in topo.engines.values() if e.role in ("prefill", "decode")]
+
+
+def pd_pairs(topo: Topology) -> list[tuple[int | None, Engine, Engine]]:
+    """(route index, prefill, decode) for every pair the proxy can join.
+
+    Without proxy routes every prefill is paired with every decode (for the agreement rules).
+    """
+    pairs: list[tuple[int | None, Engine, Engine]] = []
+    seen: set[tuple[str, str]] = set()
+    engines = topo.engines
+    if topo.proxy is not None and topo.proxy.routes:
+        for index, route in enumerate(topo.proxy.routes):
+            for p in route.prefill:
+                for d in route.decode:
+                    pe, de = engines.get(p), engines.get(d)
+                    if pe is None or de is None or (p, d) in seen:
+                        continue
+                    if pe.role == "prefill" and de.role == "decode":
+                        seen.add((p, d))
+                        pairs.append((index, pe, de))
+        return pairs
+    for pe in engines.values():
+        for de in engines.values():
+            if pe.role == "prefill" and de.role == "decode":
+                pairs.append((None, pe, de))
+    return pairs
+
+
+def _route_text(index: int | None) -> str:
+    return f" (proxy.routes[{index}])" if index is not None else ""
+
+
+def _cross_host(a: Engine, b: Engine) -> bool:
+    return not (len(a.place) == 1 and a.hosts == b.hosts)
+
+
+# -- 1. GPUs -------------------------------------------------------------------------------------
 
 
 @rule("host-known", "error", "Engines and the proxy only use hosts the topology defines.")
 def host_known(topo: Topology) -> Iterator[Finding]:
+    known = ", ".join(topo.hosts)
     for engine in topo.engines.values():
         for host in engine.place:
             if host not in topo.hosts:
-                known = ", ".join(topo.hosts)
                 yield (
                     ("engines", engine.name, "place", host),
-                    f"unknown host '{host}'; hosts are: {known}",
+                    f"unknown host '{host}'; define it under hosts (hosts are: {known})",
                 )
     if topo.proxy and topo.proxy.host not in topo.hosts:
-        yield (("proxy", "host"), f"unknown host '{topo.proxy.host}'")
+        yield (
+            ("proxy", "host"),
+            f"unknown host '{topo.proxy.host}'; define it under hosts (hosts are: {known})",
+        )
+
+
+@rule("gpu-index-range", "error", "GPU indices exist on the host (index < host gpus).")
+def gpu_index_range(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        for host_name, gpus in engine.place.items():
+            host = topo.hosts.get(host_name)
+            if host is None:
+                continue
+            for i, gpu in enumerate(gpus):
+                if gpu >= host.gpus:
+                    yield (
+                        ("engines", engine.name, "place", host_name, i),
+                        f"GPU {gpu} does not exist on {host_name}: it has {host.gpus} GPUs "
+                        f"(indices 0-{host.gpus - 1})",
+                    )
+
+
+@rule("gpu-overlap", "error", "No GPU is used by two engines on one host.")
+def gpu_overlap(topo: Topology) -> Iterator[Finding]:
+    owner: dict[tuple[str, int], str] = {}
+    for engine in topo.engines.values():
+        for host_name, gpus in engine.place.items():
+            for i, gpu in enumerate(gpus):
+                first = owner.setdefault((host_name, gpu), engine.name)
+                if first != engine.name:
+                    yield (
+                        ("engines", engine.name, "place", host_name, i),
+                        f"GPU {gpu} on {host_name} is already used by {first}; "
+                        "give each engine its own GPUs",
+                    )
+
+
+@rule("gpu-count", "error", "tp x dp x pp equals the GPUs placed; each host holds whole DP ranks.")
+def gpu_count(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        product = engine.world_size
+        placed = engine.gpu_count
+        if engine.dp_attention:
+            formula = f"tp {engine.tp} (DP attention inside tp) x pp {engine.pp}"
+        else:
+            formula = f"tp {engine.tp} x dp {engine.dp} x pp {engine.pp}"
+        if product != placed:
+            yield (
+                setting_path(topo, engine.name, "place"),
+                f"{formula} = {product} GPUs, but {placed} are placed; place {product} GPUs "
+                f"or change tp/dp/pp so that the product is {placed}",
+            )
+            continue
+        if not engine.is_multi_node:
+            continue
+        per_rank = engine.gpus_per_dp_rank
+        for host_name, gpus in engine.place.items():
+            if len(gpus) % per_rank:
+                yield (
+                    ("engines", engine.name, "place", host_name),
+                    f"{host_name} holds {len(gpus)} GPUs of {engine.name}, not a whole number of "
+                    f"DP ranks of {per_rank} GPUs (tp {engine.tp} x pp {engine.pp}); a "
+                    f"multi-host engine places a multiple of {per_rank} GPUs on each host "
+                    "(tensor parallelism stays inside one host; DP ranks spread over hosts)",
+                )
+
+
+@rule("multi-host-gpu-kind", "error", "A multi-host engine uses one GPU kind on every host.")
+def multi_host_gpu_kind(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        kinds = {h: topo.hosts[h].gpu for h in engine.hosts if h in topo.hosts}
+        if len(set(kinds.values())) > 1:
+            head_kind = kinds.get(engine.head)
+            for host_name, kind in kinds.items():
+                if kind != head_kind:
+                    yield (
+                        ("engines", engine.name, "place", host_name),
+                        f"{host_name} has {kind} GPUs but the head {engine.head} has "
+                        f"{head_kind}; a multi-host engine needs the same GPU kind on every host",
+                    )
+
+
+# -- 2. Ports ------------------------------------------------------------------------------------
+
+
+@rule(
+    "port-clash",
+    "error",
+    "No two listeners on one host share a port (HTTP, VLLM_PORT, side channel per DP rank, "
+    "bootstrap, rpc, proxy, sshd).",
+)
+def port_clash(topo: Topology) -> Iterator[Finding]:
+    for host_name, listeners in listeners_by_host(topo).items():
+        first: dict[int, Any] = {}
+        for listener in listeners:
+            other = first.setdefault(listener.port, listener)
+            if other is listener:
+                continue
+            yield (
+                listener.path,
+                f"port {listener.port} on {host_name} is used by both {other.label()} and "
+                f"{listener.label()}; give each listener its own port",
+            )
+
+
+# -- 3. P/D --------------------------------------------------------------------------------------
+
+
+@rule("pd-kv-required", "error", "Prefill and decode engines have kv; combined engines do not.")
+def pd_kv_required(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        if engine.role in ("prefill", "decode") and engine.kv is None:
+            yield (
+                ("engines", engine.name, "role"),
+                f"a {engine.role} engine needs kv (e.g. kv: {{connector: nixl}}) to hand the KV "
+                "cache over; without it decode recomputes every prompt",
+            )
+        elif engine.role == "combined" and engine.kv is not None:
+            yield (
+                setting_path(topo, engine.name, "kv"),
+                "a combined engine serves whole requests and takes no kv; remove kv or make it "
+                "a prefill or decode engine",
+            )
+
+
+@rule(
+    "pd-route",
+    "error",
+    "Every prefill/decode is in a proxy route with the right role; decodes have a prefill.",
+)
+def pd_route(topo: Topology) -> Iterator[Finding]:
+    pd = _pd_engines(topo)
+    proxy = topo.proxy
+    if pd and proxy is None:
+        names = ", ".join(e.name for e in pd)
+        yield (
+            ("engines", pd[0].name, "role"),
+            f"P/D engines ({names}) need a proxy to pair them; add proxy: {{host: ..., routes: "
+            "[{prefill: [...], decode: [...]}]}",
+        )
+    if not any(e.role == "prefill" for e in pd):
+        for engine in pd:
+            yield (
+                ("engines", engine.name, "role"),
+                f"decode engine {engine.name} has no prefill engine to take KV from; add a "
+                "prefill engine (or make this one combined)",
+            )
+    if proxy is None:
+        return
+    known = ", ".join(topo.engines)
+    for index, route in enumerate(proxy.routes):
+        for side in ("prefill", "decode"):
+            for j, name in enumerate(getattr(route, side)):
+                target = topo.engines.get(name)
+                at: JsonPath = ("proxy", "routes", index, side, j)
+                if target is None:
+                    yield (at, f"unknown engine '{name}'; engines are: {known}")
+                elif target.role != side:
+                    yield (
+                        at,
+                        f"{name} is a {target.role} engine; routes[{index}].{side} lists "
+                        f"{side} engines only",
+                    )
+    for j, name in enumerate(proxy.combined):
+        target = topo.engines.get(name)
+        at = ("proxy", "combined", j)
+        if target is None:
+            yield (at, f"unknown engine '{name}'; engines are: {known}")
+        elif target.role != "combined":
+            yield (
+                at,
+                f"{name} is a {target.role} engine; proxy.combined lists combined engines "
+                "only (put P/D engines in proxy.routes)",
+            )
+    routed = {n for r in proxy.routes for n in (*r.prefill, *r.decode)}
+    for engine in pd:
+        if engine.name not in routed:
+            yield (
+                ("engines", engine.name, "role"),
+                f"{engine.role} engine {engine.name} is in no proxy route; add it to "
+                f"proxy.routes[].{engine.role} (requests would never reach it)",
+            )
+
+
+@rule("proxy-targets", "error", "The proxy routes somewhere; a prompt-length split has both sides.")
+def proxy_targets_rule(topo: Topology) -> Iterator[Finding]:
+    proxy = topo.proxy
+    if proxy is None:
+        return
+    if not proxy.routes and not proxy.combined:
+        yield (
+            ("proxy",),
+            "the proxy routes to no engine; list combined engines in proxy.combined or P/D "
+            "groups in proxy.routes",
+        )
+    if proxy.pd_min_prompt_tokens > 0 and not proxy.combined:
+        yield (
+            ("proxy", "pd_min_prompt_tokens"),
+            f"prompts under {proxy.pd_min_prompt_tokens} tokens go to combined engines, but "
+            "proxy.combined is empty; add a combined engine or set pd_min_prompt_tokens: 0",
+        )
+
+
+@rule("proxy-combined-unlisted", "warning", "Combined engines are reachable through the proxy.")
+def proxy_combined_unlisted(topo: Topology) -> Iterator[Finding]:
+    if topo.proxy is None:
+        return
+    for engine in topo.engines.values():
+        if engine.role == "combined" and engine.name not in topo.proxy.combined:
+            yield (
+                ("engines", engine.name, "role"),
+                f"combined engine {engine.name} is not in proxy.combined, so the proxy never "
+                "sends it requests; add it there",
+            )
+
+
+@rule("proxy-kind", "error", "The router kind matches the engines' P/D protocol.")
+def proxy_kind(topo: Topology) -> Iterator[Finding]:
+    proxy = topo.proxy
+    if proxy is None or proxy.kind == "hgxserve":
+        return
+    want = "vllm" if proxy.kind == "vllm-router" else "sglang"
+    for name in sorted(proxy_targets(topo)):
+        engine = topo.engines.get(name)
+        if engine is not None and engine.engine != want:
+            yield (
+                ("proxy", "kind"),
+                f"{proxy.kind} speaks {want}'s P/D protocol but {name} is a {engine.engine} "
+                "engine; use kind: hgxserve or a matching router",
+            )
+            return
+
+
+@rule("pd-tp", "error", "vLLM NIXL: decode tp >= prefill tp and divisible by it.")
+def pd_tp(topo: Topology) -> Iterator[Finding]:
+    for index, p, d in pd_pairs(topo):
+        if p.engine != "vllm" or d.engine != "vllm":
+            continue
+        if d.tp < p.tp or d.tp % p.tp:
+            yield (
+                setting_path(topo, d.name, "tp"),
+                f"decode {d.name} tp {d.tp} must be >= prefill {p.name} tp {p.tp} and "
+                f"divisible by it{_route_text(index)} (vLLM NIXL: 'Local tensor parallel size "
+                f"{d.tp} is not divisible by remote tensor parallel size {p.tp}'); use decode "
+                f"tp {p.tp} or {p.tp * 2}",
+            )
+
+
+@rule("pd-mooncake-equal-tp", "error", "Mooncake KV transfer needs equal prefill and decode tp.")
+def pd_mooncake_equal_tp(topo: Topology) -> Iterator[Finding]:
+    for index, p, d in pd_pairs(topo):
+        connectors = {e.kv.connector for e in (p, d) if e.kv}
+        if "mooncake" in connectors and p.tp != d.tp:
+            yield (
+                setting_path(topo, d.name, "tp"),
+                f"mooncake transfers KV only between equal tensor-parallel layouts: decode "
+                f"{d.name} tp {d.tp} != prefill {p.name} tp {p.tp}{_route_text(index)}; use "
+                f"tp {p.tp} on both",
+            )
+
+
+def _override(engine: Engine, *flags: str) -> str | None:
+    """Value an extra_args flag sets (`--flag v` or `--flag=v`), if any."""
+    args = engine.extra_args
+    for i, arg in enumerate(args):
+        for flag in flags:
+            if arg == flag and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+_AGREE_ARGS = ("dtype", "kv_cache_dtype", "attention_backend", "speculative_config")
+
+
+@rule(
+    "pd-agree",
+    "error",
+    "P and D agree on engine, version, model, dtype, KV dtype, attention backend, speculative "
+    "config, connector; prefill block size <= decode's.",
+)
+def pd_agree(topo: Topology) -> Iterator[Finding]:
+    why = "P and D must agree or the KV handed over is unusable (decode recomputes or fails)"
+    for index, p, d in pd_pairs(topo):
+        where = _route_text(index)
+        for key, pv, dv in (
+            ("engine", p.engine, d.engine),
+            ("version", p.version, d.version),
+        ):
+            if pv != dv:
+                yield (
+                    setting_path(topo, d.name, key),
+                    f"decode {d.name} {key} {_fmt(dv)} differs from prefill {p.name} "
+                    f"{_fmt(pv)}{where}; {why}",
+                )
+        p_model = _override(p, "--model", "--model-path") or topo.model.path
+        d_model = _override(d, "--model", "--model-path") or topo.model.path
+        if p_model != d_model:
+            yield (
+                setting_path(topo, d.name, "extra_args"),
+                f"decode {d.name} serves model {d_model!r} but prefill {p.name} serves "
+                f"{p_model!r}{where}; {why}",
+            )
+        for key in _AGREE_ARGS:
+            pv, dv = p.args.get(key), d.args.get(key)
+            if pv != dv:
+                yield (
+                    setting_path(topo, d.name, "args", key),
+                    f"decode {d.name} {key} {_fmt(dv)} differs from prefill {p.name} "
+                    f"{_fmt(pv)}{where}; {why}",
+                )
+        pc = p.kv.connector if p.kv else None
+        dc = d.kv.connector if d.kv else None
+        if pc and dc and pc != dc:
+            yield (
+                setting_path(topo, d.name, "kv", "connector"),
+                f"decode {d.name} kv connector {dc} differs from prefill {p.name} {pc}{where}; "
+                "both ends must use the same connector",
+            )
+        pb, db = p.args.get("block_size"), d.args.get("block_size")
+        if (pb is None) != (db is None):
+            yield (
+                setting_path(topo, d.name, "args", "block_size"),
+                f"block_size is {_fmt(pb)} on prefill {p.name} and {_fmt(db)} on decode "
+                f"{d.name}{where}; set it on both (prefill block size <= decode block size)",
+            )
+        elif pb is not None and db is not None and pb > db:
+            yield (
+                setting_path(topo, d.name, "args", "block_size"),
+                f"prefill {p.name} block_size {pb} must be <= decode {d.name} block_size "
+                f"{db}{where}",
+            )
+
+
+@rule(
+    "pd-side-channel-loopback",
+    "error",
+    "Cross-host P/D: the prefill's NIXL side channel is not on loopback.",
+)
+def pd_side_channel_loopback(topo: Topology) -> Iterator[Finding]:
+    reported: set[str] = set()
+    for _index, p, d in pd_pairs(topo):
+        if p.name in reported or not uses_nixl_side_channel(p) or not _cross_host(p, d):
+            continue
+        for host_name in p.hosts:
+            if host_name not in topo.hosts:
+                continue
+            address = side_channel_host(topo, p, host_name)
+            if not is_loopback(address):
+                continue
+            host = topo.hosts[host_name]
+            written = p.kv.side_channel_host if p.kv else None
+            path = (
+                setting_path(topo, p.name, "kv", "side_channel", "host")
+                if written not in (None, "auto")
+                else ("hosts", host_name, "side_channel_address")
+            )
+            yield (
+                path,
+                f"NIXL side channel host {address} is loopback, but prefill {p.name} "
+                f"({', '.join(p.hosts)}) and decode {d.name} ({', '.join(d.hosts)}) are on "
+                "different hosts: decode cannot reach it (seed 003 §11.3: handshake_setup_failed "
+                f"and ZMQ timeouts on every TP rank); use {host_name}'s routable address "
+                f"({host.address}) or 'auto' (or omit host)",
+            )
+            reported.add(p.name)
+            break
+
+
+@rule(
+    "pd-side-channel-unspecified",
+    "warning",
+    "Cross-host P/D: a 0.0.0.0 side channel is advertised to decode as 0.0.0.0.",
+)
+def pd_side_channel_unspecified(topo: Topology) -> Iterator[Finding]:
+    reported: set[str] = set()
+    for _index, p, d in pd_pairs(topo):
+        if p.name in reported or not uses_nixl_side_channel(p) or not _cross_host(p, d):
+            continue
+        written = p.kv.side_channel_host if p.kv else None
+        if written in UNSPECIFIED:
+            reported.add(p.name)
+            yield (
+                setting_path(topo, p.name, "kv", "side_channel", "host"),
+                f"side channel host {written} binds every interface, but vLLM also sends it to "
+                f"decode {d.name} as remote_host, and decode then dials its own host; use 'auto' "
+                "(each host's routable address)",
+            )
+
+
+@rule(
+    "side-channel-multi-host",
+    "error",
+    "A multi-host engine's side channel host is 'auto' (one address per host).",
+)
+def side_channel_multi_host(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        if not engine.is_multi_node or not uses_nixl_side_channel(engine):
+            continue
+        written = engine.kv.side_channel_host if engine.kv else None
+        if written in (None, "auto", *UNSPECIFIED):
+            continue
+        yield (
+            setting_path(topo, engine.name, "kv", "side_channel", "host"),
+            f"{engine.name} runs DP ranks on {', '.join(engine.hosts)}, each advertising its "
+            f"own host's side channel, but host {written} names one address; use 'auto' (each "
+            "host's side_channel_address)",
+        )
+
+
+# -- 4. Attention heads --------------------------------------------------------------------------
+
+
+@rule(
+    "heads-per-rank",
+    "warning",
+    "DSA (FlashMLA-sparse): heads per TP rank a multiple of 64 on Hopper, 128 on Blackwell.",
+)
+def heads_per_rank(topo: Topology) -> Iterator[Finding]:
+    arch = topo.model.architecture
+    heads = arch.attention_heads
+    if arch.attention != "dsa" or not heads:
+        return
+    for engine in topo.engines.values():
+        kinds = sorted({topo.hosts[h].gpu for h in engine.hosts if h in topo.hosts})
+        if not kinds:
+            continue
+        granule = 128 if any(k in BLACKWELL for k in kinds) else 64
+        if not any(k in HOPPER + BLACKWELL for k in kinds):
+            continue
+        attention_tp = engine.tp
+        note = ""
+        if engine.engine == "sglang" and engine.args.get("enable_dp_attention") and engine.dp > 1:
+            attention_tp = max(1, engine.tp // engine.dp)
+            note = f" (DP attention: tp {engine.tp} / dp {engine.dp})"
+        per_rank = heads // attention_tp
+        if heads % attention_tp == 0 and per_rank % granule == 0:
+            continue
+        good = [t for t in (1, 2, 4, 8, 16) if heads % t == 0 and (heads // t) % granule == 0]
+        good_text = "{" + ", ".join(map(str, good)) + "}" if good else "none"
+        yield (
+            setting_path(topo, engine.name, "tp"),
+            f"{heads} attention heads / tp {attention_tp}{note} = {per_rank} heads per rank; "
+            f"FlashMLA-sparse (DSA) on {'/'.join(kinds)} computes heads per rank in multiples of "
+            f"{granule}, so each rank pads to {granule} and wastes work (seed 000 §4.4.2: "
+            f"DeepSeek V3.2 128 heads -> TP in {{1, 2}} on Hopper); use tp in {good_text} with "
+            "dp for more GPUs",
+        )
+
+
+# -- 5. Known-bad combinations -------------------------------------------------------------------
+
+
+@rule("eplb-log-balancedness", "warning", "EPLB log_balancedness is off where decode runs.")
+def eplb_log_balancedness(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        eplb = engine.args.get("eplb_config") or {}
+        if engine.role in ("decode", "combined") and eplb.get("log_balancedness") is True:
+            yield (
+                setting_path(topo, engine.name, "args", "eplb_config", "log_balancedness"),
+                "EPLB log_balancedness copies expert load from GPU to host every step (24 ms "
+                "eplb-step): seed 000 §5.3.2 measured decode output 4969.65 tok/s without EPLB "
+                "and 1618.92 tok/s with it, 5339.16 after the fix; set log_balancedness: false",
+            )
+
+
+@rule(
+    "async-scheduling-dp",
+    "warning",
+    "Keep async scheduling with DP; use disable_nccl_for_dp_synchronization: false instead.",
+)
+def async_scheduling_dp(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        if engine.engine != "vllm" or engine.dp < 2:
+            continue
+        if engine.args.get("async_scheduling") is not False:
+            continue
+        version = _version(engine.version)
+        if version is not None and version < VLLM_NCCL_DP_SYNC:
+            continue
+        yield (
+            setting_path(topo, engine.name, "args", "async_scheduling"),
+            "async_scheduling: false (--no-async-scheduling) drops the async scheduler; on vLLM "
+            f">= {_show_version(VLLM_NCCL_DP_SYNC)} (PR 32197) keep it and set "
+            "disable_nccl_for_dp_synchronization: false (--no-disable-nccl-for-dp-"
+            "synchronization) so DP padding syncs over NCCL (seed 000 §4.4.1: 9 ms -> 1 ms in "
+            "coordinate_batch_across_dp)",
+        )
+
+
+@rule("mtp-pd-version", "warning", "Speculative decoding with P/D needs vLLM with PR 32175.")
+def mtp_pd_version(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        if engine.engine != "vllm" or engine.role not in ("prefill", "decode"):
+            continue
+        if not engine.args.get("speculative_config"):
+            continue
+        version = _version(engine.version)
+        if version is not None and version >= VLLM_MTP_PD_FIX:
+            continue
+        shown = f"version {engine.version}" if engine.version else "an unstated version"
+        yield (
+            setting_path(topo, engine.name, "args", "speculative_config"),
+            f"MTP/speculative decoding with P/D on vLLM {shown}: before PR 32175 requests "
+            "without draft results broke padding (seed 000 §5.3.3: 'Invalid reshape for "
+            "topk_indices', fp8_paged_mqa_logits batch size assertion); use vLLM >= "
+            f"{_show_version(VLLM_MTP_PD_FIX)} and set version",
+        )
+
+
+@rule("ray-single-node", "warning", "Single-host vLLM engines use the mp executor, not ray.")
+def ray_single_node(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        if engine.engine != "vllm" or engine.is_multi_node:
+            continue
+        if engine.args.get("distributed_executor_backend") == "ray":
+            yield (
+                setting_path(topo, engine.name, "args", "distributed_executor_backend"),
+                "the ray executor on a single-host engine produced garbage tokens (random "
+                "Chinese/English and symbols) with /health 200 in seed 003 §11.3; use "
+                "distributed_executor_backend: mp when the engine fits on one host",
+            )
+
+
+@rule("max-num-seqs-unset", "warning", "max_num_seqs is set (bounds CUDA-graph capture).")
+def max_num_seqs_unset(topo: Topology) -> Iterator[Finding]:
+    peak = max((w.concurrency for w in topo.warmup), default=None)
+    hint = f" (the largest warmup concurrency is {peak})" if peak else ""
+    for engine in topo.engines.values():
+        if "max_num_seqs" in engine.args or engine.args.get("enforce_eager"):
+            continue
+        yield (
+            setting_path(topo, engine.name, "args"),
+            "max_num_seqs is not set: the engine default captures CUDA graphs for batch shapes "
+            "never used and lengthens every cold start (seed 003 §5, §12.2: 51 shapes in 394 s); "
+            f"set args.max_num_seqs to the concurrency you serve{hint}",
+        )
+
+
+@rule(
+    "sglang-health-generation",
+    "warning",
+    "SGLang /health does not generate (it pollutes load tests and P/D).",
+)
+def sglang_health_generation(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        if engine.engine != "sglang":
+            continue
+        value = engine.env.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+        if value is None or value.lower() in ("0", "false", "no", "off", ""):
+            continue
+        extra = (
+            "; on a P/D engine a generating probe also needs its peer and can hang"
+            if engine.role != "combined"
+            else ""
+        )
+        yield (
+            setting_path(topo, engine.name, "env", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"),
+            "a generative /health runs a real prefill on every probe (seed 003 §12.4: a "
+            f"256-token prefill every 10 s polluted TTFT and throughput){extra}; set it to 0 "
+            "(the hgxserve default)",
+        )
+
+
+@rule("served-name", "error", "Every engine the proxy routes to serves the model's served_name.")
+def served_name(topo: Topology) -> Iterator[Finding]:
+    targets = proxy_targets(topo)
+    for engine in topo.engines.values():
+        name = _override(engine, "--served-model-name")
+        if name is None or name == topo.model.served_name:
+            continue
+        routed = " the proxy routes it requests for" if engine.name in targets else " clients ask"
+        yield (
+            setting_path(topo, engine.name, "extra_args"),
+            f"{engine.name} serves '{name}' (--served-model-name in extra_args) but{routed} "
+            f"'{topo.model.served_name}' (model.served_name); remove the flag",
+        )
+
+
+# flags the renderer writes from typed fields; repeating them in extra_args bypasses the rules
+_TYPED_FLAGS = {
+    "--port": "port",
+    "--host": "bind",
+    "--tensor-parallel-size": "tp",
+    "-tp": "tp",
+    "--tp-size": "tp",
+    "--tp": "tp",
+    "--data-parallel-size": "dp",
+    "-dp": "dp",
+    "--dp-size": "dp",
+    "--dp": "dp",
+    "--pipeline-parallel-size": "pp",
+    "-pp": "pp",
+    "--pp-size": "pp",
+    "--enable-expert-parallel": "ep",
+    "--ep-size": "ep",
+    "--kv-transfer-config": "kv",
+    "--disaggregation-mode": "role",
+    "--disaggregation-bootstrap-port": "kv.bootstrap_port",
+    "--data-parallel-rpc-port": "rpc_port",
+    "--kv-cache-dtype": "args.kv_cache_dtype",
+    "--block-size": "args.block_size",
+    "--page-size": "args.block_size",
+    "--dtype": "args.dtype",
+    "--max-model-len": "args.max_model_len",
+    "--context-length": "args.max_model_len",
+    "--max-num-seqs": "args.max_num_seqs",
+    "--max-running-requests": "args.max_num_seqs",
+    "--speculative-config": "args.speculative_config",
+    "--attention-backend": "args.attention_backend",
+    "--distributed-executor-backend": "args.distributed_executor_backend",
+}
+
+
+@rule("extra-args-typed", "error", "extra_args do not repeat flags that typed fields render.")
+def extra_args_typed(topo: Topology) -> Iterator[Finding]:
+    sources: list[tuple[tuple[str | int, ...], list[Any]]] = []
+    defaults = topo.raw.get("defaults", {})
+    sources.append((("defaults", "extra_args"), defaults.get("extra_args", [])))
+    for name, data in topo.raw.get("engines", {}).items():
+        sources.append((("engines", name, "extra_args"), data.get("extra_args", [])))
+    for base, args in sources:
+        for i, arg in enumerate(args):
+            if not isinstance(arg, str):
+                continue
+            flag = arg.split("=", 1)[0]
+            field = _TYPED_FLAGS.get(flag)
+            if field:
+                yield (
+                    (*base, i),
+                    f"{flag} in extra_args duplicates the typed field {field}; set {field} "
+                    "instead (extra_args bypass the P/D, GPU and port checks)",
+                )
+
+
+@rule("warmup-max-model-len", "error", "Warm-up input + output fits the engines' max_model_len.")
+def warmup_max_model_len(topo: Topology) -> Iterator[Finding]:
+    proxy = topo.proxy
+    pd_names = [n for r in proxy.routes for n in (*r.prefill, *r.decode)] if proxy else []
+    for index, shape in enumerate(topo.warmup):
+        if proxy is None:
+            names = list(topo.engines)
+        elif pd_names and (not proxy.combined or shape.input >= proxy.pd_min_prompt_tokens > 0):
+            names = pd_names
+        else:
+            names = list(proxy.combined)
+        total = shape.input + shape.output
+        limits = [
+            (topo.engines[n].args["max_model_len"], n)
+            for n in names
+            if n in topo.engines and "max_model_len" in topo.engines[n].args
+        ]
+        if not limits:
+            continue
+        limit, name = min(limits)
+        if total > limit:
+            yield (
+                ("warmup", index),
+                f"input {shape.input} + output {shape.output} = {total} tokens exceeds "
+                f"max_model_len {limit} of {name}; the warm-up request would be rejected: "
+                f"shorten the shape to at most {limit} tokens or raise max_model_len",
+            )
+
+
+_SECRET_WORDS = {
+    "KEY",
+    "APIKEY",
+    "TOKEN",
+    "SECRET",
+    "PASSWORD",
+    "PASSWD",
+    "CREDENTIAL",
+    "CREDENTIALS",
+}
+# words that mark a variable holding a location or a switch, not the secret itself
+_NOT_SECRET_WORDS = {"FILE", "PATH", "DIR", "ID", "ENABLE", "ENABLED", "DISABLE"}
+_SECRET_FLAGS = ("--api-key", "--hf-token")
+
+
+def _secret_key(key: str) -> bool:
+    # words, not substrings: TOKENIZERS_PARALLELISM is not a token
+    words = set(re.split(r"[^A-Za-z0-9]+", key.upper()))
+    return bool(words & _SECRET_WORDS) and not words & _NOT_SECRET_WORDS
+
+
+@rule("secret-env", "error", "No secret values in env or extra_args; use secret_env references.")
+def secret_env(topo: Topology) -> Iterator[Finding]:
+    places: list[tuple[tuple[str, ...], dict[str, Any], list[Any]]] = []
+    defaults = topo.raw.get("defaults", {})
+    places.append((("defaults",), defaults.get("env", {}), defaults.get("extra_args", [])))
+    for name, data in topo.raw.get("engines", {}).items():
+        places.append((("engines", name), data.get("env", {}), data.get("extra_args", [])))
+    for base, env, extra in places:
+        for key, value in env.items():
+            if _secret_key(key) and str(value) != "":
+                yield (
+                    (*base, "env", key),
+                    f"env {key} looks like a secret: a value here lands in the unit file and "
+                    f"`systemctl show`; use secret_env with a reference, e.g. secret_env: "
+                    f"{{{key}: {{env: {key}}}}} or {{file: /etc/hgxserve/{key.lower()}}}",
+                )
+        for i, arg in enumerate(extra):
+            if isinstance(arg, str) and arg.split("=", 1)[0] in _SECRET_FLAGS:
+                yield (
+                    (*base, "extra_args", i),
+                    f"{arg.split('=', 1)[0]} puts a secret on the command line (visible in ps "
+                    "and the unit); use secret_env with a reference (e.g. VLLM_API_KEY: "
+                    "{env: VLLM_API_KEY}) or proxy.auth",
+                )
+
+
+@rule("sglang-dp-attention", "error", "SGLang DP attention needs dp > 1 dividing tp.")
+def sglang_dp_attention(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        if engine.engine != "sglang" or not engine.args.get("enable_dp_attention"):
+            continue
+        if engine.dp < 2 or engine.tp % engine.dp:
+            yield (
+                setting_path(topo, engine.name, "dp"),
+                f"enable_dp_attention splits tp {engine.tp} into dp attention groups: dp must be "
+                f"> 1 and divide tp, got dp {engine.dp} (seed 002: --tp-size 8 --dp-size 8 "
+                "--enable-dp-attention)",
+            )

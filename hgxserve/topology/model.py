@@ -143,7 +143,8 @@ class Runtime:
 @dataclass(frozen=True)
 class KvTransfer:
     connector: str
-    side_channel_host: str | None  # as written; None = engine default (localhost)
+    side_channel_host: str | None  # as written; None or "auto": routable when KV crosses hosts
+    # (resolve with hgxserve.topology.ports.side_channel_host)
     side_channel_port: int
     ucx_devices: str | tuple[str, ...] | None
     ucx_tls: tuple[str, ...] | None
@@ -194,12 +195,25 @@ class Engine:
         return sum(len(g) for g in self.place.values())
 
     @property
+    def dp_attention(self) -> bool:
+        """SGLang DP attention: the dp attention groups live inside tp (tp GPUs in all)."""
+        return self.engine == "sglang" and bool(self.args.get("enable_dp_attention"))
+
+    @property
+    def gpus_per_dp_rank(self) -> int:
+        """GPUs one data-parallel rank uses (tp x pp; tp/dp x pp with SGLang DP attention)."""
+        if self.dp_attention and self.dp > 0 and self.tp % self.dp == 0:
+            return self.tp // self.dp * self.pp
+        return self.tp * self.pp
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        """GPUs the engine needs: tp x dp x pp (tp x pp with SGLang DP attention)."""
+        return self.gpus_per_dp_rank * self.dp
 
     def dp_ranks_on(self, host: str) -> range:
         """Data-parallel ranks that run on `host` (ranks are laid out in placement order)."""
-        per_rank = self.tp * self.pp
+        per_rank = self.gpus_per_dp_rank
         start = 0
         for name, gpus in self.place.items():
             count = len(gpus) // per_rank if per_rank else 0

@@ -1,0 +1,436 @@
+"""`hgxserve validate` and `hgxserve plan`.
+
+Exit codes (both commands): 0 valid, 1 errors (or warnings with --strict), 2 a file could not be
+read or parsed. Problems print as `file:line:col: $.path: message`; nothing prints a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from hgxserve.topology import CheckResult, check_topology
+from hgxserve.topology.model import S3Source, Topology
+from hgxserve.topology.ports import (
+    engine_url,
+    listeners_by_host,
+    side_channel_host,
+    side_channel_ports,
+)
+from hgxserve.topology.problems import Problem, sort_problems
+
+EXIT_OK, EXIT_ERRORS, EXIT_UNREADABLE = 0, 1, 2
+
+
+def _safe_check(path: str) -> CheckResult:
+    """check_topology, with any unexpected failure turned into a problem (exit 2)."""
+    try:
+        return check_topology(path)
+    except Exception as exc:  # noqa: BLE001  (a bug must still not print a traceback)
+        message = f"internal error while checking this file: {type(exc).__name__}: {exc}"
+        return CheckResult(path, None, [Problem(path, 1, 1, (), message, "internal")], True)
+
+
+def _exit_code(results: Sequence[CheckResult], strict: bool) -> int:
+    if any(r.unreadable for r in results):
+        return EXIT_UNREADABLE
+    if any(r.errors for r in results):
+        return EXIT_ERRORS
+    if strict and any(r.warnings for r in results):
+        return EXIT_ERRORS
+    return EXIT_OK
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _summary(results: Sequence[CheckResult], strict: bool) -> str:
+    errors = sum(len(r.errors) for r in results)
+    warnings = sum(len(r.warnings) for r in results)
+    unreadable = sum(1 for r in results if r.unreadable)
+    valid = sum(1 for r in results if not r.unreadable and not r.errors)
+    text = (
+        f"{_plural(len(results), 'file')} checked: {valid} valid, "
+        f"{len(results) - valid} invalid; {_plural(errors, 'error')}, "
+        f"{_plural(warnings, 'warning')}"
+    )
+    if unreadable:
+        text += f" ({unreadable} unreadable)"
+    if strict and warnings and not errors:
+        text += " (--strict: warnings fail)"
+    return text
+
+
+def _results_json(results: Sequence[CheckResult], strict: bool) -> dict[str, Any]:
+    return {
+        "files": [
+            {
+                "file": r.file,
+                "valid": not r.unreadable and not r.errors,
+                "unreadable": r.unreadable,
+                "errors": len(r.errors),
+                "warnings": len(r.warnings),
+                "problems": [p.to_json() for p in r.problems],
+            }
+            for r in results
+        ],
+        "errors": sum(len(r.errors) for r in results),
+        "warnings": sum(len(r.warnings) for r in results),
+        "strict": strict,
+        "exit_code": _exit_code(results, strict),
+    }
+
+
+def _print_problems(results: Sequence[CheckResult], strict: bool) -> None:
+    problems = sort_problems(p for r in results for p in r.problems)
+    for problem in problems:
+        click.echo(problem.text())
+    click.echo(_summary(results, strict))
+
+
+def _list_rules(fmt: str) -> None:
+    from hgxserve.topology import checks  # noqa: F401  (registers the rules)
+    from hgxserve.topology.rules import RULES
+
+    rules = sorted(RULES.values(), key=lambda r: r.id)
+    if fmt == "json":
+        data = [{"id": r.id, "severity": r.severity, "summary": r.summary} for r in rules]
+        click.echo(json.dumps(data, indent=2))
+        return
+    width = max(len(r.id) for r in rules)
+    for r in rules:
+        click.echo(f"{r.id:<{width}}  {r.severity:<7}  {r.summary}")
+
+
+FORMAT = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output format.",
+)
+
+
+@click.command("validate")
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
+@FORMAT
+@click.option("--strict", is_flag=True, help="Warnings fail too (exit 1).")
+@click.option("--list-rules", is_flag=True, help="List rule ids, severities and summaries.")
+def validate(files: tuple[str, ...], fmt: str, strict: bool, list_rules: bool) -> None:
+    """Check topology files: YAML, schema and the rules; print every problem.
+
+    \b
+    hgxserve validate topologies/h20-v4flash-tp8.yml
+    hgxserve validate --strict --format json topologies/*.yml
+    hgxserve validate --list-rules
+
+    Exit 0 valid, 1 errors (or warnings with --strict), 2 unreadable or unparseable.
+    """
+    if list_rules:
+        _list_rules(fmt)
+        return
+    if not files:
+        raise click.UsageError("give at least one topology file (or --list-rules)")
+    results = [_safe_check(f) for f in files]
+    if fmt == "json":
+        click.echo(json.dumps(_results_json(results, strict), indent=2))
+    else:
+        _print_problems(results, strict)
+    sys.exit(_exit_code(results, strict))
+
+
+# -- plan ----------------------------------------------------------------------------------------
+
+
+def _render_units(topo: Topology) -> tuple[dict[str, list[dict[str, Any]]] | None, str | None]:
+    """Units per host from the renderer, or (None, why) when it is missing or fails."""
+    try:
+        from hgxserve.render import render_topology  # type: ignore[attr-defined]
+    except ImportError:
+        return None, "renderer not available"
+    try:
+        rendered = render_topology(topo)
+    except Exception as exc:  # noqa: BLE001  (show the plan anyway, with the reason)
+        return None, f"renderer failed: {type(exc).__name__}: {exc}"
+    units: dict[str, list[dict[str, Any]]] = {}
+    for host, host_render in rendered.items():
+        units[host] = [
+            {
+                "name": unit.name,
+                "engine": unit.engine,
+                "argv": list(unit.argv),
+                "env": dict(unit.env),
+            }
+            for unit in host_render.units
+        ]
+    return units, None
+
+
+def _model_source(topo: Topology) -> str:
+    source = topo.model.source
+    if isinstance(source, S3Source):
+        return source.url + (f" at {source.endpoint}" if source.endpoint else "")
+    if hasattr(source, "monitors"):
+        return f"cephfs:{source.path}"
+    return f"local:{source.path}"
+
+
+def build_plan(topo: Topology) -> dict[str, Any]:
+    """Everything `hgxserve plan` shows, as plain data (the JSON output).
+
+    >>> build_plan(load_topology("topologies/h20-v4flash-4p4d.yml"))["hosts"]["h20-a"]["gpus"][0]
+    ... # doctest: +SKIP
+    {'index': 0, 'engine': 'prefill-0', 'role': 'prefill'}
+    """
+    listeners = listeners_by_host(topo)
+    units, units_note = _render_units(topo)
+    hosts: dict[str, Any] = {}
+    for name in topo.hosts_in_use():
+        host = topo.hosts[name]
+        gpu_owner: dict[int, tuple[str, str]] = {}
+        for engine in topo.engines_on(name):
+            for gpu in engine.place[name]:
+                gpu_owner.setdefault(gpu, (engine.name, engine.role))
+        hosts[name] = {
+            "address": host.address,
+            "gpu": host.gpu,
+            "gpu_count": host.gpus,
+            "gpus": [
+                {
+                    "index": i,
+                    "engine": gpu_owner[i][0] if i in gpu_owner else None,
+                    "role": gpu_owner[i][1] if i in gpu_owner else None,
+                }
+                for i in range(host.gpus)
+            ],
+            "listeners": [
+                {"port": li.port, "bind": li.bind, "owner": li.owner, "what": li.what}
+                for li in sorted(listeners.get(name, []), key=lambda li: li.port)
+            ],
+            "units": units.get(name, []) if units is not None else None,
+        }
+    return {
+        "topology": topo.name,
+        "file": topo.source_file,
+        "digest": topo.digest,
+        "baseline": topo.baseline,
+        "model": {
+            "name": topo.model.name,
+            "served_name": topo.model.served_name,
+            "path": topo.model.path,
+            "source": _model_source(topo),
+        },
+        "hosts": hosts,
+        "units_note": units_note,
+        "wiring": _wiring(topo),
+    }
+
+
+def _engine_ref(topo: Topology, name: str) -> dict[str, Any]:
+    engine = topo.engines.get(name)
+    if engine is None:
+        return {"name": name}
+    ref: dict[str, Any] = {
+        "name": name,
+        "role": engine.role,
+        "hosts": engine.hosts,
+        "tp": engine.tp,
+        "dp": engine.dp,
+        "url": engine_url(topo, engine),
+    }
+    if engine.kv is not None:
+        ref["kv"] = engine.kv.connector
+        channels = [
+            {
+                "host": h,
+                "dp_rank": rank,
+                "address": side_channel_host(topo, engine, h),
+                "port": port,
+            }
+            for h in engine.hosts
+            if h in topo.hosts
+            for rank, port in side_channel_ports(engine, h)
+        ]
+        if channels:
+            ref["side_channels"] = channels
+        if engine.engine == "sglang" and engine.role == "prefill":
+            ref["bootstrap"] = f"{topo.hosts[engine.head].address}:{engine.kv.bootstrap_port}"
+    return ref
+
+
+def _wiring(topo: Topology) -> dict[str, Any] | None:
+    proxy = topo.proxy
+    if proxy is None:
+        return None
+    return {
+        "proxy": {
+            "host": proxy.host,
+            "listen": f"{proxy.listen_host}:{proxy.listen_port}",
+            "kind": proxy.kind,
+            "pd_min_prompt_tokens": proxy.pd_min_prompt_tokens,
+            "auth": proxy.api_key is not None,
+        },
+        "routes": [
+            {
+                "prefill": [_engine_ref(topo, n) for n in route.prefill],
+                "decode": [_engine_ref(topo, n) for n in route.decode],
+            }
+            for route in proxy.routes
+        ],
+        "combined": [_engine_ref(topo, n) for n in proxy.combined],
+    }
+
+
+def _command_lines(argv: list[str], indent: str) -> list[str]:
+    """argv as shell lines, one option per line, joined with backslashes."""
+    groups: list[list[str]] = []
+    for arg in argv:
+        if arg.startswith("-") or not groups:
+            groups.append([arg])
+        else:
+            groups[-1].append(arg)
+    parts = [shlex.join(g) for g in groups]
+    return [
+        (indent if i == 0 else indent + "    ") + p + (" \\" if i < len(parts) - 1 else "")
+        for i, p in enumerate(parts)
+    ]
+
+
+def _ranges(indices: list[int]) -> str:
+    out: list[str] = []
+    for i in sorted(indices):
+        if out and out[-1].endswith(f"-{i - 1}"):
+            out[-1] = out[-1].rsplit("-", 1)[0] + f"-{i}"
+        elif out and out[-1] == str(i - 1):
+            out[-1] = f"{i - 1}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
+def _plan_text(plan: dict[str, Any]) -> list[str]:
+    lines = [
+        f"plan for {plan['topology']} ({plan['file']})"
+        + (" [baseline]" if plan["baseline"] else ""),
+        f"digest {plan['digest'][:16]}",
+        f"model {plan['model']['name']} served as {plan['model']['served_name']} at "
+        f"{plan['model']['path']} from {plan['model']['source']}",
+    ]
+    for name, host in plan["hosts"].items():
+        lines += ["", f"host {name} ({host['address']}, {host['gpu_count']} x {host['gpu']})"]
+        lines.append("  GPUs")
+        runs: list[tuple[str | None, str | None, list[int]]] = []
+        for gpu in host["gpus"]:
+            if runs and runs[-1][0] == gpu["engine"]:
+                runs[-1][2].append(gpu["index"])
+            else:
+                runs.append((gpu["engine"], gpu["role"], [gpu["index"]]))
+        for engine, role, indices in runs:
+            who = f"{engine} ({role})" if engine else "free"
+            lines.append(f"    {_ranges(indices):<8} {who}")
+        lines.append("  listeners")
+        for li in host["listeners"]:
+            lines.append(f"    {li['port']:<6} {li['bind']:<15} {li['owner']} {li['what']}")
+        lines.append("  units")
+        if host["units"] is None:
+            lines.append(f"    ({plan['units_note']})")
+        elif not host["units"]:
+            lines.append("    (none)")
+        for unit in host["units"] or []:
+            lines.append(f"    {unit['name']}")
+            for key, value in sorted(unit["env"].items()):
+                lines.append(f"      {key}={shlex.quote(str(value))}")
+            lines += _command_lines(unit["argv"], "      ")
+    wiring = plan["wiring"]
+    lines += ["", "wiring"]
+    if wiring is None:
+        lines.append("  no proxy: clients call the engines directly")
+        return lines
+    proxy = wiring["proxy"]
+    lines.append(
+        f"  proxy {proxy['kind']} on {proxy['host']} listening {proxy['listen']}"
+        + (" (api key required)" if proxy["auth"] else "")
+    )
+    if proxy["pd_min_prompt_tokens"]:
+        lines.append(
+            f"  prompts < {proxy['pd_min_prompt_tokens']} tokens -> combined; longer -> P/D"
+        )
+    for ref in wiring["combined"]:
+        lines.append(f"  combined {ref['name']} {ref.get('url', '?')}")
+    for index, route in enumerate(wiring["routes"]):
+        lines.append(f"  route {index}")
+        for side in ("prefill", "decode"):
+            for ref in route[side]:
+                where = ",".join(ref.get("hosts", []))
+                shape = f"tp {ref.get('tp')}" + (f" dp {ref['dp']}" if ref.get("dp", 1) > 1 else "")
+                lines.append(
+                    f"    {side:<7} {ref['name']} on {where} ({shape}) {ref.get('url', '?')}"
+                    + (f" kv {ref['kv']}" if "kv" in ref else "")
+                )
+                for ch in ref.get("side_channels", []):
+                    lines.append(
+                        f"              side channel dp{ch['dp_rank']} "
+                        f"{ch['address']}:{ch['port']} ({ch['host']})"
+                    )
+                if "bootstrap" in ref:
+                    lines.append(f"              bootstrap {ref['bootstrap']}")
+        lines.append(
+            "    flow: proxy -> prefill (max_tokens=1, kv_transfer_params) -> decode "
+            "(KV pulled from the prefill's side channel) -> client"
+        )
+    return lines
+
+
+@click.command("plan")
+@click.argument("file", type=click.Path(dir_okay=False))
+@FORMAT
+@click.option(
+    "--diagram",
+    "diagram_out",
+    type=click.Path(dir_okay=False),
+    help="Also write a Graphviz diagram: out.dot, out.svg or out.png (svg/png need graphviz).",
+)
+def plan(file: str, fmt: str, diagram_out: str | None) -> None:
+    """Show per host the GPU map, listeners, engine commands and the P/D wiring.
+
+    \b
+    hgxserve plan topologies/h20-v4flash-4p4d.yml
+    hgxserve plan topologies/h200-dsv32-2p1d.yml --format json
+    hgxserve plan topologies/h200-dsv32-2p1d.yml --diagram dsv32.svg
+
+    An invalid topology is refused with the same output as `validate` (exit 1, or 2).
+    """
+    result = _safe_check(file)
+    if result.unreadable or result.errors or result.topology is None:
+        if fmt == "json":
+            click.echo(json.dumps(_results_json([result], False), indent=2))
+        else:
+            _print_problems([result], False)
+        sys.exit(_exit_code([result], False))
+    topo = result.topology
+    try:
+        data = build_plan(topo)
+        data["warnings"] = [p.to_json() for p in result.warnings]
+        if fmt == "json":
+            click.echo(json.dumps(data, indent=2))
+        else:
+            for problem in result.warnings:
+                click.echo(problem.text(), err=True)
+            click.echo("\n".join(_plan_text(data)))
+        if diagram_out:
+            from hgxserve.topology.diagram import topology_dot, write_diagram
+
+            click.echo(write_diagram(topology_dot(topo), diagram_out), err=True)
+    except (OSError, ValueError) as exc:
+        click.echo(f"{file}: error: {exc}", err=True)
+        sys.exit(EXIT_UNREADABLE)
+    except Exception as exc:  # noqa: BLE001
+        click.echo(f"{file}: internal error while planning: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(EXIT_UNREADABLE)

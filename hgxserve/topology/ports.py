@@ -1,0 +1,262 @@
+"""Every TCP listener a topology opens, per host: the one place that knows the port scheme.
+
+The rules (port clashes), `hgxserve plan`, the renderer and the proxy all ask this module which
+port and address each listener uses, so the scheme is written once:
+
+- engine HTTP API: `engine.port` on the engine's head host;
+- VLLM_PORT (`internal_port`, vLLM): on every host of the engine;
+- NIXL side channel (vLLM + nixl): `side_channel.port + dp_rank`, one per DP rank, on the host
+  that runs that rank (vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index`);
+- SGLang disaggregation bootstrap (`kv.bootstrap_port`): on the prefill engine's head host;
+- multi-node coordination (`rpc_port`): on the head of engines that span hosts;
+- proxy: `proxy.listen` on the proxy host;
+- sshd: `ssh.port` on every host (the deploy itself needs it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hgxserve.topology.model import Engine, Topology, is_loopback
+from hgxserve.topology.problems import JsonPath
+
+ANY_ADDRESS = "0.0.0.0"
+LOCALHOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Listener:
+    """One listening socket: port, bind address, who owns it and what it is.
+
+    >>> Listener(8100, "127.0.0.1", "prefill-0", "HTTP API").port
+    8100
+    """
+
+    port: int
+    bind: str
+    owner: str  # engine name, "proxy" or "sshd"
+    what: str
+    host: str = ""
+    path: JsonPath = ()  # where the topology sets this port (for error positions)
+
+    def label(self) -> str:
+        return f"{self.owner} {self.what}"
+
+
+def setting_path(topo: Topology, engine: str, *keys: str) -> JsonPath:
+    """JSON path where an engine setting is written: the engine itself, else `defaults`.
+
+    Settings merged from `defaults` are reported where the user wrote them.
+
+    >>> setting_path(topo, "decode-0", "args", "kv_cache_dtype")  # doctest: +SKIP
+    ('defaults', 'args', 'kv_cache_dtype')
+    """
+    own: Any = topo.raw.get("engines", {}).get(engine, {})
+    if _has(own, keys):
+        return ("engines", engine, *keys)
+    if _has(topo.raw.get("defaults", {}), keys):
+        return ("defaults", *keys)
+    # not written anywhere: point at the deepest part of the engine that exists
+    for cut in range(len(keys) - 1, 0, -1):
+        if _has(own, keys[:cut]):
+            return ("engines", engine, *keys[:cut])
+    return ("engines", engine)
+
+
+def _has(data: Any, keys: tuple[str, ...]) -> bool:
+    for key in keys:
+        if not isinstance(data, dict) or key not in data:
+            return False
+        data = data[key]
+    return True
+
+
+def proxy_targets(topo: Topology) -> set[str]:
+    """Names of the engines the proxy sends requests to."""
+    if topo.proxy is None:
+        return set()
+    names = set(topo.proxy.combined)
+    for route in topo.proxy.routes:
+        names.update(route.prefill)
+        names.update(route.decode)
+    return names
+
+
+def pd_peers(topo: Topology, engine: Engine) -> set[str]:
+    """Engines on the other side of this engine's proxy routes."""
+    out: set[str] = set()
+    if topo.proxy is None:
+        return out
+    for route in topo.proxy.routes:
+        if engine.name in route.prefill:
+            out.update(route.decode)
+        if engine.name in route.decode:
+            out.update(route.prefill)
+    return out
+
+
+def kv_crosses_hosts(topo: Topology, engine: Engine) -> bool:
+    """True when KV for this engine crosses hosts (multi-node, or a P/D peer elsewhere)."""
+    hosts = set(engine.place)
+    for name in pd_peers(topo, engine):
+        other = topo.engines.get(name)
+        if other is not None:
+            hosts.update(other.place)
+    return len(hosts) > 1
+
+
+def engine_bind(topo: Topology, engine: Engine) -> str:
+    """Address the engine's HTTP API binds to.
+
+    `bind` when given; else loopback when a proxy on the same host fronts a single-host engine,
+    else 0.0.0.0.
+    """
+    if engine.bind:
+        return engine.bind
+    proxy = topo.proxy
+    if proxy is not None and proxy.host == engine.head and not engine.is_multi_node:
+        return LOCALHOST
+    return ANY_ADDRESS
+
+
+def engine_url(topo: Topology, engine: Engine, *, from_host: str | None = None) -> str:
+    """Base URL of the engine's OpenAI API as seen from `from_host` (default: the proxy host)."""
+    if from_host is None:
+        from_host = topo.proxy.host if topo.proxy else engine.head
+    bind = engine_bind(topo, engine)
+    if from_host == engine.head and (bind == ANY_ADDRESS or is_loopback(bind)):
+        address = LOCALHOST
+    elif bind not in (ANY_ADDRESS, "::"):
+        address = bind
+    else:
+        head = topo.hosts.get(engine.head)
+        address = head.address if head else engine.head
+    if ":" in address:
+        address = f"[{address}]"
+    return f"http://{address}:{engine.port}"
+
+
+def side_channel_host(topo: Topology, engine: Engine, host: str) -> str:
+    """VLLM_NIXL_SIDE_CHANNEL_HOST for `engine`'s ranks on `host`.
+
+    Omitted or 'auto': the host's `side_channel_address` (its routable address by default) when
+    KV crosses hosts, loopback when prefill and decode share one host; otherwise as written.
+    """
+    written = engine.kv.side_channel_host if engine.kv else None
+    if written in (None, "auto"):
+        if kv_crosses_hosts(topo, engine) and host in topo.hosts:
+            return topo.hosts[host].side_channel_address
+        return LOCALHOST
+    return written
+
+
+def side_channel_ports(engine: Engine, host: str) -> list[tuple[int, int]]:
+    """(dp_rank, port) of each NIXL side channel `engine` opens on `host`."""
+    if not uses_nixl_side_channel(engine):
+        return []
+    assert engine.kv is not None
+    base = engine.kv.side_channel_port
+    return [(rank, base + rank) for rank in engine.dp_ranks_on(host)]
+
+
+def uses_nixl_side_channel(engine: Engine) -> bool:
+    return engine.engine == "vllm" and engine.kv is not None and engine.kv.connector == "nixl"
+
+
+def engine_listeners(topo: Topology, engine: Engine) -> list[Listener]:
+    """Every listener of one engine, over all its hosts."""
+    name = engine.name
+    out: list[Listener] = [
+        Listener(
+            engine.port,
+            engine_bind(topo, engine),
+            name,
+            "HTTP API",
+            engine.head,
+            setting_path(topo, name, "port"),
+        )
+    ]
+    for host in engine.hosts:
+        if host not in topo.hosts:  # reported by host-known
+            continue
+        if engine.engine == "vllm" and engine.internal_port is not None:
+            out.append(
+                Listener(
+                    engine.internal_port,
+                    ANY_ADDRESS,
+                    name,
+                    "VLLM_PORT",
+                    host,
+                    setting_path(topo, name, "internal_port"),
+                )
+            )
+        for rank, port in side_channel_ports(engine, host):
+            out.append(
+                Listener(
+                    port,
+                    side_channel_host(topo, engine, host),
+                    name,
+                    f"NIXL side channel (dp rank {rank})",
+                    host,
+                    setting_path(topo, name, "kv", "side_channel", "port"),
+                )
+            )
+    if engine.engine == "sglang" and engine.kv is not None and engine.role == "prefill":
+        out.append(
+            Listener(
+                engine.kv.bootstrap_port,
+                ANY_ADDRESS,
+                name,
+                "SGLang bootstrap",
+                engine.head,
+                setting_path(topo, name, "kv", "bootstrap_port"),
+            )
+        )
+    if engine.is_multi_node:
+        what = "data-parallel RPC" if engine.engine == "vllm" else "dist-init"
+        out.append(
+            Listener(
+                engine.rpc_port,
+                ANY_ADDRESS,
+                name,
+                what,
+                engine.head,
+                setting_path(topo, name, "rpc_port"),
+            )
+        )
+    return out
+
+
+def listeners_by_host(topo: Topology) -> dict[str, list[Listener]]:
+    """Every listener of the topology, grouped by host, in a stable order.
+
+    Order per host: sshd, proxy, then engines in the order the topology defines them.
+
+    >>> listeners_by_host(topo)["h20-a"][0]  # doctest: +SKIP
+    Listener(port=22, bind='0.0.0.0', owner='sshd', what='ssh', host='h20-a', ...)
+    """
+    by_host: dict[str, list[Listener]] = {name: [] for name in topo.hosts}
+    for name, host in topo.hosts.items():
+        by_host[name].append(
+            Listener(
+                host.ssh_port, ANY_ADDRESS, "sshd", "ssh", name, ("hosts", name, "ssh", "port")
+            )
+        )
+    proxy = topo.proxy
+    if proxy is not None and proxy.host in by_host:
+        by_host[proxy.host].append(
+            Listener(
+                proxy.listen_port,
+                proxy.listen_host,
+                "proxy",
+                "OpenAI API",
+                proxy.host,
+                ("proxy", "listen"),
+            )
+        )
+    for engine in topo.engines.values():
+        for listener in engine_listeners(topo, engine):
+            if listener.host in by_host:
+                by_host[listener.host].append(listener)
+    return by_host
