@@ -1,0 +1,232 @@
+"""Compare a host's facts with what the topology expects of it: one message per mismatch.
+
+`preflight_problems()` is pure: it takes the facts dict (`HOST_FACTS` names, as printed by
+`hgxserve facts`) and a `HostExpectation`, and returns messages of the form
+`HOST: FACT: expected X, found Y`. Checks that the provision stage itself fixes (shm, memlock,
+peermem, Fabric Manager) can be left out with `after_provision=False`, so a bare host is not
+refused for what the next stage will set.
+
+Example:
+    >>> expect = HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8)
+    >>> preflight_problems({"gpu": {"status": "ok", "count": 7, "gpus": []}}, expect)[0]
+    'h20-a: gpu.count: expected 8, found 7'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hgxserve.facts.parsers import format_size
+
+
+@dataclass(frozen=True)
+class HostExpectation:
+    """What one host must look like for its part of the topology.
+
+    Example:
+        >>> HostExpectation(host="h200-a", gpu_kind="H200", gpu_count=8, shm_bytes=2**37).shm_bytes
+        137438953472
+    """
+
+    host: str
+    gpu_kind: str
+    gpu_count: int
+    used_gpus: tuple[int, ...] = ()
+    rdma_devices: tuple[str, ...] = ()
+    needs_peermem: bool = False
+    shm_bytes: int | None = None
+    model_path: str | None = None
+    model_size_bytes: int | None = None
+    driver_version: str | None = None
+    memlock_infinity: bool = True
+    notes: tuple[str, ...] = field(default=())
+
+
+def gpu_kind_of(name: str | None) -> str:
+    """The product token of an nvidia-smi GPU name (`NVIDIA H20-3e` -> `H20-3e`).
+
+    Example:
+        >>> gpu_kind_of("NVIDIA H100 80GB HBM3")
+        'H100'
+    """
+    words = (name or "").split()
+    if words and words[0].upper() == "NVIDIA":
+        words = words[1:]
+    return words[0] if words else ""
+
+
+def _ranges(indices: list[int]) -> str:
+    return ",".join(str(i) for i in sorted(indices))
+
+
+def preflight_problems(
+    facts: dict[str, Any], expect: HostExpectation, after_provision: bool = True
+) -> list[str]:
+    """Every mismatch between `facts` and `expect`, as `HOST: FACT: expected X, found Y`.
+
+    + facts: HOST_FACTS name -> value (missing names are skipped)
+    + expect: what the topology asks of this host
+    + after_provision: also check what the provision stage sets (shm, memlock, peermem, FM)
+
+    Example:
+        >>> preflight_problems({"peermem": False}, HostExpectation("a", "H20", 8,
+        ...     needs_peermem=True))
+        ['a: peermem: expected nvidia_peermem loaded (cross-host KV over RDMA), found not loaded']
+    """
+    host = expect.host
+    problems: list[str] = []
+
+    def problem(fact: str, expected: str, found: str) -> None:
+        problems.append(f"{host}: {fact}: expected {expected}, found {found}")
+
+    gpu = facts.get("gpu")
+    if gpu is not None:
+        status = gpu.get("status")
+        if status != "ok":
+            # Before provisioning, a host without a working driver is what provision fixes.
+            if after_provision or status == "error":
+                detail = f": {gpu.get('error')}" if gpu.get("error") else ""
+                problem(
+                    "gpu",
+                    f"{expect.gpu_count} x {expect.gpu_kind} visible to nvidia-smi",
+                    f"nvidia-smi {status}{detail}",
+                )
+        else:
+            _gpu_problems(gpu, expect, problem)
+            fm_needed = (facts.get("nvswitch") or {}).get("present")
+            fm = facts.get("fabric_manager")
+            if after_provision and fm_needed and fm is not None:
+                driver = gpu.get("driver_version")
+                if fm.get("version") != driver:
+                    problem(
+                        "fabric_manager.version",
+                        f"{driver} (the driver's; NVSwitch present)",
+                        fm.get("version") or "not installed",
+                    )
+                if fm.get("active") != "active":
+                    problem("fabric_manager.active", "active", str(fm.get("active")))
+
+    rdma = facts.get("rdma")
+    if rdma is not None and expect.rdma_devices:
+        devices = rdma.get("devices", {})
+        for name in expect.rdma_devices:
+            device = devices.get(name)
+            if device is None:
+                listed = ", ".join(sorted(devices)) or "no RDMA devices"
+                problem(f"rdma.{name}", "device present", f"missing (host has {listed})")
+                continue
+            states = {port: info.get("state") for port, info in device.get("ports", {}).items()}
+            if "PORT_ACTIVE" not in states.values():
+                found = ", ".join(f"port {p} {s}" for p, s in sorted(states.items())) or "no ports"
+                problem(f"rdma.{name}", "PORT_ACTIVE", found)
+
+    if after_provision and expect.needs_peermem and "peermem" in facts and not facts["peermem"]:
+        problem("peermem", "nvidia_peermem loaded (cross-host KV over RDMA)", "not loaded")
+
+    shm = facts.get("shm")
+    if after_provision and shm is not None and expect.shm_bytes:
+        size = shm.get("size_bytes")
+        if size is None or size < expect.shm_bytes:
+            problem(
+                "shm.size",
+                f">= {format_size(expect.shm_bytes)}",
+                format_size(size) if size is not None else "no /dev/shm",
+            )
+
+    memlock = facts.get("memlock")
+    if (
+        after_provision
+        and memlock is not None
+        and expect.memlock_infinity
+        and not memlock.get("infinity")
+    ):
+        problem(
+            "memlock",
+            "infinity for systemd units",
+            f"DefaultLimitMEMLOCK={memlock.get('default')}, unit ulimit -l={memlock.get('unit')}",
+        )
+
+    disk = facts.get("disk")
+    if disk is not None and expect.model_size_bytes:
+        avail = disk.get("avail_bytes")
+        needed = max(expect.model_size_bytes - int(disk.get("present_bytes") or 0), 0)
+        if avail is None or avail < needed:
+            problem(
+                "disk",
+                f">= {_human(needed)} free on {disk.get('mount') or '?'} for "
+                f"{expect.model_path or 'the model'}",
+                f"{_human(avail)} free" if avail is not None else "no filesystem",
+            )
+    return problems
+
+
+def _human(size: int | None) -> str:
+    if size is None:
+        return "?"
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2)):
+        if size >= factor:
+            return f"{size / factor:.1f} {unit}"
+    return f"{size} B"
+
+
+def _gpu_problems(gpu: dict[str, Any], expect: HostExpectation, problem: Any) -> None:
+    gpus = gpu.get("gpus") or []
+    count = gpu.get("count", len(gpus))
+    if count != expect.gpu_count:
+        problem("gpu.count", str(expect.gpu_count), str(count))
+    wrong: dict[str, list[int]] = {}
+    for entry in gpus:
+        if gpu_kind_of(entry.get("name")).lower() != expect.gpu_kind.lower():
+            wrong.setdefault(str(entry.get("name")), []).append(entry.get("index"))
+    for name, indices in sorted(wrong.items()):
+        problem("gpu.name", f"{expect.gpu_kind} on every GPU", f"{name} on GPU {_ranges(indices)}")
+    present = {entry.get("index") for entry in gpus}
+    missing = [i for i in expect.used_gpus if i not in present]
+    if missing and count == expect.gpu_count:
+        problem(
+            "gpu.index", f"GPUs {_ranges(list(expect.used_gpus))}", f"no GPU {_ranges(missing)}"
+        )
+    mig = [
+        entry.get("index")
+        for entry in gpus
+        if entry.get("index") in expect.used_gpus and entry.get("mig_mode") == "Enabled"
+    ]
+    if mig:
+        problem("gpu.mig", f"MIG disabled on GPU {_ranges(mig)} (used by engines)", "Enabled")
+    if expect.driver_version and gpu.get("driver_version") != expect.driver_version:
+        problem("gpu.driver_version", expect.driver_version, str(gpu.get("driver_version")))
+
+
+def expectation_from_topology(topo: Any, host_name: str) -> HostExpectation:
+    """Build a host's HostExpectation from a loaded topology (hgxserve.topology.Topology).
+
+    Peermem is needed when the host has RDMA devices and one of its engines either spans
+    hosts or exchanges KV with an engine on another host (a proxy route across hosts).
+
+    Example:
+        expect = expectation_from_topology(load_topology("topologies/x.yml"), "h20-a")
+    """
+    host = topo.hosts[host_name]
+    engines = list(topo.engines.values())
+    mine = [engine for engine in engines if host_name in engine.place]
+    used = sorted({index for engine in mine for index in engine.place[host_name]})
+    cross_host = any(engine.is_multi_node for engine in mine)
+    proxy = getattr(topo, "proxy", None)
+    by_name = topo.engines
+    for route in getattr(proxy, "routes", ()) if proxy else ():
+        members = [by_name[name] for name in (*route.prefill, *route.decode) if name in by_name]
+        hosts = {h for engine in members for h in engine.place}
+        if host_name in hosts and len(hosts) > 1 and any(e.kv for e in members):
+            cross_host = True
+    return HostExpectation(
+        host=host_name,
+        gpu_kind=host.gpu,
+        gpu_count=host.gpus,
+        used_gpus=tuple(used),
+        rdma_devices=tuple(host.rdma),
+        needs_peermem=bool(host.rdma) and cross_host,
+        shm_bytes=host.shm,
+        model_path=topo.model.path,
+        model_size_bytes=topo.model.size,
+    )

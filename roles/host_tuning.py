@@ -1,0 +1,170 @@
+"""Tune an HGX host for inference engines: /dev/shm size, memlock for units, sysctl, tmpfiles.
+
+Each part changes the host only when it differs from what is wanted, and reacts only to its
+own change: `systemctl daemon-reexec` when the memlock drop-in changed, `sysctl -p` when the
+sysctl file changed, a live `/dev/shm` remount when the mounted size differs.
+
+Example:
+    from roles.host_tuning import host_tuning
+    host_tuning(shm_size="128Gi")
+"""
+
+from __future__ import annotations
+
+from pyinfra import host
+from pyinfra.api import deploy, operation
+from pyinfra.operations import files, server
+
+from hgxserve.facts.host import ShmSize
+from hgxserve.facts.parsers import parse_size
+from roles.nvidia_driver import TEMPLATES
+
+MEMLOCK_DROPIN = "/etc/systemd/system.conf.d/hgxserve-memlock.conf"
+MEMLOCK_LIMITS = "/etc/security/limits.d/90-hgxserve-memlock.conf"
+SYSCTL_FILE = "/etc/sysctl.d/90-hgxserve.conf"
+TMPFILES_FILE = "/etc/tmpfiles.d/hgxserve-shm.conf"
+FSTAB = "/etc/fstab"
+DEFAULT_SHM_SIZE = "64Gi"
+
+# key -> (value, why): the reason is written above each line in the sysctl file.
+SYSCTL_DEFAULTS: dict[str, tuple[str, str]] = {
+    "vm.max_map_count": (
+        "1048576",
+        "engines mmap hundreds of safetensors shards plus CUDA/UCX regions; 65530 is too few",
+    ),
+    "kernel.numa_balancing": (
+        "0",
+        "automatic NUMA balancing migrates pinned engine memory and causes latency spikes",
+    ),
+    "net.core.rmem_max": (
+        "268435456",
+        "UCX/NIXL TCP fallback and weight downloads need socket buffers above 208 KiB",
+    ),
+    "net.core.wmem_max": (
+        "268435456",
+        "UCX/NIXL TCP fallback and weight downloads need socket buffers above 208 KiB",
+    ),
+    "net.ipv4.tcp_rmem": ("4096 87380 268435456", "let TCP autotuning use the larger buffers"),
+    "net.ipv4.tcp_wmem": ("4096 65536 268435456", "let TCP autotuning use the larger buffers"),
+    "net.core.somaxconn": ("4096", "the proxy and engines accept bursts of client connections"),
+}
+
+# Segments engines leave in /dev/shm after a crash or SIGKILL (sources in docs/provision.md).
+SHM_LEAK_PATTERNS = (
+    "nccl-*",  # NCCL shared-memory transport
+    "ucx_shm_posix_*",  # UCX posix shared-memory transport
+    "psm_*",  # Python multiprocessing.shared_memory (vLLM shm broadcast)
+    "sem.mp-*",  # Python multiprocessing semaphores
+    "sem.loky-*",  # joblib/loky semaphores
+    "torch_*",  # torch.multiprocessing file_system sharing
+    "vllm_offload_*",  # vLLM CPU KV offload region
+    "sgl_shm_mm_*",  # SGLang multimodal shared memory
+)
+
+
+def tmpfs_size_option(size_bytes: int) -> str:
+    """tmpfs `size=` value with the largest exact binary suffix (tmpfs k/m/g are KiB/MiB/GiB).
+
+    Example:
+        >>> tmpfs_size_option(128 * 1024**3)
+        '128g'
+    """
+    for suffix, factor in (("g", 1024**3), ("m", 1024**2), ("k", 1024)):
+        if size_bytes % factor == 0:
+            return f"{size_bytes // factor}{suffix}"
+    return str(size_bytes)
+
+
+@operation()
+def shm_remounted(size_bytes: int):
+    """Remount /dev/shm live with `size_bytes` when its mounted size differs.
+
+    + size_bytes: wanted size of /dev/shm in bytes
+
+    **Example:**
+
+    .. code:: python
+
+        shm_remounted(name="Resize /dev/shm", size_bytes=128 * 1024**3)
+    """
+    shm = host.get_fact(ShmSize)
+    if shm["size_bytes"] == size_bytes:
+        host.noop(f"/dev/shm is already {tmpfs_size_option(size_bytes)}")
+        return
+    yield f"mount -o remount,size={tmpfs_size_option(size_bytes)} /dev/shm"
+
+
+@deploy("Tune the host for inference engines")
+def host_tuning(
+    shm_size: str | int = DEFAULT_SHM_SIZE,
+    remount_shm: bool = True,
+    memlock: bool = True,
+    sysctl: dict[str, tuple[str, str]] | None = None,
+    apply_sysctl: bool = True,
+    shm_leak_patterns: tuple[str, ...] | list[str] = SHM_LEAK_PATTERNS,
+) -> None:
+    """Size /dev/shm, lift memlock for systemd units, apply sysctls, clear leaked shm at boot.
+
+    + shm_size: /dev/shm size (`128Gi`, or bytes)
+    + remount_shm: also resize the mounted /dev/shm now (no reboot needed)
+    + memlock: DefaultLimitMEMLOCK=infinity for all units, unlimited for login shells
+    + sysctl: key -> (value, reason); default SYSCTL_DEFAULTS
+    + apply_sysctl: run `sysctl -p` when the file changed (off where /proc/sys is read-only)
+    + shm_leak_patterns: /dev/shm names the tmpfiles rule removes
+
+    Example:
+        host_tuning(shm_size="128Gi", apply_sysctl=True)
+    """
+    size_bytes = parse_size(shm_size)
+    size = tmpfs_size_option(size_bytes)
+    files.line(
+        name=f"Size /dev/shm to {size} in fstab",
+        path=FSTAB,
+        line=r"^[^#[:space:]]*[[:space:]][[:space:]]*/dev/shm[[:space:]].*$",
+        replace=f"tmpfs /dev/shm tmpfs rw,nosuid,nodev,size={size} 0 0",
+    )
+    if remount_shm:
+        shm_remounted(name=f"Resize the mounted /dev/shm to {size}", size_bytes=size_bytes)
+
+    if memlock:
+        dropin = files.put(
+            name="Set DefaultLimitMEMLOCK=infinity for systemd units",
+            src=str(TEMPLATES / "systemd-memlock.conf"),
+            dest=MEMLOCK_DROPIN,
+            mode="644",
+        )
+        server.shell(
+            name="Re-execute systemd so new units get the memlock limit",
+            commands=["systemctl daemon-reexec"],
+            _if=dropin.did_change,
+        )
+        files.put(
+            name="Set memlock unlimited for login shells",
+            src=str(TEMPLATES / "limits-memlock.conf"),
+            dest=MEMLOCK_LIMITS,
+            mode="644",
+        )
+
+    settings = SYSCTL_DEFAULTS if sysctl is None else sysctl
+    sysctl_file = files.template(
+        name="Write sysctl settings for large inference hosts",
+        src=str(TEMPLATES / "sysctl.conf.j2"),
+        dest=SYSCTL_FILE,
+        mode="644",
+        settings=settings,
+    )
+    if apply_sysctl:
+        server.shell(
+            name="Apply the changed sysctl settings",
+            commands=[f"sysctl -p {SYSCTL_FILE}"],
+            _if=sysctl_file.did_change,
+        )
+
+    files.template(
+        name="Remove leaked engine segments from /dev/shm at boot",
+        src=str(TEMPLATES / "tmpfiles-shm.conf.j2"),
+        dest=TMPFILES_FILE,
+        mode="644",
+        patterns=list(shm_leak_patterns),
+        path=TMPFILES_FILE,
+    )
