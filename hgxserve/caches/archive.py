@@ -185,7 +185,7 @@ def _link_stays_inside(rel: str, target: str) -> bool:
 
 
 def pack_dir(src: str, out: str, key: str | None = None, level: int = ZSTD_LEVEL) -> PackResult:
-    """Pack a cache key directory into `<out>/<sha256>.tar.zst` (or exactly `out` if a file name).
+    """Pack a cache key directory into `<out>/<sha256>.tar.zst` (or exactly `out` if *.tar.zst).
 
     >>> pack_dir("/var/cache/hgxserve/3f2a", "/srv/caches/").sha256  # doctest: +SKIP
     'c0ffee...'
@@ -195,7 +195,8 @@ def pack_dir(src: str, out: str, key: str | None = None, level: int = ZSTD_LEVEL
         raise ArchiveError(f"{src}: no such cache directory")
     src = os.path.abspath(src)
     dirs, files, links = _walk(src)
-    out_is_dir = out.endswith("/") or os.path.isdir(out)
+    # An explicit *.tar.zst is the archive's path; anything else is the folder it goes into.
+    out_is_dir = os.path.isdir(out) or not out.endswith(".tar.zst")
     out_dir = out if out_is_dir else (os.path.dirname(os.path.abspath(out)) or ".")
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".pack-", suffix=".tmp", dir=out_dir)

@@ -41,10 +41,8 @@ def _load(topology: str) -> Any:
     try:
         return load_topology(topology)
     except TopologyError as exc:
-        lines = [str(p) for p in exc.problems] if getattr(exc, "problems", None) else [str(exc)]
-        raise click.ClickException(
-            f"{topology}: not a valid topology:\n" + "\n".join(lines)
-        ) from exc
+        lines = [p.text() for p in exc.problems] or [str(exc)]
+        raise click.ClickException("not a valid topology:\n" + "\n".join(lines)) from exc
 
 
 def _engine_and_host(topo: Any, engine: str, host: str | None) -> tuple[Any, str]:
