@@ -1,0 +1,286 @@
+"""Proxy overhead, measured in one run on 127.0.0.1 against the same simulated engines.
+
+Compares, at concurrency 1, 64 and 512 (non-streaming /v1/completions, 8 output tokens, engines
+with zero simulated compute so the proxy is what is measured):
+  direct    client -> decode engine (no proxy, no prefill hop: the floor)
+  hgxserve  client -> `hgxserve proxy serve` -> prefill, then decode (vLLM NIXL protocol)
+  vllm-router  client -> `vllm-router --vllm-pd-disaggregation` -> prefill, then decode
+
+    .venv/bin/python benchmarks/bench_proxy.py                       # hgxserve vs direct
+    .venv/bin/python benchmarks/bench_proxy.py --vllm-router /tmp/vr/venv/bin/vllm-router
+
+Prints, per target and concurrency: p50/p99 latency, latency added over direct (p50/p99), req/s,
+errors, and the proxy process's CPU time per request (user+sys from /proc/<pid>/stat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+SIMENGINE = ROOT / "testbed" / "simengine.py"
+HGXSERVE = Path(sys.executable).with_name("hgxserve")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"not ready: {url}")
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+async def load(url: str, concurrency: int, total: int) -> tuple[list[float], int, float]:
+    body = {
+        "model": "m",
+        "prompt": "benchmark prompt " * 16,
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    latencies: list[float] = []
+    errors = 0
+    left = total
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def worker() -> None:
+            nonlocal left, errors
+            while left > 0:
+                left -= 1
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(url + "/v1/completions", json=body) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except (TimeoutError, aiohttp.ClientError):
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+        t_start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t_start
+    return latencies, errors, wall
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--vllm-router", help="path to the vllm-router executable (PyPI vllm-router)")
+    ap.add_argument("--concurrency", default="1,64,512")
+    ap.add_argument("--requests", default="300,2000,2048", help="requests per concurrency level")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    counts = [int(n) for n in args.requests.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    env = {
+        **os.environ,
+        "HGXSERVE_SIM_START_SECONDS": "0.2",
+        "HGXSERVE_SIM_TOKEN_SECONDS": "0",
+        "HGXSERVE_SIM_PREFILL_SECONDS_PER_1K": "0",
+        "HGXSERVE_SIM_GPU_DIR": str(work / "gpus"),
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        ports = {k: free_port() for k in ("prefill", "decode", "hgxserve", "router")}
+        for role, kv in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            eng_env = {
+                **env,
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            }
+            cmd = [
+                sys.executable,
+                str(SIMENGINE),
+                "--engine",
+                "vllm",
+                "serve",
+                "/models/m",
+                "--served-model-name",
+                "m",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(ports[role]),
+                "--max-num-seqs",
+                "1024",
+                "--kv-transfer-config",
+                json.dumps({"kv_connector": "NixlConnector", "kv_role": kv}),
+            ]
+            procs.append(start(cmd, eng_env, work / f"{role}.log"))
+        prefill_url = f"http://127.0.0.1:{ports['prefill']}"
+        decode_url = f"http://127.0.0.1:{ports['decode']}"
+        wait_http(prefill_url + "/health")
+        wait_http(decode_url + "/health")
+        targets: dict[str, tuple[str, int | None]] = {"direct": (decode_url, None)}
+        config = {
+            "listen": {"host": "127.0.0.1", "port": ports["hgxserve"]},
+            "protocol": "vllm-nixl",
+            "served_model_name": "m",
+            "pd_groups": [{"prefill": [prefill_url], "decode": [decode_url]}],
+            "health": {"interval_s": 5},
+        }
+        (work / "proxy.json").write_text(json.dumps(config))
+        px = start(
+            [
+                str(HGXSERVE),
+                "proxy",
+                "serve",
+                "--config",
+                str(work / "proxy.json"),
+                "--log-level",
+                "warning",
+            ],
+            env,
+            work / "hgxserve.log",
+        )
+        procs.append(px)
+        wait_http(f"http://127.0.0.1:{ports['hgxserve']}/health")
+        targets["hgxserve"] = (f"http://127.0.0.1:{ports['hgxserve']}", px.pid)
+        router_note = "not run (pass --vllm-router PATH)"
+        if args.vllm_router:
+            rt = start(
+                [
+                    args.vllm_router,
+                    "--vllm-pd-disaggregation",
+                    "--prefill",
+                    prefill_url,
+                    "--decode",
+                    decode_url,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(ports["router"]),
+                    "--policy",
+                    "round_robin",
+                ],
+                env,
+                work / "router.log",
+            )
+            procs.append(rt)
+            try:
+                wait_http(f"http://127.0.0.1:{ports['router']}/health", 60)
+                targets["vllm-router"] = (f"http://127.0.0.1:{ports['router']}", rt.pid)
+                router_note = "run"
+            except SystemExit:
+                router_note = f"failed to start: see {work / 'router.log'}"
+        rows: list[dict[str, Any]] = []
+        base: dict[int, tuple[float, float]] = {}
+        for conc, total in zip(levels, counts, strict=True):
+            for name, (url, pid) in targets.items():
+                asyncio.run(load(url, min(conc, 16), min(total, 100)))  # warm up pools
+                cpu0 = cpu_seconds(pid) if pid else 0.0
+                lat, errors, wall = asyncio.run(load(url, conc, total))
+                cpu = (cpu_seconds(pid) - cpu0) if pid else float("nan")
+                p50, p99 = pct(lat, 0.50), pct(lat, 0.99)
+                if name == "direct":
+                    base[conc] = (p50, p99)
+                rows.append(
+                    {
+                        "target": name,
+                        "c": conc,
+                        "n": total,
+                        "p50": p50,
+                        "p99": p99,
+                        "add50": p50 - base[conc][0],
+                        "add99": p99 - base[conc][1],
+                        "rps": len(lat) / wall,
+                        "errors": errors,
+                        "cpu_ms": cpu / max(1, len(lat)) * 1000,
+                    }
+                )
+        # evidence that the P/D path really moved KV (not a silent local recompute)
+        import urllib.request
+
+        with urllib.request.urlopen(decode_url + "/metrics") as r:
+            text = r.read().decode()
+        xfers = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:nixl_xfer_time_seconds_count")
+        )
+        fails = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:nixl_num_failed_transfers_total")
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    print(
+        f"\nproxy overhead on 127.0.0.1 (simulated engines, {os.cpu_count()} CPUs); "
+        f"vllm-router: {router_note}"
+    )
+    head = (
+        f"{'target':<12}{'C':>5}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}"
+        f"{'+p99 ms':>9}{'req/s':>9}{'err':>5}{'CPU ms/req':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['target']:<12}{r['c']:>5}{r['n']:>6}{r['p50'] * 1e3:>9.2f}{r['p99'] * 1e3:>9.2f}"
+            f"{r['add50'] * 1e3:>9.2f}{r['add99'] * 1e3:>9.2f}{r['rps']:>9.0f}{r['errors']:>5}"
+            f"{r['cpu_ms']:>11.3f}"
+        )
+    print(
+        f"decode NIXL transfers: {xfers:.0f} successful, {fails:.0f} failed "
+        "(direct requests carry no KV params and transfer nothing)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
