@@ -1,0 +1,273 @@
+"""pyinfra facts and operations for JIT/compile caches: what a host holds, bake, fetch, restore.
+
+Controller-mediated distribution: one host per (GPU kind, key) bakes and packs; its archive is
+fetched into a store on the controller (`<store>/<full key>/<sha256>.tar.zst` plus
+`<store>/<full key>.json`); every other host of that kind gets it pushed and restored. A host
+whose restore marker already names the same full key and archive changes nothing.
+
+    from hgxserve.caches.operations import restored
+    restored(name="Restore JIT cache", key=key, full_key=full_key, store="/srv/caches")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+from typing import Any
+
+from pyinfra import host
+from pyinfra.api import FactBase, FunctionCommand, OperationError, StringCommand, operation
+from pyinfra.api.command import FileUploadCommand
+
+from hgxserve.caches.hostfacts import normalize_host_facts, probe_command
+from hgxserve.caches.layout import DEFAULT_ROOT, RESTORE_MARKER
+
+AGENT = "/opt/hgxserve/bin/hgxserve"
+
+
+class CacheState(FactBase):
+    """Cache keys present under a root: {key: restore marker (full_key, archive_sha256, ...)}.
+
+    Example:
+        >>> host.get_fact(CacheState, root="/var/cache/hgxserve")  # doctest: +SKIP
+        {'vllm-0.26.0-h20-8207acaeed1c8efe': {'archive_sha256': 'c0ffee...', ...}}
+    """
+
+    def command(self, root: str = DEFAULT_ROOT) -> str:
+        pattern = shlex.quote(root.rstrip("/")) + "/*/" + RESTORE_MARKER
+        return (
+            f'for f in {pattern}; do [ -f "$f" ] || continue; '
+            'printf "##%s\\n" "$f"; cat "$f"; echo; done; true'
+        )
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        return parse_cache_state(output)
+
+
+def parse_cache_state(lines: list[str]) -> dict[str, Any]:
+    """Parse CacheState output; unreadable markers count as absent (so they get restored).
+
+    >>> parse_cache_state(["##/r/k1/.hgxserve-cache.json", '{"archive_sha256": "ab"}'])
+    {'k1': {'archive_sha256': 'ab'}}
+    """
+    state: dict[str, Any] = {}
+    current: str | None = None
+    body: list[str] = []
+
+    def flush() -> None:
+        if current is None:
+            return
+        try:
+            value = json.loads("\n".join(body))
+        except ValueError:
+            return
+        if isinstance(value, dict):
+            state[current] = value
+
+    for line in lines:
+        if line.startswith("##"):
+            flush()
+            current = os.path.basename(os.path.dirname(line[2:].strip()))
+            body = []
+        else:
+            body.append(line)
+    flush()
+    return state
+
+
+class CacheKeyFacts(FactBase):
+    """The host facts that go into the full cache key, probed with the engine's own Python.
+
+    Example:
+        >>> host.get_fact(CacheKeyFacts, python="/opt/vllm/bin/python", engine="vllm",
+        ...               manifest="/models/M/hgxserve-manifest.json")  # doctest: +SKIP
+        {'driver_version': '570.158.01', 'engine_version': '0.26.0', ...}
+    """
+
+    def command(self, python: str, engine: str, manifest: str = "") -> str:
+        probe = " ".join(shlex.quote(a) for a in probe_command(python, engine))
+        digest = ""
+        if manifest:
+            m = shlex.quote(manifest)
+            digest = f'; [ -f {m} ] && echo "##manifest $(sha256sum {m} | cut -d" " -f1)"'
+        return f"if [ -x {shlex.quote(python)} ]; then {probe}; else echo '{{}}'; fi{digest}; true"
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        facts: dict[str, Any] = {}
+        for line in output:
+            if line.startswith("##manifest "):
+                facts["model_manifest_sha256"] = line.split()[1]
+            elif line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    facts.update(json.loads(line))
+        return normalize_host_facts(facts)
+
+
+def store_index(store: str, full_key: str) -> dict[str, Any] | None:
+    """The controller store's record for a full key, or None when nothing was baked yet."""
+    try:
+        with open(os.path.join(store, f"{full_key}.json")) as fh:
+            value = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _restore_commands(
+    key: str, full_key: str, root: str, archive: str, sha256: str, agent: str
+) -> list[Any]:
+    remote = f"{root}/.archives/{sha256}.tar.zst"
+    return [
+        StringCommand("mkdir", "-p", f"{root}/.archives"),
+        FileUploadCommand(archive, remote),
+        StringCommand(
+            agent,
+            "cache",
+            "restore",
+            "--archive",
+            remote,
+            "--dir",
+            f"{root}/{key}",
+            "--sha256",
+            sha256,
+            "--key",
+            full_key,
+        ),  # fmt: skip
+        StringCommand("rm", "-f", remote),
+    ]
+
+
+def _push_and_restore_late(
+    state: Any, host: Any, key: str, full_key: str, root: str, store: str, agent: str
+) -> None:
+    # Runs at execution time: the archive may have been baked earlier in this same run.
+    index = store_index(store, full_key)
+    if index is None:
+        raise OperationError(
+            f"no cache archive for key {full_key} in {store}: bake it on a host with the same "
+            f"facts (policy: bake), or run `hgxserve cache bake` there"
+        )
+    archive = os.path.join(store, full_key, f"{index['sha256']}.tar.zst")
+    for command in _restore_commands(key, full_key, root, archive, index["sha256"], agent):
+        if isinstance(command, FileUploadCommand):
+            ok = host.put_file(command.src, command.dest)
+        else:
+            ok, _ = host.run_shell_command(command)
+        if not ok:
+            raise OperationError(f"cache restore of {full_key} failed at: {command}")
+
+
+@operation()
+def restored(
+    key: str,
+    full_key: str,
+    root: str = DEFAULT_ROOT,
+    store: str = "",
+    agent: str = AGENT,
+):
+    """Hold the archive of `full_key` in `<root>/<key>/`, pushed from the controller store.
+
+    + key: render-time key (the directory the units use)
+    + full_key: key with this host's facts (what the archive was baked for)
+    + root: cache root on the host
+    + store: controller directory with `<full_key>.json` and `<full_key>/<sha256>.tar.zst`
+    + agent: the hgxserve command on the host
+
+    Example:
+        restored(name="Restore JIT cache", key=k, full_key=fk, store="/srv/caches")
+    """
+    have = host.get_fact(CacheState, root=root).get(key) or {}
+    index = store_index(store, full_key)
+    if have.get("full_key") == full_key and (
+        index is None or have.get("archive_sha256") == index.get("sha256")
+    ):
+        host.noop(f"cache {key} already holds {full_key} ({str(have.get('archive_sha256'))[:12]})")
+        return
+    if index is None:
+        # Baked earlier in this run on another host: resolve the archive when executing.
+        yield FunctionCommand(
+            _push_and_restore_late, (key, full_key, root, store, agent), {}
+        )  # fmt: skip
+        return
+    archive = os.path.join(store, full_key, f"{index['sha256']}.tar.zst")
+    if not os.path.isfile(archive):
+        raise OperationError(f"{archive}: listed in {store}/{full_key}.json but missing")
+    yield from _restore_commands(key, full_key, root, archive, index["sha256"], agent)
+
+
+def _fetch_baked(state: Any, host: Any, key: str, full_key: str, root: str, store: str) -> None:
+    marker_path = f"{root}/{key}/{RESTORE_MARKER}"
+    ok, output = host.run_shell_command(StringCommand("cat", marker_path))
+    if not ok:
+        raise OperationError(f"{host.name}: bake left no marker at {marker_path}")
+    marker = json.loads("\n".join(output.stdout_lines))
+    sha = marker["archive_sha256"]
+    os.makedirs(os.path.join(store, full_key), exist_ok=True)
+    local = os.path.join(store, full_key, f"{sha}.tar.zst")
+    if not host.get_file(f"{root}/.archives/{sha}.tar.zst", local + ".part"):
+        raise OperationError(f"{host.name}: cannot fetch {root}/.archives/{sha}.tar.zst")
+    os.replace(local + ".part", local)
+    with open(os.path.join(store, f"{full_key}.json.part"), "w") as fh:
+        json.dump({"sha256": sha, "key": key, "baked_on": host.name}, fh, indent=1)
+    os.replace(
+        os.path.join(store, f"{full_key}.json.part"), os.path.join(store, f"{full_key}.json")
+    )
+
+
+@operation()
+def baked(
+    key: str,
+    full_key: str,
+    topology: str,
+    engine: str,
+    facts: dict[str, Any],
+    root: str = DEFAULT_ROOT,
+    store: str = "",
+    agent: str = AGENT,
+):
+    """Bake `full_key` on this host (unless it holds it), pack it and fetch it to the store.
+
+    + key / full_key: render-time key and full key (see `restored`)
+    + topology: path of the topology file on the controller (uploaded for the bake)
+    + engine: engine name in the topology
+    + facts: this host's key facts (CacheKeyFacts), recorded with the bake
+    + root / store / agent: as in `restored`
+
+    Example:
+        baked(name="Bake JIT cache", key=k, full_key=fk, topology="t.yml", engine="decode-0",
+              facts=f, store="/srv/caches")
+    """
+    have = host.get_fact(CacheState, root=root).get(key) or {}
+    index = store_index(store, full_key)
+    if have.get("full_key") == full_key and (
+        index is None or have.get("archive_sha256") == index.get("sha256")
+    ):
+        if index is None:
+            # Baked before but never fetched: fetch only.
+            yield FunctionCommand(_fetch_baked, (key, full_key, root, store), {})
+            return
+        host.noop(f"cache {key} already baked as {full_key}")
+        return
+    work = f"{root}/.bake"
+    remote_topology = f"{work}/{os.path.basename(topology)}"
+    remote_facts = f"{work}/{full_key}.facts.json"
+    from io import BytesIO
+
+    yield StringCommand("mkdir", "-p", work, f"{root}/.archives")
+    yield FileUploadCommand(topology, remote_topology)
+    yield FileUploadCommand(BytesIO(json.dumps(facts, sort_keys=True).encode()), remote_facts)
+    yield StringCommand(
+        agent, "cache", "bake", "--topology", remote_topology, "--engine", engine,
+        "--host", host.name, "--facts", remote_facts, "--pack-to", f"{root}/.archives/",
+    )  # fmt: skip
+    yield FunctionCommand(_fetch_baked, (key, full_key, root, store), {})

@@ -1,0 +1,83 @@
+"""Restore (or bake once, then restore) the JIT/compile caches of this host's engines.
+
+Distribution is controller-mediated: for each (GPU kind, full key) one host bakes, packs and its
+archive is fetched into a store on the controller; every other host of that kind gets the
+archive pushed and restored. Hosts whose restore marker already names the full key and archive
+do nothing, so a second run reports zero changes.
+
+Example:
+    from roles.caches import caches
+    caches(engines=[{"engine": "decode-0", "key": k, "full_key": fk, "facts": f}],
+           topology="topologies/t.yml", store="/srv/hgxserve-caches", bakers={fk: "h20-a"})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyinfra import host
+from pyinfra.api import DeployError, deploy
+
+from hgxserve.caches.layout import DEFAULT_ROOT
+from hgxserve.caches.operations import AGENT, baked, restored, store_index
+
+
+@deploy("Restore JIT caches")
+def caches(
+    engines: list[dict[str, Any]],
+    topology: str,
+    store: str,
+    policy: str = "restore",
+    distribute: str = "controller",
+    root: str = DEFAULT_ROOT,
+    bakers: dict[str, str] | None = None,
+    agent: str = AGENT,
+) -> None:
+    """Bring every engine's cache key directory on this host to its baked archive.
+
+    + engines: one dict per engine on this host: engine, key (render-time), full_key, facts
+    + topology: topology file on the controller (uploaded to the baker for `cache bake`)
+    + store: controller directory holding archives per full key
+    + policy: off | restore (only restore archives that exist) | bake (bake missing ones)
+    + distribute: controller (s3 is not available yet)
+    + root: cache root on hosts
+    + bakers: full key -> host that bakes it (one per GPU kind and key)
+    + agent: hgxserve command on the hosts
+
+    Example:
+        caches(engines=[...], topology="t.yml", store="/srv/caches", policy="bake")
+    """
+    if policy == "off":
+        return
+    if distribute != "controller":
+        raise DeployError(
+            f"cache distribution {distribute!r} is not available yet; use distribute: controller"
+        )
+    seen: set[str] = set()
+    for entry in engines:
+        key, full_key = entry["key"], entry["full_key"]
+        if full_key in seen:  # prefill and decode with equal settings share one cache
+            continue
+        seen.add(full_key)
+        in_store = store_index(store, full_key) is not None
+        if not in_store and policy == "bake" and (bakers or {}).get(full_key) == host.name:
+            baked(
+                name=f"Bake JIT cache {key} ({entry['engine']})",
+                key=key,
+                full_key=full_key,
+                topology=topology,
+                engine=entry["engine"],
+                facts=entry.get("facts") or {},
+                root=root,
+                store=store,
+                agent=agent,
+            )
+        else:
+            restored(
+                name=f"Restore JIT cache {key} ({entry['engine']})",
+                key=key,
+                full_key=full_key,
+                root=root,
+                store=store,
+                agent=agent,
+            )

@@ -1,0 +1,143 @@
+"""caches.restored / caches.baked / the caches role: commands only on mismatch, noop otherwise."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from hgxserve.caches.operations import (  # noqa: E402
+    CacheKeyFacts,
+    CacheState,
+    baked,
+    parse_cache_state,
+    restored,
+)
+from roles.caches import caches  # noqa: E402
+from tests.test_operations import run_deploy, run_operation  # noqa: E402
+
+SHA = "ab" * 32
+ROOT = "/var/cache/hgxserve"
+STATE = "hgxserve.caches.operations.CacheState"
+
+
+@pytest.fixture()
+def store(tmp_path):
+    (tmp_path / "full-1").mkdir()
+    (tmp_path / "full-1" / f"{SHA}.tar.zst").write_bytes(b"archive")
+    (tmp_path / "full-1.json").write_text(json.dumps({"sha256": SHA, "key": "k1"}))
+    return tmp_path
+
+
+def facts(state):
+    return {STATE: {f"root={ROOT}": state}}
+
+
+def test_restored_is_a_noop_when_the_marker_matches(store):
+    state = {"k1": {"full_key": "full-1", "archive_sha256": SHA}}
+    commands, noops = run_operation(
+        restored, {"key": "k1", "full_key": "full-1", "store": str(store)}, facts(state)
+    )
+    assert commands == []
+    assert noops == [f"cache k1 already holds full-1 ({SHA[:12]})"]
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {},  # nothing there
+        {"k1": {"full_key": "full-0", "archive_sha256": SHA}},  # other host facts (driver...)
+        {"k1": {"full_key": "full-1", "archive_sha256": "cd" * 32}},  # a newer bake
+    ],
+)
+def test_restored_pushes_and_restores_on_mismatch(store, state):
+    commands, _ = run_operation(
+        restored, {"key": "k1", "full_key": "full-1", "store": str(store)}, facts(state)
+    )
+    remote = f"{ROOT}/.archives/{SHA}.tar.zst"
+    assert commands == [
+        f"mkdir -p {ROOT}/.archives",
+        ["upload", "archive", remote],
+        f"/opt/hgxserve/bin/hgxserve cache restore --archive {remote} --dir {ROOT}/k1 "
+        f"--sha256 {SHA} --key full-1",
+        f"rm -f {remote}",
+    ]
+
+
+def test_restored_resolves_the_archive_late_when_baked_in_this_run(tmp_path):
+    commands, _ = run_operation(
+        restored, {"key": "k1", "full_key": "full-1", "store": str(tmp_path)}, facts({})
+    )
+    assert commands == [["call", "_push_and_restore_late", {}]]
+
+
+def test_role_bakes_on_the_baker_and_restores_elsewhere(tmp_path):
+    topo = tmp_path / "t.yml"
+    topo.write_text("name: t\n")
+    entry = {"engine": "combined-0", "key": "k1", "full_key": "full-1", "facts": {"sm_count": 78}}
+    kwargs = {
+        "engines": [entry, {**entry, "engine": "decode-0"}],  # same key: one operation
+        "topology": str(topo),
+        "store": str(tmp_path),
+        "policy": "bake",
+        "bakers": {"full-1": "testhost"},
+    }
+    ops = run_deploy(caches, kwargs, facts({}))
+    assert [name for name, _ in ops] == ["Bake JIT cache k1 (combined-0)"]
+    commands = ops[0][1]
+    assert commands[0] == f"mkdir -p {ROOT}/.bake {ROOT}/.archives"
+    assert commands[1] == ["upload", "name: t\n", f"{ROOT}/.bake/t.yml"]
+    assert commands[2] == ["upload", '{"sm_count": 78}', f"{ROOT}/.bake/full-1.facts.json"]
+    assert commands[3].startswith("/opt/hgxserve/bin/hgxserve cache bake --topology ")
+    assert "--pack-to /var/cache/hgxserve/.archives/" in commands[3]
+    assert commands[4] == ["call", "_fetch_baked", {}]
+    kwargs["bakers"] = {"full-1": "other-host"}
+    ops = run_deploy(caches, kwargs, facts({}))
+    assert [name for name, _ in ops] == ["Restore JIT cache k1 (combined-0)"]
+
+
+def test_role_policy_off_does_nothing(tmp_path):
+    ops = run_deploy(
+        caches, {"engines": [], "topology": "t", "store": str(tmp_path), "policy": "off"}, {}
+    )
+    assert ops == []
+
+
+def test_baked_is_a_noop_when_baked_and_fetched(store):
+    state = {"k1": {"full_key": "full-1", "archive_sha256": SHA}}
+    kwargs = {"key": "k1", "full_key": "full-1", "topology": "t", "engine": "e", "facts": {},
+              "store": str(store)}  # fmt: skip
+    commands, noops = run_operation(baked, kwargs, facts(state))
+    assert commands == [] and noops == ["cache k1 already baked as full-1"]
+
+
+def test_cache_state_fact_parses_markers_and_skips_broken_ones():
+    lines = [
+        "##/var/cache/hgxserve/k1/.hgxserve-cache.json",
+        '{"full_key": "f1",',
+        ' "archive_sha256": "ab"}',
+        "",
+        "##/var/cache/hgxserve/k2/.hgxserve-cache.json",
+        "{truncated",
+    ]
+    assert parse_cache_state(lines) == {"k1": {"full_key": "f1", "archive_sha256": "ab"}}
+    assert "/var/cache/hgxserve/*/.hgxserve-cache.json" in CacheState().command(ROOT)
+
+
+def test_cache_key_facts_fact_reads_probe_and_manifest_digest():
+    out = [
+        '{"engine_version": "0.26.0", "sm_count": 78, "gpu_name": "NVIDIA H20"}',
+        "##manifest " + "c" * 64,
+    ]
+    assert CacheKeyFacts().process(out) == {
+        "engine_version": "0.26.0",
+        "gpu_name": "NVIDIA H20",
+        "model_manifest_sha256": "c" * 64,
+        "sm_count": 78,
+    }
