@@ -249,23 +249,10 @@ def _vllm_parallel(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     if not engine.is_multi_node:
         return ["--data-parallel-size", str(engine.dp)] if engine.dp > 1 else []
     if per_host_ranks == 0:
-        # One model replica spans hosts (TP/PP across nodes): vLLM's mp multi-node launch.
-        if engine.dp > 1:
-            raise RenderError(
-                f"engine {engine.name}: data parallel with a replica spanning hosts is not "
-                "supported; place whole tp x pp replicas on each host"
-            )
-        out = [
-            "--nnodes",
-            str(plan.nnodes),
-            "--node-rank",
-            str(plan.node_rank),
-            "--master-addr",
-            plan.head_address,
-            "--master-port",
-            str(engine.rpc_port),
-        ]
-        return out if plan.is_head else [*out, "--headless"]
+        raise RenderError(
+            f"engine {engine.name}: a tp x pp replica spanning hosts is not supported; place "
+            "whole replicas on each host and spread DP ranks over hosts"
+        )
     out = [
         "--data-parallel-size",
         str(engine.dp),
@@ -292,8 +279,9 @@ def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     """`sglang serve` arguments (without the program) for one node."""
     args = engine.args
     dp_attention = bool(args.get("enable_dp_attention"))
-    # With DP attention SGLang's --tp is the whole world (seed 002: --tp 8 --dp 8 on 8 GPUs).
-    tp = engine.tp * engine.dp if dp_attention else engine.tp
+    # With DP attention tp is the whole engine and dp splits it into attention groups
+    # (seed 002: --tp 8 --dp 8 --enable-dp-attention on 8 GPUs), as the topology rules define.
+    tp = engine.tp
     argv: list[str] = []
     if args.get("trust_remote_code"):
         argv.append("--trust-remote-code")
