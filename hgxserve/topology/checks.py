@@ -7,6 +7,7 @@ the line where the user wrote them (`ports.setting_path`).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,6 @@ from hgxserve.topology.ports import (
     listeners_by_host,
     proxy_targets,
     setting_path,
-    side_channel_host,
     uses_nixl_side_channel,
 )
 from hgxserve.topology.problems import JsonPath
@@ -50,6 +50,8 @@ def _fmt(value: Any) -> str:
         return "unset"
     if isinstance(value, str):
         return repr(value)
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
     return str(value)
 
 
@@ -145,6 +147,8 @@ def gpu_overlap(topo: Topology) -> Iterator[Finding]:
 @rule("gpu-count", "error", "tp x dp x pp equals the GPUs placed; each host holds whole DP ranks.")
 def gpu_count(topo: Topology) -> Iterator[Finding]:
     for engine in topo.engines.values():
+        if engine.dp_attention and engine.tp % engine.dp:
+            continue  # sglang-dp-attention reports it
         product = engine.world_size
         placed = engine.gpu_count
         if engine.dp_attention:
@@ -347,9 +351,9 @@ def pd_tp(topo: Topology) -> Iterator[Finding]:
             yield (
                 setting_path(topo, d.name, "tp"),
                 f"decode {d.name} tp {d.tp} must be >= prefill {p.name} tp {p.tp} and "
-                f"divisible by it{_route_text(index)} (vLLM NIXL: 'Local tensor parallel size "
-                f"{d.tp} is not divisible by remote tensor parallel size {p.tp}'); use decode "
-                f"tp {p.tp} or {p.tp * 2}",
+                f"divisible by it (vLLM NIXL: 'Local tensor parallel size {d.tp} is not "
+                f"divisible by remote tensor parallel size {p.tp}'); use decode tp {p.tp} or "
+                f"{p.tp * 2}{_route_text(index)}",
             )
 
 
@@ -453,11 +457,12 @@ def pd_side_channel_loopback(topo: Topology) -> Iterator[Finding]:
         for host_name in p.hosts:
             if host_name not in topo.hosts:
                 continue
-            address = side_channel_host(topo, p, host_name)
-            if not is_loopback(address):
-                continue
             host = topo.hosts[host_name]
             written = p.kv.side_channel_host if p.kv else None
+            # the pair crosses hosts, so 'auto' resolves to the host's side_channel_address
+            address = host.side_channel_address if written in (None, "auto") else written
+            if not is_loopback(address):
+                continue
             path = (
                 setting_path(topo, p.name, "kv", "side_channel", "host")
                 if written not in (None, "auto")

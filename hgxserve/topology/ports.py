@@ -84,10 +84,14 @@ def proxy_targets(topo: Topology) -> set[str]:
 
 
 def pd_peers(topo: Topology, engine: Engine) -> set[str]:
-    """Engines on the other side of this engine's proxy routes."""
+    """Engines on the other side of this engine's proxy routes.
+
+    Without proxy routes every prefill pairs with every decode (as the P/D rules assume).
+    """
     out: set[str] = set()
-    if topo.proxy is None:
-        return out
+    if topo.proxy is None or not topo.proxy.routes:
+        other = {"prefill": "decode", "decode": "prefill"}.get(engine.role)
+        return {e.name for e in topo.engines.values() if other and e.role == other}
     for route in topo.proxy.routes:
         if engine.name in route.prefill:
             out.update(route.decode)

@@ -50,6 +50,11 @@ def rule_problems(topo: Topology, doc: Document) -> list[Problem]:
 
     problems = []
     for r in RULES.values():
+        seen: set[Finding] = set()
         for path, message in r.check(topo):
+            # a setting in `defaults` shared by several engines is reported once
+            if (path, message) in seen:
+                continue
+            seen.add((path, message))
             problems.append(doc.problem(path, message, rule=r.id, severity=r.severity))
     return problems
