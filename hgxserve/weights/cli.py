@@ -163,7 +163,7 @@ def manifest(
     show_default=True,
     help="Ranged requests in flight, across and within files.",
 )
-@click.option("--part-size", default="32MiB", show_default=True, help="Bytes per ranged GET.")
+@click.option("--part-size", default="8MiB", show_default=True, help="Bytes per ranged GET.")
 @click.option(
     "--manifest",
     "manifest_ref",

@@ -36,7 +36,7 @@ from hgxserve.weights.state import (
 from hgxserve.weights.transfer import FileResult, SourceFile, Transfer, io_error
 
 DEFAULT_CONCURRENCY = 16
-DEFAULT_PART_SIZE = 32 << 20
+DEFAULT_PART_SIZE = 8 << 20
 
 
 @dataclass

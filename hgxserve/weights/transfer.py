@@ -194,6 +194,7 @@ class _Job:
         os.write(self.log_fd, f"{offset}\n".encode())
 
     def close_fds(self) -> None:
+        self.closed = True
         for name in ("fd", "log_fd"):
             fd = getattr(self, name)
             if fd is not None:
@@ -224,7 +225,7 @@ class Transfer:
         dest: str,
         files: list[SourceFile],
         concurrency: int = 16,
-        part_size: int = 32 << 20,
+        part_size: int = 8 << 20,
         progress: Progress | None = None,
         fsync: bool = True,
         on_file: Callable[[FileResult], None] | None = None,
@@ -237,7 +238,7 @@ class Transfer:
         self.progress = progress
         self.fsync = fsync
         self.on_file = on_file
-        self.pool = _BufferPool(self.concurrency + max(2, self.concurrency // 2), part_size)
+        self.pool = _BufferPool(self.concurrency + max(2, self.concurrency // 4), part_size)
         self.queue: queue.Queue[tuple[_Job, int, int, bool] | None] = queue.Queue()
         self.fatal: WeightsError | None = None
         self._fatal_lock = threading.Lock()
@@ -247,29 +248,23 @@ class Transfer:
         self._all_done = threading.Event()
 
     def run(self) -> list[FileResult]:
-        jobs: list[_Job] = []
-        for f in self.files:
-            job = _Job(f, self.dest, self.part_size)
-            try:
-                job.open(self.dest)
-            except WeightsError as exc:
-                self._set_fatal(exc)
-                break
-            jobs.append(job)
-        if self.fatal is not None:
-            for job in jobs:
-                job.close_fds()
-            raise self.fatal
+        jobs = [_Job(f, self.dest, self.part_size) for f in self.files]
         self._remaining = len(jobs)
-        for job in jobs:
+        # Large files first: their parts keep every connection streaming, and small files fill
+        # the gaps while the last big parts are in flight instead of running alone at the start.
+        for job in sorted(jobs, key=lambda j: -j.f.size):
             if job.f.size == 0:
                 continue
             for offset in range(0, job.f.size, self.part_size):
                 length = min(self.part_size, job.f.size - offset)
-                self.queue.put((job, offset, length, offset in job.done_parts))
-        # Empty files finish at once.
+                self.queue.put((job, offset, length, False))
         for job in jobs:
             if job.f.size == 0:
+                try:
+                    self._ensure_open(job)
+                except WeightsError as exc:
+                    self._set_fatal(exc)
+                    break
                 self._finish(job)
         if self._remaining == 0:
             self._all_done.set()
@@ -297,6 +292,15 @@ class Transfer:
         self.results = [job.result for job in jobs]
         return self.results
 
+    def _ensure_open(self, job: _Job) -> bool:
+        """Open (or resume) the job's .partial on first use; True once it is open."""
+        if job.fd is not None:
+            return True
+        with job.lock:
+            if job.fd is None and not job.closed:
+                job.open(self.dest)
+        return job.fd is not None
+
     def _drain(self) -> None:
         try:
             while True:
@@ -322,12 +326,13 @@ class Transfer:
                 if item is None:
                     return
                 continue
-            job, offset, length, local = item
+            job, offset, length, _ = item
             if job.result.error is not None:
                 self.pool.put(buf)
                 continue
             view = memoryview(buf)[:length]
             try:
+                local = self._ensure_open(job) and offset in job.done_parts
                 if local:
                     assert job.fd is not None
                     _pread_exact(job.fd, view, offset, job.partial)
