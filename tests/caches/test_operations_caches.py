@@ -89,7 +89,7 @@ def test_role_bakes_on_the_baker_and_restores_elsewhere(tmp_path):
         "bakers": {"full-1": "testhost"},
     }
     ops = run_deploy(caches, kwargs, facts({}))
-    assert [name for name, _ in ops] == ["Bake JIT cache k1 (combined-0)"]
+    assert [name for name, _ in ops] == ["Restore JIT caches | Bake JIT cache k1 (combined-0)"]
     commands = ops[0][1]
     assert commands[0] == f"mkdir -p {ROOT}/.bake {ROOT}/.archives"
     assert commands[1] == ["upload", "name: t\n", f"{ROOT}/.bake/t.yml"]
@@ -99,7 +99,7 @@ def test_role_bakes_on_the_baker_and_restores_elsewhere(tmp_path):
     assert commands[4] == ["call", "_fetch_baked", {}]
     kwargs["bakers"] = {"full-1": "other-host"}
     ops = run_deploy(caches, kwargs, facts({}))
-    assert [name for name, _ in ops] == ["Restore JIT cache k1 (combined-0)"]
+    assert [name for name, _ in ops] == ["Restore JIT caches | Restore JIT cache k1 (combined-0)"]
 
 
 def test_role_policy_off_does_nothing(tmp_path):
