@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         default="h200",
         help="simulated GPU kind: h200 or h20, one for all hosts or one per host (h200,h20,h20)",
     )
-    sub.add_parser("down", help="stop and remove everything `up` started")
+    p_down = sub.add_parser("down", help="stop and remove everything `up` started")
+    p_down.add_argument(
+        "--force", action="store_true", help="tear down even while test sessions hold a lease"
+    )
     p_status = sub.add_parser("status", help="show the hosts and whether they are up")
     p_status.add_argument("--json", action="store_true", help="print JSON")
     p_ssh = sub.add_parser("ssh", help="run a command on a host as root: ssh NAME -- CMD...")
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{host.name}\t{host.address}\t{host.gpu}")
             return 0
         if args.command == "down":
-            if not hosts.down():
+            if not hosts.down(force=args.force):
                 print("no test hosts were recorded; removed leftovers under our names, if any")
             return 0
         if args.command == "status":

@@ -771,13 +771,20 @@ def _sweep_leftovers() -> None:
         run(["ip", "link", "del", link.name], check=False)
 
 
-def down() -> bool:
+def down(force: bool = False) -> bool:
     """Stop and remove everything the recorded testbed started; False when nothing was recorded.
 
+    Refuses while a live process (a pytest session) holds a lease, unless ``force``.
     Example: ``down()``
     """
     if os.geteuid() != 0:
         raise TestbedError("tearing down the test hosts needs root")
+    users = other_users(os.getpid())
+    if users and not force:
+        raise TestbedError(
+            f"the test hosts are in use by PIDs {', '.join(map(str, users))} (pytest sessions); "
+            "wait for them, or use `down --force`"
+        )
     with locked():
         bed = load()
         if bed is None:
