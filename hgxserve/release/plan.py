@@ -31,6 +31,15 @@ def _local_url(bind: str | None, port: int, path: str) -> str:
     return f"http://{host}:{port}{path}"
 
 
+def _credential_source(ref: SecretRef) -> str:
+    from hgxserve.render import credential_for
+
+    if ref.kind == "credential":
+        return f"/etc/credstore/{ref.value}"
+    _, line, path = credential_for("API_KEY", ref)
+    return path or line.split(":", 1)[1]
+
+
 def gate_host(topo: Topology) -> str | None:
     """The host that runs the topology-wide gate: the proxy's host."""
     return topo.proxy.host if topo.proxy else None
@@ -51,9 +60,8 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
     words = max(64, proxy.pd_min_prompt_tokens * 2)  # an English word is >= 1 token
     api_key_file = None
     if proxy.api_key is not None:
-        from hgxserve.render import credential_path
-
-        api_key_file = credential_path(proxy.api_key, "proxy-api-key")
+        # the gate runs as root on the proxy's host and reads the key where the unit loads it from
+        api_key_file = _credential_source(proxy.api_key)
     return {
         "proxy_url": _local_url(proxy.listen_host, proxy.listen_port, ""),
         "served_name": topo.model.served_name,
@@ -66,13 +74,15 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
 
 def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) -> HostRelease:
     """The release `host` gets for `topo` (an empty one when the topology leaves it unused)."""
-    from hgxserve.render import render_host, secrets_for_host
+    from hgxserve.render import render_host
 
     files: dict[str, tuple[str, int]] = {}
     units: list[UnitSpec] = []
+    secrets: dict[str, SecretRef] = {}
     if host in topo.hosts_in_use():
         rendered = render_host(topo, host)
         files = {path: (f.content, f.mode) for path, f in rendered.files.items()}
+        secrets = {c.path: c.ref for c in rendered.credentials if c.path is not None}
         for unit in rendered.units:
             if unit.engine is None:
                 proxy = topo.proxy
@@ -87,7 +97,6 @@ def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) 
             else:
                 units.append(UnitSpec(unit.name, "worker", None, list(unit.gpus)))
     gate = gate_spec(topo) if host == gate_host(topo) else None
-    secrets = secrets_for_host(topo, host) if host in topo.hosts_in_use() else {}
     identity = json.dumps(
         {
             "tree": tree_digest(files),
