@@ -1,0 +1,47 @@
+"""Agent role: install hgxserve into /opt/hgxserve on a host with no internet access, from a
+wheelhouse built on the controller (the host-side commands units and deploys call)."""
+
+from __future__ import annotations
+
+from pyinfra import host
+from pyinfra.api import deploy
+from pyinfra.facts.server import Command
+from pyinfra.operations import files, server
+
+from hgxserve.agent_build import wheelhouse
+
+AGENT_DIR = "/opt/hgxserve"
+
+
+@deploy("Install the hgxserve agent")
+def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
+    """Install (or update) the hgxserve agent venv; nothing happens when it is current.
+
+    + prefix: venv directory on the host
+    + python: the host's Python 3.11 used to create the venv
+    """
+    tarball, digest = wheelhouse()
+    marker = f"{prefix}/.agent-digest"
+    installed = host.get_fact(Command, command=f"cat {marker} 2>/dev/null || true")
+    if (installed or "").strip() == digest:
+        host.noop(f"hgxserve agent {digest} is already installed")
+        return
+    staging = f"/var/lib/hgxserve/agent/{digest}"
+    files.put(
+        name=f"Push the agent wheelhouse {digest}",
+        src=str(tarball),
+        dest=f"{staging}.tar",
+        create_remote_dir=True,
+    )
+    server.shell(
+        name=f"Install the hgxserve agent {digest} into {prefix}",
+        commands=[
+            f"rm -rf {staging} && mkdir -p {staging} && tar -xf {staging}.tar -C {staging}",
+            f"test -x {prefix}/bin/pip || {python} -m venv {prefix}",
+            f"{prefix}/bin/pip install -q --no-index --find-links {staging} hgxserve",
+            f"{prefix}/bin/pip install -q --no-index --find-links {staging} --no-deps "
+            f"--force-reinstall hgxserve",
+            f"echo {digest} > {marker}",
+            f"rm -rf {staging} {staging}.tar",
+        ],
+    )
