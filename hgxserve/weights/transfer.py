@@ -146,6 +146,7 @@ class _Job:
         self.result = FileResult(f)
         self.done_parts: set[int] = set()
         self.closed = False
+        self.ready = False
 
     def header(self) -> dict[str, object]:
         return {"etag": self.f.etag, "size": self.f.size, "part_size": self.part_size}
@@ -294,12 +295,14 @@ class Transfer:
 
     def _ensure_open(self, job: _Job) -> bool:
         """Open (or resume) the job's .partial on first use; True once it is open."""
-        if job.fd is not None:
+        if job.ready:
             return True
         with job.lock:
-            if job.fd is None and not job.closed:
+            if not job.ready and not job.closed:
                 job.open(self.dest)
-        return job.fd is not None
+                # Published only after both descriptors exist: other workers skip the lock.
+                job.ready = True
+        return job.ready
 
     def _drain(self) -> None:
         try:
