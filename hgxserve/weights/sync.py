@@ -295,6 +295,7 @@ def sync(src: str, dest: str, opts: SyncOptions) -> SyncReport:
         new_state.manifest_digest = effective.digest
         unverified = [p for p, k in verified_by.items() if k == "none"]
         save_manifest_copy(directory, effective)
+        _place_manifest(dest, effective)
         new_state.save(directory)
         if opts.require_sha256 and unverified:
             remove_marker(directory)
@@ -411,3 +412,19 @@ def _warn_extra(dest: str, manifest: Manifest, opts: SyncOptions) -> None:
             + ", ".join(extra[:5])
             + (" ..." if len(extra) > 5 else "")
         )
+
+
+def _place_manifest(dest: str, manifest: Manifest) -> None:
+    """Keep DEST/hgxserve-manifest.json equal to the manifest the tree was verified against
+    (cache keys and engines read the model's manifest from the model directory)."""
+    from hgxserve.weights.manifest import atomic_write
+
+    path = os.path.join(dest, MANIFEST_NAME)
+    data = manifest.dumps()
+    try:
+        with open(path, "rb") as fh:
+            if fh.read() == data:
+                return
+    except FileNotFoundError:
+        pass
+    atomic_write(path, data)

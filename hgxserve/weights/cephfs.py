@@ -1,0 +1,59 @@
+"""The read-only CephFS mount of a model store: a systemd .mount unit for the kernel client.
+
+unit_name("/mnt/hgxserve-models")  # "mnt-hgxserve\\x2dmodels.mount"
+text = mount_unit(["10.0.0.1:6789"], "/models", "models-ro", "/etc/ceph/models.secret",
+                  "/mnt/hgxserve-models")
+"""
+
+from __future__ import annotations
+
+import string
+
+_SAFE = set(string.ascii_letters + string.digits + ":_.")
+
+
+def unit_name(where: str) -> str:
+    """systemd's escaped unit name for a mount point (`systemd-escape --path --suffix=mount`).
+
+    unit_name("/mnt/hgxserve-models")  # "mnt-hgxserve\\x2dmodels.mount"
+    """
+    path = where.strip("/")
+    if not path:
+        return "-.mount"
+    out = []
+    for i, ch in enumerate(path):
+        if ch == "/":
+            out.append("-")
+        elif ch in _SAFE and not (i == 0 and ch == "."):
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "".join(out) + ".mount"
+
+
+def mount_unit(
+    monitors: list[str] | tuple[str, ...], path: str, user: str, secret_file: str, where: str
+) -> str:
+    """The .mount unit text: kernel client, `ro` in the options, the key only by file reference.
+
+    mount_unit(["10.0.0.1:6789"], "/models", "models-ro", "/etc/ceph/s", "/mnt/m")
+    """
+    what = ",".join(monitors) + ":" + path
+    options = f"name={user},secretfile={secret_file},ro,noatime,_netdev"
+    return (
+        "# Managed by hgxserve: read-only CephFS model store (kernel client).\n"
+        "[Unit]\n"
+        "Description=hgxserve model store (CephFS, read-only)\n"
+        "Wants=network-online.target\n"
+        "After=network-online.target\n"
+        "\n"
+        "[Mount]\n"
+        f"What={what}\n"
+        f"Where={where}\n"
+        "Type=ceph\n"
+        f"Options={options}\n"
+        "TimeoutSec=60\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=remote-fs.target\n"
+    )
