@@ -142,6 +142,7 @@ def tree(dest: Path) -> dict[str, bytes]:
     out = {}
     for path in sorted(dest.rglob("*")):
         rel = path.relative_to(dest).as_posix()
-        if path.is_file() and not rel.startswith(".hgxserve/"):
+        # hgxserve-manifest.json is the manifest sync places next to the model, not model data.
+        if path.is_file() and not rel.startswith(".hgxserve/") and rel != "hgxserve-manifest.json":
             out[rel] = path.read_bytes()
     return out
