@@ -6,9 +6,11 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -45,12 +47,22 @@ def _pip_wheel(args: list[str], dest: Path) -> None:
         raise RuntimeError(f"building wheels failed:\n{proc.stderr[-2000:]}")
 
 
+def _runtime_requirements() -> list[str]:
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return list(project["dependencies"])
+
+
 @cache
 def wheelhouse() -> tuple[Path, str]:
     """(tarball, digest): dependency wheels cached per pyproject.toml, hgxserve's per source."""
     deps_dir = CACHE / "deps" / _digest([REPO / "pyproject.toml"])
     if not (deps_dir / ".complete").exists():
-        _pip_wheel([str(REPO)], deps_dir)
+        requirements = deps_dir.with_suffix(".txt")
+        requirements.parent.mkdir(parents=True, exist_ok=True)
+        requirements.write_text("\n".join(_runtime_requirements()) + "\n")
+        _pip_wheel(["-r", str(requirements)], deps_dir)
         for own in deps_dir.glob("hgxserve-*.whl"):
             own.unlink()
         (deps_dir / ".complete").touch()
@@ -58,7 +70,22 @@ def wheelhouse() -> tuple[Path, str]:
     tarball = CACHE / f"agent-{digest}.tar"
     if not tarball.exists():
         own_dir = CACHE / "own" / digest
-        _pip_wheel(["--no-deps", str(REPO)], own_dir)
+        with tempfile.TemporaryDirectory(prefix="hgxserve-wheel-") as tmp:
+            # build from a copy: setuptools' in-tree build/ dir is not safe to share
+            src = Path(tmp) / "src"
+            src.mkdir()
+            for name in (*SOURCES, "README.md"):
+                path = REPO / name
+                if path.is_dir():
+                    shutil.copytree(
+                        path,
+                        src / name,
+                        symlinks=False,
+                        ignore=shutil.ignore_patterns("__pycache__"),
+                    )
+                elif path.exists():
+                    shutil.copy2(path, src / name)
+            _pip_wheel(["--no-deps", str(src)], own_dir)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for wheel in sorted([*deps_dir.glob("*.whl"), *own_dir.glob("*.whl")]):

@@ -83,7 +83,7 @@ def switch_to(
     """
     if switch:
         switched(
-            name=f"Switch back to release {release_id} (pending confirmation)",
+            name=f"Switch to release {release_id} (pending confirmation)",
             release_id=release_id,
             confirm_within=confirm_within,
             root=root,

@@ -8,7 +8,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyinfra.api import FactBase, OperationError, operation
+from pyinfra.api import FactBase, operation
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
@@ -97,37 +97,45 @@ def coordination(key: str) -> Coordination:
     return RUNS.setdefault(key, Coordination())
 
 
-def run_gate(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> None:
+def _fail(host: Host, message: str) -> bool:
+    host.log_styled(message, fg="red")
+    return False
+
+
+def run_gate(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call: on the gate host, after every host switched: run the gate, keep the verdict."""
     failed = sorted(h.name for h in state.failed_hosts if h.name in coord.switching)
     if failed:
         coord.verdict = (False, f"host(s) {', '.join(failed)} failed to switch")
-        return
+        return True  # the gate itself did not fail; settle reports the reason on every host
     ok, output = host.run_shell_command(
         f"{AGENT} release gate {shlex.quote(release_id)} --root {shlex.quote(root)}"
     )
     lines = [line for line in (output.stdout_lines + output.stderr_lines) if line.strip()]
-    if ok:
-        coord.verdict = (True, lines[-1] if lines else "gate passed")
-    else:
-        coord.verdict = (False, lines[-1] if lines else "gate failed")
+    for line in lines:
+        host.log_styled(line, fg="green" if ok else "red")
+    coord.verdict = (ok, lines[-1] if lines else ("gate passed" if ok else "gate failed"))
+    return True
 
 
-def settle(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> None:
+def settle(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call on every switched host: confirm when the gate passed, else revert."""
-    verdict = coord.verdict
     failed = sorted(h.name for h in state.failed_hosts if h.name in coord.switching)
-    if verdict is None:
-        verdict = (False, "the gate did not run (its host failed or was unreachable)")
-    if failed and verdict[0]:
+    if failed:
         verdict = (False, f"host(s) {', '.join(failed)} failed to switch")
+    elif coord.verdict is None:
+        verdict = (False, "the gate did not run (its host failed or was unreachable)")
+    else:
+        verdict = coord.verdict
     q_id, q_root = shlex.quote(release_id), shlex.quote(root)
     if verdict[0]:
         ok, output = host.run_shell_command(f"{AGENT} release confirm {q_id} --root {q_root}")
         if not ok:
-            raise OperationError(f"confirm failed: {' '.join(output.stderr_lines)}")
-        return
+            return _fail(host, f"confirm failed: {' '.join(output.stderr_lines)}")
+        host.log_styled(f"release {release_id} confirmed", fg="green")
+        return True
     ok, output = host.run_shell_command(f"{AGENT} release revert {q_id} --root {q_root}")
-    how = "rolled back to the previous release" if ok else "ROLLBACK FAILED"
-    detail = "" if ok else f" ({' '.join(output.stderr_lines)})"
-    raise OperationError(f"{how}{detail}: {verdict[1]}")
+    if not ok:
+        detail = " ".join(output.stderr_lines)
+        return _fail(host, f"ROLLBACK FAILED ({detail}) after: {verdict[1]}")
+    return _fail(host, f"rolled back to the previous release: {verdict[1]}")
