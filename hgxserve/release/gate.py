@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class GateSpec:
     decode_metrics: list[str] = field(default_factory=list)
     prompt_words: int = 64  # long enough to pass the proxy's prompt-length bucket
     timeout_s: float = 120.0
+    instances_timeout_s: float = 60.0  # for the proxy's own health checks to admit every engine
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GateSpec:
@@ -80,6 +82,31 @@ def _kv_counters(spec: GateSpec) -> tuple[float, float]:
     return ok, failed
 
 
+INSTANCE_HEALTHY = "hgxserve_proxy_instance_healthy"
+
+
+def wait_instances_admitted(base: str, timeout_s: float, log: Any) -> None:
+    """Wait until the proxy has every engine in rotation (its health checks run on an interval,
+    so right after start a request could fall back to combined and hide a P/D problem)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, text = _request(f"{base}/metrics", timeout=10)
+        samples = [
+            (m.group(2) or "", float(m.group(3)))
+            for m in map(_SAMPLE.match, (line.strip() for line in text.splitlines()))
+            if m and m.group(1) == INSTANCE_HEALTHY
+        ]
+        if status == 200 and not samples:
+            return  # not hgxserve's proxy: nothing to wait for
+        down = [labels for labels, value in samples if value != 1]
+        if status == 200 and not down:
+            log(f"gate: proxy has all {len(samples)} engines in rotation")
+            return
+        if time.monotonic() > deadline:
+            raise GateError(f"proxy still has engines out of rotation: {', '.join(down)}")
+        time.sleep(1)
+
+
 def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
     """Run every check; return a summary or raise GateError naming the failed check."""
     key = None
@@ -98,6 +125,7 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
     if spec.served_name not in names:
         raise GateError(f"/v1/models lists {names}, not the served model '{spec.served_name}'")
     log(f"gate: /v1/models lists {spec.served_name}")
+    wait_instances_admitted(base, spec.instances_timeout_s, log)
     before = _kv_counters(spec) if spec.pd_engine == "vllm" else (0.0, 0.0)
     prompt = " ".join(f"hgxserve gate check {i}." for i in range(spec.prompt_words // 4 + 1))
     body = {"model": spec.served_name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
