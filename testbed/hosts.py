@@ -450,6 +450,9 @@ def start_host(host: Host) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # cgroup v2 inside the host: on the v1 hierarchy a unit's ExecStopPost= cannot
+            # attach to the service cgroup once the main process is gone (status=219/CGROUP)
+            env={**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"},
         )
     host.pid = proc.pid
     host.pid_starttime = _starttime(proc.pid)
