@@ -93,7 +93,7 @@ def wheelhouse() -> tuple[Path, str]:
                 info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
                 with wheel.open("rb") as fh:
                     tar.addfile(info, fh)
-        tmp = tarball.with_suffix(".tmp")
-        tmp.write_bytes(buf.getvalue())
-        tmp.replace(tarball)
+        partial = tarball.with_suffix(".tmp")
+        partial.write_bytes(buf.getvalue())
+        partial.replace(tarball)
     return tarball, digest

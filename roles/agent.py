@@ -11,6 +11,8 @@ from pyinfra.operations import files, server
 from hgxserve.agent_build import wheelhouse
 
 AGENT_DIR = "/opt/hgxserve"
+# hosts already handled in this run: site.py's stages each ask for the agent
+_HANDLED: set[tuple[int, str]] = set()
 
 
 @deploy("Install the hgxserve agent")
@@ -20,6 +22,10 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
     + prefix: venv directory on the host
     + python: the host's Python 3.11 used to create the venv
     """
+    key = (id(host.state), host.name)
+    if key in _HANDLED:
+        return
+    _HANDLED.add(key)
     tarball, digest = wheelhouse()
     marker = f"{prefix}/.agent-digest"
     installed = host.get_fact(Command, command=f"cat {marker} 2>/dev/null || true")
