@@ -6,13 +6,20 @@ all hosts together, gate the topology, then confirm everywhere or roll back ever
 
 from pyinfra import host, inventory
 
-from hgxserve.release.deploying import plan_switch, secret_values, topology_from_data
+from hgxserve.release.deploying import (
+    plan_switch,
+    require_all_reachable,
+    secret_values,
+    topology_from_data,
+)
 from hgxserve.release.plan import gate_host, plan_release
 from roles.agent import agent
 from roles.releases import release
 
 topology = topology_from_data(host)
-coord = plan_switch(topology, list(inventory.iter_activated_hosts()))
+active = list(inventory.iter_activated_hosts())
+require_all_reachable(list(inventory), active)
+coord = plan_switch(topology, active)
 plan = plan_release(topology, host.name)
 
 agent()

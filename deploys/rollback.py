@@ -6,11 +6,12 @@ pyinfra inventory/testhosts.py deploys/rollback.py --data to=baseline
 
 from pyinfra import host, inventory
 
-from hgxserve.release.deploying import rollback_targets
+from hgxserve.release.deploying import require_all_reachable, rollback_targets
 from hgxserve.release.ops import ReleaseState, coordination
 from roles.releases import switch_to
 
 hosts = list(inventory.iter_activated_hosts())
+require_all_reachable(list(inventory), hosts)
 to = str(host.data.get("to", "previous"))
 targets = rollback_targets(hosts, to)
 coord = coordination(f"rollback:{to}:{sorted(targets.items())}")

@@ -4,13 +4,22 @@ the topology-wide gate so that all hosts switch together or all go back."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from pyinfra.api import deploy
-from pyinfra.operations import files, python
+from pyinfra.operations import files, python, systemd
 
 from hgxserve.release import RELEASE_ROOT
 from hgxserve.release.ops import Coordination, run_gate, settle, switched
 from hgxserve.release.plan import HostRelease
+
+RECONCILE_UNIT = (
+    Path(__file__).resolve().parent.parent
+    / "hgxserve"
+    / "files"
+    / "release"
+    / "hgxserve-release-reconcile.service"
+)
 
 
 @deploy("Stage and switch the release")
@@ -32,6 +41,20 @@ def release(
     + coord: shared by all hosts of the run (who switched, the gate's verdict)
     + gate: run the topology's gate on this host (the proxy's host) after all hosts switched
     """
+    reconcile_unit = files.put(
+        name="Install the boot-time release reconcile unit",
+        src=str(RECONCILE_UNIT),
+        dest=f"/etc/systemd/system/{RECONCILE_UNIT.name}",
+        mode="644",
+    )
+    systemd.daemon_reload(
+        name="Reload systemd for the reconcile unit", _if=reconcile_unit.did_change
+    )
+    systemd.service(
+        name="Enable the boot-time release reconcile unit",
+        service=RECONCILE_UNIT.name,
+        enabled=True,
+    )
     base = f"{root}/releases/{plan.id}"
     for path in sorted(plan.files):
         content, mode = plan.files[path]

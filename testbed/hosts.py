@@ -867,3 +867,42 @@ def require() -> Testbed:
     if bed is None:
         raise TestbedError("no test hosts are up: run `python -m testbed up` first")
     return bed
+
+
+def crash(name: str) -> None:
+    """Power-cut one host: SIGKILL its nspawn and PID 1, keeping its disk (the overlay)."""
+    with locked():
+        bed = load()
+        if bed is None:
+            raise TestbedError("no test hosts are up")
+        host = bed.host(name)
+        if host.pid is None or not is_ours(host, bed.boot_id):
+            raise TestbedError(f"{name} is not running")
+        leader = container_leader(host.pid)
+        for pid in (leader, host.pid):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for _ in range(100):
+            _reap(host.pid)
+            if not is_ours(host, bed.boot_id):
+                break
+            time.sleep(0.1)
+        else:
+            raise TestbedError(f"{name}: nspawn PID {host.pid} does not exit")
+        say(f"{name}: crashed (SIGKILL), disk kept")
+
+
+def boot(name: str) -> None:
+    """Boot one stopped host again from its kept disk and wait until it is ready."""
+    with locked():
+        bed = load()
+        if bed is None:
+            raise TestbedError("no test hosts are up")
+        host = bed.host(name)
+        if host.pid is not None and is_ours(host, bed.boot_id):
+            raise TestbedError(f"{name} is already running")
+        start_host(host)
+        save(bed)
+        wait_ready(Testbed([host], bed.ssh_key, bed.state_file, bed.boot_id, bed.rootfs))
+        say(f"{name}: booted again")

@@ -10,7 +10,7 @@ import click
 from hgxserve.release import RELEASE_ROOT
 from hgxserve.release.gate import GateError, GateSpec, run_gate
 from hgxserve.release.store import ReleaseError, Store
-from hgxserve.release.switch import confirm, revert, rollback_target, switch
+from hgxserve.release.switch import confirm, reconcile, revert, rollback_target, switch
 
 
 def _store(root: str) -> Store:
@@ -121,3 +121,13 @@ def gate_cmd(release_id: str, root: str) -> None:
     except GateError as exc:
         raise click.ClickException(f"gate failed: {exc}") from None
     _log("GATE-OK " + json.dumps(result, sort_keys=True))
+
+
+@release.command("reconcile")
+@root_option
+def reconcile_cmd(root: str) -> None:
+    """At boot: revert an unconfirmed switch, reinstall and start the confirmed release."""
+    try:
+        _log(reconcile(_store(root), log=_log))
+    except ReleaseError as exc:
+        raise click.ClickException(str(exc)) from None

@@ -25,6 +25,17 @@ def topology_from_data(host: Host) -> Topology:
         raise DeployError(f"invalid topology {path}:\n{exc}") from None
 
 
+def require_all_reachable(all_hosts: list[Host], active: list[Host]) -> None:
+    """All hosts switch together: with one unreachable, change nothing anywhere."""
+    active_names = {h.name for h in active}
+    lost = [h.name for h in all_hosts if h.name not in active_names]
+    if lost:
+        raise DeployError(
+            f"host(s) {', '.join(lost)} is unreachable; nothing was changed on any host "
+            "(all hosts of a topology switch together)"
+        )
+
+
 def plan_switch(
     topo: Topology, hosts: list[Host], targets: dict[str, str] | None = None
 ) -> Coordination:

@@ -274,3 +274,35 @@ def rollback_target(store: Store, to: str) -> str:
         return target
     store.load(to)
     return to
+
+
+def reconcile(
+    store: Store,
+    *,
+    systemd: Systemd | None = None,
+    gpu_timeout_s: float = 300.0,
+    log: Log = print,
+) -> str:
+    """At boot: undo a switch that was never confirmed, make the installed files exactly those
+    of the confirmed release, and start its units (without waiting: engines take minutes)."""
+    systemd = systemd or Systemd()
+    pending = store.pending()
+    if pending:
+        return revert(store, pending["id"], systemd=systemd, gpu_timeout_s=gpu_timeout_s, log=log)
+    current_id = store.link("current")
+    spec = store.load(current_id) if current_id else None
+    known: dict[str, int] = {}
+    for release_id in store.status()["releases"]:
+        with_files = store.load(release_id)
+        known.update(with_files.files)
+    stray = ReleaseSpec("stray", "", "", False, "", [], known)
+    empty = ReleaseSpec("none", "", "", False, "", [], {})
+    store.install(spec or empty, stray)
+    systemd.daemon_reload()
+    if spec is None:
+        return "no confirmed release on this host; nothing to start"
+    for unit in spec.units:
+        log(f"starting {unit.name}")
+        systemd.reset_failed(unit.name)
+        systemd.start(unit.name)
+    return f"release {spec.id} ({spec.topology}) installed and started"

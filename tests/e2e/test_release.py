@@ -1,0 +1,279 @@
+"""Releases end to end on real test hosts: the real pyinfra CLI over SSH, real systemd units
+running the simulated engine, a real proxy, weights synced from a real local S3.
+
+The tests run in order and build on each other, as an operator's day would: baseline, re-apply,
+P/D over it, a bad release that rolls back, a gate that catches silent recompute, a host that
+is unreachable, a host that dies mid-switch, and the way back to the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testbed import demo
+from testbed import hosts as testbed_hosts
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+BASELINE = REPO / "topologies/demo/demo-baseline.yml"
+PD = REPO / "topologies/demo/demo-pd.yml"
+LONG_PROMPT = " ".join(f"the release gate checks word {i}." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
+    yield testbed
+    demo.stop_s3()
+
+
+def deploy(lab: testbed_hosts.Testbed, script: str, *data: str) -> subprocess.CompletedProcess:
+    args = [script]
+    for item in data:
+        args += ["--data", item]
+    return lab.pyinfra(*args, "--data", "health_timeout=30", "--data", "confirm_within=60")
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+def grand_total(proc: subprocess.CompletedProcess) -> tuple[str, str, str, str]:
+    """(operations, success, error, no change) from pyinfra's results table."""
+    match = re.search(r"Grand total\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", output(proc))
+    assert match, output(proc)[-3000:]
+    return match.groups()  # type: ignore[return-value]
+
+
+def links(lab: testbed_hosts.Testbed, host: str) -> dict:
+    proc = lab.ssh(host, "/opt/hgxserve/bin/hgxserve release status", check=True)
+    return json.loads(proc.stdout)
+
+
+def units(lab: testbed_hosts.Testbed, host: str) -> dict[str, str]:
+    """Active hgxserve engine/proxy units -> MainPID."""
+    out = lab.ssh(
+        host,
+        "for u in $(systemctl list-units 'hgxserve-*' --state=active --no-legend --plain "
+        "| awk '{print $1}' | grep -v reconcile); do "
+        'echo "$u $(systemctl show -p MainPID --value $u)"; done',
+    ).stdout
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
+def gpu_memory(lab: testbed_hosts.Testbed, host: str) -> list[int]:
+    out = lab.ssh(
+        host, "nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits", check=True
+    ).stdout
+    return [int(x) for x in out.split()]
+
+
+def complete(address: str, prompt: str = "Only answer: PD_OK", port: int = 8000) -> dict:
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://{address}:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        return json.loads(resp.read())
+
+
+def nixl_transfers(address: str, port: int = 8200) -> float:
+    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    match = re.search(r"^vllm:nixl_xfer_time_seconds_count\{[^}]*\} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def variant(tmp_path: Path, source: Path, name: str, replace: dict[str, str]) -> Path:
+    text = source.read_text()
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.yml"
+    path.write_text(text)
+    return path
+
+
+def test_fresh_apply_of_the_baseline(lab: testbed_hosts.Testbed) -> None:
+    proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=weights,engines")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert "GATE-OK" in output(proc)
+    answer = complete("10.77.0.11")
+    assert answer["choices"][0]["text"]
+    assert set(units(lab, "hgx-a")) == {"hgxserve-combined-0.service", "hgxserve-proxy.service"}
+    assert units(lab, "hgx-b") == {} and units(lab, "hgx-c") == {}
+    assert all(used > 0 for used in gpu_memory(lab, "hgx-a"))  # TP8 holds all 8 GPUs
+    for host in lab.names:
+        state = links(lab, host)
+        assert state["current"] == state["baseline"] and state["pending"] is None
+
+
+def test_reapply_changes_nothing_and_restarts_nothing(lab: testbed_hosts.Testbed) -> None:
+    before = units(lab, "hgx-a")
+    started = time.monotonic()
+    proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=weights,engines")
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, output(proc)[-4000:]
+    total, success, error, _ = grand_total(proc)
+    assert (success, error) == ("-", "-"), output(proc)[-3000:]
+    assert units(lab, "hgx-a") == before  # same MainPIDs: nothing restarted
+    print(f"no-op re-apply on 3 hosts: {elapsed:.1f} s")
+
+
+def test_pd_over_combined(lab: testbed_hosts.Testbed) -> None:
+    proc = deploy(lab, "deploys/engines.py", f"topology={PD}")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert "decode pulled KV over NIXL" in output(proc)
+    before = nixl_transfers("10.77.0.12")
+    answer = complete("10.77.0.13", LONG_PROMPT)
+    assert answer["choices"][0]["text"]
+    assert nixl_transfers("10.77.0.12") > before  # the decode pulled KV from the prefill
+    assert set(units(lab, "hgx-a")) == {"hgxserve-prefill-0.service"}
+    assert [m > 0 for m in gpu_memory(lab, "hgx-a")] == [True] * 4 + [False] * 4
+    assert set(units(lab, "hgx-c")) == {"hgxserve-combined-0.service", "hgxserve-proxy.service"}
+    for host in lab.names:
+        state = links(lab, host)
+        assert state["previous"] == state["baseline"] != state["current"]
+
+
+def test_decode_that_never_gets_healthy_rolls_everything_back(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    current = {h: links(lab, h)["current"] for h in lab.names}
+    bad = variant(
+        tmp_path,
+        PD,
+        "pd-bad-decode",
+        {
+            "    port: 8200\n": "    port: 8200\n    env: {HGXSERVE_SIM_FAIL: never_healthy}\n",
+            "name: demo-pd\n": "name: demo-pd-bad-decode\n",
+        },
+    )
+    proc = deploy(lab, "deploys/engines.py", f"topology={bad}")
+    assert proc.returncode != 0
+    text = output(proc)
+    assert "hgxserve-decode-0.service did not become healthy in time" in text
+    assert "rolled back to the previous release: host(s) hgx-b failed to switch" in text
+    assert {h: links(lab, h)["current"] for h in lab.names} == current
+    assert all(links(lab, h)["pending"] is None for h in lab.names)
+    before = nixl_transfers("10.77.0.12")
+    assert complete("10.77.0.13", LONG_PROMPT)["choices"][0]["text"]
+    assert nixl_transfers("10.77.0.12") > before  # the old P/D release serves again
+
+
+def test_gate_catches_decode_recomputing_instead_of_pulling_kv(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    current = {h: links(lab, h)["current"] for h in lab.names}
+    # The footgun of seed 003 §11.3, set by hand in env (the validator refuses it in `kv:`):
+    # the prefill advertises a loopback side channel, the decode on another host cannot reach
+    # it and, with kv_load_failure_policy=recompute, silently recomputes every prompt.
+    bad = variant(
+        tmp_path,
+        PD,
+        "pd-loopback",
+        {
+            "    port: 8100\n": (
+                "    port: 8100\n    env: {VLLM_NIXL_SIDE_CHANNEL_HOST: 127.0.0.1}\n"
+            ),
+            "side_channel: {host: auto, port: 5600}}\n  combined-0": (
+                "side_channel: {host: auto, port: 5600}, failure_policy: recompute}\n  combined-0"
+            ),
+            "name: demo-pd\n": "name: demo-pd-loopback\n",
+        },
+    )
+    proc = deploy(lab, "deploys/engines.py", f"topology={bad}")
+    assert proc.returncode != 0
+    assert "failed KV transfers: it recomputed the prompt" in output(proc)
+    assert {h: links(lab, h)["current"] for h in lab.names} == current
+
+
+def test_unreachable_host_stops_the_run_before_any_change(lab: testbed_hosts.Testbed) -> None:
+    current = {h: links(lab, h)["current"] for h in lab.names}
+    pids = {h: units(lab, h) for h in lab.names}
+    veth = lab.host("hgx-b").veth
+    subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+    try:
+        proc = deploy(lab, "deploys/engines.py", f"topology={BASELINE}")
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+    assert proc.returncode != 0
+    assert "hgx-b is unreachable" in output(proc)
+    assert {h: links(lab, h)["current"] for h in lab.names} == current
+    assert {h: units(lab, h) for h in lab.names} == pids
+
+
+def test_host_dying_mid_switch_leaves_no_host_half_switched(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    before = {h: links(lab, h)["current"] for h in lab.names}
+    slow = variant(
+        tmp_path,
+        BASELINE,
+        "baseline-slow",
+        {"    port: 8100\n": "    port: 8100\n    env: {HGXSERVE_SIM_START_SECONDS: 8}\n"},
+    )
+    result: dict[str, subprocess.CompletedProcess] = {}
+    run = threading.Thread(
+        target=lambda: result.setdefault(
+            "proc", deploy(lab, "deploys/engines.py", f"topology={slow}")
+        )
+    )
+    run.start()
+    # wait until hgx-b has stopped its P/D decode (the switch is under way), then cut power
+    deadline = time.monotonic() + 120
+    while "hgxserve-decode-0.service" in units(lab, "hgx-b"):
+        assert time.monotonic() < deadline, "the switch never started on hgx-b"
+        time.sleep(0.3)
+    testbed_hosts.crash("hgx-b")
+    run.join(timeout=300)
+    proc = result["proc"]
+    assert proc.returncode != 0
+    assert "rolled back to the previous release" in output(proc)
+    # the surviving hosts are back on the P/D release, serving
+    assert {h: links(lab, h)["current"] for h in ("hgx-a", "hgx-c")} == {
+        h: before[h] for h in ("hgx-a", "hgx-c")
+    }
+    # hgx-b boots from its disk; the reconcile unit puts it back on its confirmed release
+    testbed_hosts.boot("hgx-b")
+    deadline = time.monotonic() + 60
+    while "hgxserve-decode-0.service" not in units(lab, "hgx-b"):
+        assert time.monotonic() < deadline, lab.ssh("hgx-b", "journalctl -b --no-pager").stdout
+        time.sleep(0.5)
+    assert links(lab, "hgx-b")["current"] == before["hgx-b"]
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if complete("10.77.0.13", LONG_PROMPT)["choices"][0]["text"]:
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "P/D did not serve again after hgx-b came back"
+        time.sleep(1)
+
+
+def test_explicit_rollback_to_baseline(lab: testbed_hosts.Testbed) -> None:
+    proc = deploy(lab, "deploys/rollback.py", "to=baseline")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    for host in lab.names:
+        state = links(lab, host)
+        assert state["current"] == state["baseline"]
+    assert set(units(lab, "hgx-a")) == {"hgxserve-combined-0.service", "hgxserve-proxy.service"}
+    assert units(lab, "hgx-b") == {} and units(lab, "hgx-c") == {}
+    assert gpu_memory(lab, "hgx-b") == [0] * 8 and gpu_memory(lab, "hgx-c") == [0] * 8
+    assert complete("10.77.0.11")["choices"][0]["text"]
