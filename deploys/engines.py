@@ -20,7 +20,9 @@ topology = topology_from_data(host)
 active = list(inventory.iter_activated_hosts())
 require_all_reachable(list(inventory), active)
 coord = plan_switch(topology, active)
-plan = plan_release(topology, host.name)
+plan = plan_release(
+    topology, host.name, health_timeout_s=float(host.data.get("health_timeout", 900))
+)
 
 agent()
 release(

@@ -53,6 +53,7 @@ def release(
     systemd.service(
         name="Enable the boot-time release reconcile unit",
         service=RECONCILE_UNIT.name,
+        running=None,  # it runs at boot only; starting it now would be a reconcile
         enabled=True,
     )
     base = f"{root}/releases/{plan.id}"

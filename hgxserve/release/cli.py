@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 import click
@@ -18,8 +19,13 @@ def _store(root: str) -> Store:
 
 
 def _log(message: str) -> None:
-    click.echo(message)
-    sys.stdout.flush()
+    # The controller may go away mid-switch (SSH dropped): keep going without a terminal, the
+    # pending state and the dead-man timer decide what happens then.
+    try:
+        click.echo(message)
+        sys.stdout.flush()
+    except OSError:
+        pass
 
 
 root_option = click.option(
@@ -58,6 +64,8 @@ def status(root: str) -> None:
 @root_option
 def switch_cmd(release_id: str, confirm_within: int, gpu_timeout: float, root: str) -> None:
     """Stop the running release, start RELEASE_ID, wait for health; roll back on failure."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # finish (or roll back) even if SSH drops
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     try:
         msg = switch(
             _store(root),

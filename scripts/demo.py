@@ -1,0 +1,125 @@
+"""The built-in demo, end to end on this machine, printing what it does as it goes.
+
+Three local test hosts (systemd-nspawn, real systemd and sshd, simulated 8 x H200 each), a local
+S3 holding a tiny model, the simulated engine as vLLM. It validates the demo topologies, checks
+host facts, syncs and verifies the weights, deploys the baseline, switches to P/D (prefill on
+hgx-a, decode on hgx-b, combined + proxy on hgx-c), sends completions through the proxy, goes
+back to the baseline, and tears everything down (unless --keep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from testbed import demo  # noqa: E402
+from testbed import hosts as testbed_hosts  # noqa: E402
+
+BASELINE = "topologies/demo/demo-baseline.yml"
+PD = "topologies/demo/demo-pd.yml"
+BIN = REPO / ".venv/bin"
+
+
+def step(text: str) -> None:
+    print(f"\n\033[1m==> {text}\033[0m", flush=True)
+
+
+def run(*argv: str) -> None:
+    print("$ " + " ".join(argv), flush=True)
+    started = time.monotonic()
+    proc = subprocess.run(argv, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"demo: `{' '.join(argv)}` failed (exit {proc.returncode})")
+    print(f"   ({time.monotonic() - started:.1f} s)", flush=True)
+
+
+def pyinfra(*args: str) -> None:
+    run(str(BIN / "pyinfra"), "-y", "inventory/testhosts.py", *args)
+
+
+def complete(address: str, prompt: str) -> str:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0})
+    req = urllib.request.Request(
+        f"http://{address}:8000/v1/completions",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        answer = json.loads(resp.read())
+    text = answer["choices"][0]["text"]
+    print(f"   POST http://{address}:8000/v1/completions ({len(prompt)} chars) -> {text!r}")
+    return str(text)
+
+
+def metric(address: str, port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", action="store_true", help="leave hosts and S3 running")
+    args = parser.parse_args()
+
+    step("Validate the demo topologies")
+    run(str(BIN / "hgxserve"), "validate", BASELINE, PD)
+    run(str(BIN / "hgxserve"), "plan", PD)
+
+    step("Boot 3 test hosts (systemd-nspawn; the root filesystem is built once and cached)")
+    bed = testbed_hosts.up(3, "h200")
+    try:
+        step("Local S3 on the test network with a tiny model and its manifest")
+        with tempfile.TemporaryDirectory() as work:
+            demo.prepare(bed.names, Path(work))
+        print(f"   s3://{demo.BUCKET}/{demo.PREFIX} at {demo.S3_ENDPOINT}")
+
+        step("Preflight: host facts (nvidia-smi, RDMA, disk) against the topology")
+        pyinfra("deploys/preflight.py", "--data", f"topology={BASELINE}",
+                "--data", "preflight=hardware")  # fmt: skip
+
+        step("Deploy the baseline: weights (sync + verify), then the release (switch + gate)")
+        pyinfra("deploys/site.py", "--data", f"topology={BASELINE}",
+                "--data", "stages=weights,engines")  # fmt: skip
+        complete("10.77.0.11", "Only answer: hello")
+
+        step("Apply the baseline again: nothing changes, nothing restarts")
+        pyinfra("deploys/site.py", "--data", f"topology={BASELINE}",
+                "--data", "stages=weights,engines")  # fmt: skip
+
+        step("Switch to P/D: prefill hgx-a, decode hgx-b, combined + proxy hgx-c")
+        pyinfra("deploys/site.py", "--data", f"topology={PD}", "--data", "stages=weights,engines")
+        before = metric("10.77.0.12", 8200, "vllm:nixl_xfer_time_seconds_count")
+        long_prompt = " ".join(
+            f"a long prompt goes through prefill and decode {i}." for i in range(12)
+        )
+        complete("10.77.0.13", long_prompt)
+        after = metric("10.77.0.12", 8200, "vllm:nixl_xfer_time_seconds_count")
+        print(f"   decode pulled KV over NIXL {after - before:.0f} times (one per TP rank)")
+        complete("10.77.0.13", "short prompt")
+        print("   (a short prompt goes to the combined engine on hgx-c)")
+
+        step("Back to the baseline, all hosts together")
+        pyinfra("deploys/rollback.py", "--data", "to=baseline")
+        complete("10.77.0.11", "Only answer: hello")
+        step("Done")
+    finally:
+        if not args.keep:
+            step("Tear down: local S3 and the test hosts")
+            demo.stop_s3()
+            testbed_hosts.down()
+
+
+if __name__ == "__main__":
+    main()
