@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hgxserve.topology.model import Engine, Topology, is_loopback
-from hgxserve.topology.ports import engine_bind, side_channel_host, uses_nixl_side_channel
+from hgxserve.topology.ports import (
+    engine_bind,
+    kv_crosses_hosts,
+    side_channel_host,
+    uses_nixl_side_channel,
+)
 
 
 class RenderError(Exception):
@@ -60,29 +65,6 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def peers(topo: Topology, engine: Engine) -> set[str]:
-    """Engines on the other side of this engine's P/D routes."""
-    out: set[str] = set()
-    if topo.proxy is None:
-        return out
-    for route in topo.proxy.routes:
-        if engine.name in route.prefill:
-            out.update(route.decode)
-        if engine.name in route.decode:
-            out.update(route.prefill)
-    return out
-
-
-def is_cross_host(topo: Topology, engine: Engine) -> bool:
-    """True when KV for this engine crosses hosts (multi-node, or a peer on another host)."""
-    hosts = set(engine.place)
-    for name in peers(topo, engine):
-        other = topo.engines.get(name)
-        if other is not None:
-            hosts.update(other.place)
-    return len(hosts) > 1
-
-
 def node_plan(topo: Topology, engine: Engine, host: str) -> NodePlan:
     """Plan one engine's node on `host` (rank, GPUs, addresses, DP ranks)."""
     hosts = engine.hosts
@@ -94,9 +76,10 @@ def node_plan(topo: Topology, engine: Engine, host: str) -> NodePlan:
     if uses_nixl_side_channel(engine):
         # hgxserve.topology.ports is the one place that decides the side-channel address
         side = side_channel_host(topo, engine, host)
-        if is_loopback(side) and is_cross_host(topo, engine):
+        crosses = kv_crosses_hosts(topo, engine)
+        if is_loopback(side) and crosses:
             notes.append(f"warning: side channel {side} is loopback but P/D crosses hosts")
-        elif is_cross_host(topo, engine):
+        elif crosses:
             notes.append(
                 f"NIXL side channel on {side}: P/D crosses hosts, loopback would not be "
                 "reachable (seed 003 §11.3)"
