@@ -44,6 +44,8 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
     demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
     yield testbed
     demo.stop_s3()
+    for name in testbed.names:  # leave the hosts as other tests expect them: no engines
+        testbed.ssh(name, FORGET_RELEASES)
 
 
 def deploy(lab: testbed_hosts.Testbed, script: str, *data: str) -> subprocess.CompletedProcess:
