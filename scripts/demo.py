@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,7 @@ def main() -> None:
 
     step("Boot 3 test hosts (systemd-nspawn; the root filesystem is built once and cached)")
     bed = testbed_hosts.up(3, "h200")
+    testbed_hosts.take_lease(os.getpid())  # nobody tears the hosts down under the demo
     try:
         step("Local S3 on the test network with a tiny model and its manifest")
         with tempfile.TemporaryDirectory() as work:
@@ -115,10 +117,14 @@ def main() -> None:
         complete("10.77.0.11", "Only answer: hello")
         step("Done")
     finally:
+        others = testbed_hosts.drop_lease(os.getpid())
         if not args.keep:
             step("Tear down: local S3 and the test hosts")
             demo.stop_s3()
-            testbed_hosts.down()
+            if others:
+                print(f"   test hosts left up: also in use by PIDs {others}")
+            else:
+                testbed_hosts.down()
 
 
 if __name__ == "__main__":
