@@ -29,7 +29,11 @@ class ReleaseState(FactBase[dict[str, Any]]):
             f'printf "%s=%s\\n" "$l" "$id"; '
             f'if [ -n "$id" ] && grep -q \'"gate": {{\' {r}/$l/release.json 2>/dev/null; '
             f'then echo "gate_$l=yes"; fi; '
-            f"done; printf 'pending='; cat {r}/pending.json 2>/dev/null | tr -d '\\n'; echo"
+            f"done; printf 'pending='; cat {r}/pending.json 2>/dev/null | tr -d '\\n'; echo; "
+            # units of the current release that are not running (drift: stopped, crashed)
+            f"for u in $(sed -n 's/^ *\"name\": \"\\(hgxserve-[^\"]*\\)\",*$/\\1/p' "
+            f"{r}/current/release.json 2>/dev/null); do "
+            f'systemctl is-active --quiet "$u" || echo "inactive=$u"; done'
         )
 
     def process(self, output: list[str]) -> dict[str, Any]:
@@ -47,12 +51,19 @@ class ReleaseState(FactBase[dict[str, Any]]):
                 data[key] = value.strip() == "yes"  # the release at that link runs the gate
             elif key == "pending" and value.strip():
                 data["pending"] = json.loads(value)
+            elif key == "inactive":
+                data.setdefault("inactive", []).append(value.strip())
         return data
 
 
 def needs_switch(state: dict[str, Any], release_id: str) -> bool:
-    """A host switches when the release is not current, or a switch is left pending."""
-    return state.get("current") != release_id or state.get("pending") is not None
+    """A host switches when the release is not current, a switch is left pending, or a unit
+    of the current release is not running (the switch then only restarts what stopped)."""
+    return (
+        state.get("current") != release_id
+        or state.get("pending") is not None
+        or bool(state.get("inactive"))
+    )
 
 
 @operation()

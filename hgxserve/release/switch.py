@@ -171,7 +171,7 @@ def switch(
             return f"release {release_id} is already switched, waiting for confirmation"
         current_id = pending["id"]  # a pending switch is what is running now
     if current_id == release_id:
-        return f"release {release_id} is already current"
+        return _restart_stopped(new, systemd, log)
     old = store.load(current_id) if current_id else None
     previous_id = pending["previous"] if pending else current_id
     log(f"switching {new.host} from {current_id or 'nothing'} to {release_id} ({new.topology})")
@@ -193,6 +193,22 @@ def switch(
         return f"switched to {release_id}; revert in {confirm_within_s}s unless confirmed"
     _commit(store, new, previous_id)
     return f"switched to {release_id}"
+
+
+def _restart_stopped(spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:
+    """The release is current but some of its units stopped or crashed: start just those."""
+    stopped = [u for u in spec.units if systemd.state(u.name) != "active"]
+    if not stopped:
+        return f"release {spec.id} is already current"
+    names = ", ".join(u.name for u in stopped)
+    log(f"release {spec.id} is current but {names} not running; starting them")
+    start_units(
+        ReleaseSpec(spec.id, spec.topology, "", False, spec.host, stopped, {}),
+        systemd,
+        log,
+        spec.health_timeout_s,
+    )
+    return f"release {spec.id} is current; restarted {names}"
 
 
 def _rollback_to(

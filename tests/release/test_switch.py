@@ -168,3 +168,15 @@ def test_prune_keeps_linked_releases(store: Store) -> None:
     removed = store.prune(keep=3)
     assert "r0" not in removed and "r1" not in removed
     assert len(store.status()["releases"]) == 5
+
+
+def test_current_release_with_a_stopped_unit_restarts_only_that_unit(store: Store) -> None:
+    stage(store, "r1", ["hgxserve-combined-0.service", "hgxserve-proxy.service"])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd.active.discard("hgxserve-proxy.service")  # the proxy crashed or was stopped by hand
+    sd.calls.clear()
+    msg = switch(store, "r1", confirm_within_s=60, systemd=sd, log=lambda m: None)
+    assert msg == "release r1 is current; restarted hgxserve-proxy.service"
+    assert sd.calls == [("start", "hgxserve-proxy.service")]
+    assert store.pending() is None and store.link("current") == "r1"
