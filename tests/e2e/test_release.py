@@ -146,6 +146,20 @@ def test_reapply_changes_nothing_and_restarts_nothing(lab: testbed_hosts.Testbed
     print(f"no-op re-apply on 3 hosts: {elapsed:.1f} s")
 
 
+def test_reapply_restarts_a_unit_that_stopped_and_nothing_else(
+    lab: testbed_hosts.Testbed,
+) -> None:
+    before = units(lab, "hgx-a")
+    lab.ssh("hgx-a", "systemctl stop hgxserve-proxy.service", check=True)
+    proc = deploy(lab, "deploys/engines.py", f"topology={BASELINE}")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert "restarted hgxserve-proxy.service" in output(proc)
+    after = units(lab, "hgx-a")
+    assert after["hgxserve-combined-0.service"] == before["hgxserve-combined-0.service"]
+    assert after["hgxserve-proxy.service"] != before["hgxserve-proxy.service"]
+    assert complete("10.77.0.11")["choices"][0]["text"]
+
+
 def test_pd_over_combined(lab: testbed_hosts.Testbed) -> None:
     proc = deploy(lab, "deploys/engines.py", f"topology={PD}")
     assert proc.returncode == 0, output(proc)[-4000:]
