@@ -204,6 +204,13 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
         "shapes": [s.as_dict() for s in spec.shapes],
         **spec.extra,
     }
+    # An engine already on the port (the unit itself, or a stray bake) would answer /health and
+    # take the warm-up while ours fails to bind: the bake would record someone else's run.
+    if _health(spec.base_url) is not None:
+        raise BakeError(
+            f"something already answers at {spec.base_url}: stop it first "
+            f"(systemctl stop {spec.unit or 'the engine unit'}); the bake starts its own engine"
+        )
     started = time.monotonic()
     with open(log_path, "ab") as log:
         if spec.engine == "sglang" and spec.compile_deep_gemm:
