@@ -5,9 +5,18 @@ with zero simulated compute so the proxy is what is measured):
   direct    client -> decode engine (no proxy, no prefill hop: the floor)
   hgxserve  client -> `hgxserve proxy serve` -> prefill, then decode (vLLM NIXL protocol)
   vllm-router  client -> `vllm-router --vllm-pd-disaggregation` -> prefill, then decode
+  toy-proxy client -> an equivalent of vLLM's example proxy (toy_proxy_server.py architecture:
+            FastAPI + uvicorn + httpx.AsyncClient, benchmarks/baselines/toy_pd_proxy.py)
+            -> prefill, then decode
 
     .venv/bin/python benchmarks/bench_proxy.py                       # hgxserve vs direct
-    .venv/bin/python benchmarks/bench_proxy.py --vllm-router /tmp/vr/venv/bin/vllm-router
+    .venv/bin/python benchmarks/bench_proxy.py --vllm-router /tmp/vr/venv/bin/vllm-router \
+        --toy-proxy-python /tmp/toyproxy/venv/bin/python
+
+Scratch venvs for the two baselines (kept out of the project's dependencies):
+    python3 -m venv /tmp/vr/venv && /tmp/vr/venv/bin/pip install vllm-router==0.1.17
+    python3 -m venv /tmp/toyproxy/venv && /tmp/toyproxy/venv/bin/pip install \
+        fastapi==0.165.0 uvicorn==0.54.0 httpx==0.28.1 uvloop==0.23.0 httptools==0.9.0
 
 Prints, per target and concurrency: p50/p99 latency, latency added over direct (p50/p99), req/s,
 errors, and the proxy process's CPU time per request (user+sys from /proc/<pid>/stat).
@@ -32,6 +41,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMENGINE = ROOT / "testbed" / "simengine.py"
+TOY_PROXY = ROOT / "benchmarks" / "baselines" / "toy_pd_proxy.py"
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -112,6 +122,10 @@ def pct(values: list[float], q: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm-router", help="path to the vllm-router executable (PyPI vllm-router)")
+    ap.add_argument(
+        "--toy-proxy-python",
+        help="python of a venv with fastapi, httpx, uvicorn: runs the example-proxy equivalent",
+    )
     ap.add_argument("--concurrency", default="1,64,512")
     ap.add_argument("--requests", default="300,2000,2048", help="requests per concurrency level")
     args = ap.parse_args()
@@ -128,7 +142,7 @@ def main() -> int:
     }
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        ports = {k: free_port() for k in ("prefill", "decode", "hgxserve", "router")}
+        ports = {k: free_port() for k in ("prefill", "decode", "hgxserve", "router", "toy")}
         for role, kv in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             eng_env = {
                 **env,
@@ -210,6 +224,29 @@ def main() -> int:
                 router_note = "run"
             except SystemExit:
                 router_note = f"failed to start: see {work / 'router.log'}"
+        toy_note = "not run (pass --toy-proxy-python PATH)"
+        if args.toy_proxy_python:
+            toy = start(
+                [
+                    args.toy_proxy_python,
+                    str(TOY_PROXY),
+                    "--port",
+                    str(ports["toy"]),
+                    "--prefill",
+                    prefill_url,
+                    "--decode",
+                    decode_url,
+                ],
+                env,
+                work / "toy-proxy.log",
+            )
+            procs.append(toy)
+            try:
+                wait_http(f"http://127.0.0.1:{ports['toy']}/healthcheck", 60)
+                targets["toy-proxy"] = (f"http://127.0.0.1:{ports['toy']}", toy.pid)
+                toy_note = "run"
+            except SystemExit:
+                toy_note = f"failed to start: see {work / 'toy-proxy.log'}"
         rows: list[dict[str, Any]] = []
         base: dict[int, tuple[float, float]] = {}
         for conc, total in zip(levels, counts, strict=True):
@@ -261,7 +298,7 @@ def main() -> int:
                 p.kill()
     print(
         f"\nproxy overhead on 127.0.0.1 (simulated engines, {os.cpu_count()} CPUs); "
-        f"vllm-router: {router_note}"
+        f"vllm-router: {router_note}; toy-proxy: {toy_note}"
     )
     head = (
         f"{'target':<12}{'C':>5}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}"

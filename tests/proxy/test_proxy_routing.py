@@ -96,8 +96,14 @@ def test_vllm_nixl_protocol_non_streaming_keeps_reasoning_tools_usage(engines, p
     assert d_req["kv"] == "transferred" and d_req["max_tokens"] == 64 and d_req["has_min_tokens"]
     assert metric(dec.metrics(), "vllm:nixl_xfer_time_seconds_count") == 1
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    # temperature 0: the simulated answer length is then fixed (random lengths could hit 64)
     status, ans = chat(
-        px.url, "weather in Paris?", tools=tools, tool_choice="required", max_tokens=64
+        px.url,
+        "weather in Paris?",
+        tools=tools,
+        tool_choice="required",
+        max_tokens=64,
+        temperature=0,
     )
     assert status == 200 and ans["choices"][0]["finish_reason"] == "tool_calls"
     assert ans["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"

@@ -1,0 +1,30 @@
+"""The request-body splice the proxy uses to forward client bytes without re-encoding them."""
+
+from __future__ import annotations
+
+import json
+
+from hgxserve.proxy.server import new_request_id, with_fields
+
+
+def test_with_fields_appends_to_the_clients_bytes() -> None:
+    raw = b'{"model": "m", "prompt": "caf\\u00e9 \xe2\x82\xac", "stream": true}\n'
+    body = json.loads(raw)
+    out = with_fields(raw, body, {"kv_transfer_params": {"remote_block_ids": [1, 2]}})
+    assert out.startswith(raw[: raw.rfind(b"}")]), "client bytes kept as they came"
+    assert json.loads(out) == {**body, "kv_transfer_params": {"remote_block_ids": [1, 2]}}
+
+
+def test_with_fields_reencodes_when_a_key_exists_or_body_is_empty() -> None:
+    raw = b'{"kv_transfer_params": {"old": 1}, "x": 2}'
+    out = with_fields(raw, json.loads(raw), {"kv_transfer_params": {"new": 1}})
+    assert out.count(b"kv_transfer_params") == 1
+    assert json.loads(out) == {"kv_transfer_params": {"new": 1}, "x": 2}
+    assert json.loads(with_fields(b"{}", {}, {"a": 1})) == {"a": 1}
+    bom = b"\xef\xbb\xbf" + b'{"x": 1}'
+    assert json.loads(with_fields(bom, json.loads(bom), {"a": 1})) == {"x": 1, "a": 1}
+
+
+def test_request_ids_are_128_bit_hex_and_distinct() -> None:
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
