@@ -19,20 +19,20 @@ import json
 import logging
 import random
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from yarl import URL
 
 from hgxserve.proxy.balancer import Decision, HealthChecker, Instance, Pool
 from hgxserve.proxy.config import ProxyConfig, read_api_key
+from hgxserve.proxy.upstream import Response, Upstream, UpstreamError
 
 log = logging.getLogger("hgxserve.proxy")
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RETRYABLE_STATUS = (502, 503, 504)
-JSON_HEADERS = {"Content-Type": "application/json"}
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -41,6 +41,10 @@ PREFILL_KV_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+def error_kind(exc: BaseException) -> str:
+    return exc.kind if isinstance(exc, UpstreamError) else type(exc).__name__
 
 
 def new_request_id() -> str:
@@ -193,17 +197,10 @@ class Proxy:
         self.pool = Pool(config)
         self.metrics = Metrics()
         self.api_key = read_api_key(config.api_key_file) if config.api_key_file else None
+        # aiohttp for health checks and /v1/models; the lean pooled client for generation
         self.session: aiohttp.ClientSession | None = None
-        # parsed once: yarl would otherwise parse the URL string on every upstream call
-        self.urls: dict[tuple[str, str], URL] = {}
+        self.upstream = Upstream(connect_timeout=config.limits.connect_timeout_s)
         self.checker_task: asyncio.Task[None] | None = None
-        lim = config.limits
-        self.prefill_timeout = aiohttp.ClientTimeout(
-            total=lim.prefill_timeout_s, sock_connect=lim.connect_timeout_s
-        )
-        self.relay_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=lim.connect_timeout_s, sock_read=lim.read_timeout_s
-        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,7 +216,6 @@ class Proxy:
         return app
 
     async def start(self, _app: web.Application) -> None:
-        # one pooled session for all upstream traffic: no per-request client objects
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
@@ -233,13 +229,7 @@ class Proxy:
                 await self.checker_task
         if self.session:
             await self.session.close()
-
-    def url(self, inst: Instance, path: str) -> URL:
-        key = (inst.url, path)
-        url = self.urls.get(key)
-        if url is None:
-            url = self.urls[key] = URL(inst.url + path)
-        return url
+        self.upstream.close()
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -381,7 +371,7 @@ class Proxy:
         req_id: str,
         started: float,
     ) -> web.StreamResponse:
-        assert self.session is not None and decision.prefill is not None
+        assert decision.prefill is not None
         prefill = decision.prefill
         prefill_body = dict(body)
         prefill_body.update(stream=False, max_tokens=1, max_completion_tokens=1)
@@ -391,27 +381,25 @@ class Proxy:
         t0 = time.perf_counter()
         prefill.outstanding += 1
         prefill.picked += 1
+        payload = json.dumps(prefill_body, separators=(",", ":")).encode()
         try:
-            async with self.session.post(
-                self.url(prefill, path),
-                data=json.dumps(prefill_body, separators=(",", ":")).encode(),
-                headers={**JSON_HEADERS, "X-Request-Id": req_id},
-                timeout=self.prefill_timeout,
-            ) as up:
-                data = await up.read()
-                if up.status in RETRYABLE_STATUS or up.status >= 500:
-                    self.metrics.upstream_error(prefill, f"http_{up.status}")
-                    raise UpstreamUnavailable(prefill, f"prefill answered HTTP {up.status}")
-                if up.status != 200:
-                    # the request itself is wrong (too long, unknown model): say so, once
-                    return web.Response(
-                        body=data, status=up.status, content_type="application/json"
-                    )
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            self.metrics.upstream_error(prefill, type(exc).__name__)
+            async with asyncio.timeout(self.config.limits.prefill_timeout_s):
+                up = await self.upstream.post(prefill.url, path, payload, req_id)
+                try:
+                    data = await up.read()
+                finally:
+                    up.release()
+        except (TimeoutError, UpstreamError) as exc:
+            self.metrics.upstream_error(prefill, error_kind(exc))
             raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}") from exc
         finally:
             prefill.outstanding -= 1
+        if up.status in RETRYABLE_STATUS or up.status >= 500:
+            self.metrics.upstream_error(prefill, f"http_{up.status}")
+            raise UpstreamUnavailable(prefill, f"prefill answered HTTP {up.status}")
+        if up.status != 200:
+            # the request itself is wrong (too long, unknown model): say so, once
+            return web.Response(body=data, status=up.status, content_type="application/json")
         try:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -447,7 +435,7 @@ class Proxy:
         req_id: str,
         started: float,
     ) -> web.StreamResponse:
-        assert self.session is not None and decision.prefill is not None
+        assert decision.prefill is not None
         prefill = decision.prefill
         bootstrap = {
             "bootstrap_host": prefill.endpoint.bootstrap_host,
@@ -462,20 +450,18 @@ class Proxy:
         prefill.picked += 1
 
         async def run_prefill() -> int:
-            assert self.session is not None
             try:
-                async with self.session.post(
-                    self.url(prefill, path),
-                    data=prefill_raw,
-                    headers={**JSON_HEADERS, "X-Request-Id": req_id},
-                    timeout=self.prefill_timeout,
-                ) as up:
-                    await up.read()
-                    if up.status >= 500:
-                        self.metrics.upstream_error(prefill, f"http_{up.status}")
-                    return up.status
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                self.metrics.upstream_error(prefill, type(exc).__name__)
+                async with asyncio.timeout(self.config.limits.prefill_timeout_s):
+                    up = await self.upstream.post(prefill.url, path, prefill_raw, req_id)
+                    try:
+                        await up.read()
+                    finally:
+                        up.release()
+                if up.status >= 500:
+                    self.metrics.upstream_error(prefill, f"http_{up.status}")
+                return up.status
+            except (TimeoutError, UpstreamError) as exc:
+                self.metrics.upstream_error(prefill, error_kind(exc))
                 raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}") from exc
             finally:
                 prefill.outstanding -= 1
@@ -515,35 +501,31 @@ class Proxy:
 
         Raises UpstreamUnavailable only while nothing has been sent to the client.
         """
-        assert self.session is not None
         inst.outstanding += 1
         inst.picked += 1
         t_send = time.perf_counter()
-        ctx = self.session.post(
-            self.url(inst, path),
-            data=payload,
-            headers={**JSON_HEADERS, "X-Request-Id": req_id},
-            timeout=self.relay_timeout,
+        send = self.upstream.post(
+            inst.url, path, payload, req_id, read_timeout=self.config.limits.read_timeout_s
         )
         try:
             try:
-                up = await self._headers(ctx, watch)
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                self.metrics.upstream_error(inst, type(exc).__name__)
+                up = await self._headers(send, watch)
+            except (TimeoutError, UpstreamError) as exc:
+                self.metrics.upstream_error(inst, error_kind(exc))
                 raise UpstreamUnavailable(inst, f"unreachable: {exc!r}") from exc
             try:
                 if up.status in RETRYABLE_STATUS:
                     self.metrics.upstream_error(inst, f"http_{up.status}")
                     raise UpstreamUnavailable(inst, f"answered HTTP {up.status}")
-                ctype = up.headers.get("Content-Type", "application/json")
+                ctype = up.headers.get("content-type", "application/json")
                 if stream and up.status == 200:
                     return await self._stream(
                         request, inst, up, ctype, req_id, started, waited, t_send
                     )
                 try:
                     data = await up.read()
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    self.metrics.upstream_error(inst, type(exc).__name__)
+                except (TimeoutError, UpstreamError) as exc:
+                    self.metrics.upstream_error(inst, error_kind(exc))
                     raise UpstreamUnavailable(inst, f"answer cut off: {exc!r}") from exc
                 engine = (time.perf_counter() - t_send) + waited
                 self.metrics.observe_added_ttft(max(0.0, time.perf_counter() - started - engine))
@@ -558,12 +540,13 @@ class Proxy:
         finally:
             inst.outstanding -= 1
 
-    async def _headers(self, ctx: Any, watch: asyncio.Task[int] | None) -> aiohttp.ClientResponse:
+    async def _headers(
+        self, post: Coroutine[Any, Any, Response], watch: asyncio.Task[int] | None
+    ) -> Response:
         """Wait for the upstream's response headers; give up early if the watched prefill fails."""
         if watch is None:
-            up: aiohttp.ClientResponse = await ctx
-            return up
-        send = asyncio.ensure_future(ctx)
+            return await post
+        send = asyncio.ensure_future(post)
         try:
             done, _ = await asyncio.wait({send, watch}, return_when=asyncio.FIRST_COMPLETED)
             if send not in done and watch.exception() is not None:
@@ -581,7 +564,7 @@ class Proxy:
         self,
         request: web.Request,
         inst: Instance,
-        up: aiohttp.ClientResponse,
+        up: Response,
         ctype: str,
         req_id: str,
         started: float,
@@ -594,7 +577,7 @@ class Proxy:
         )
         first = True
         try:
-            async for chunk in up.content.iter_any():
+            async for chunk in up.chunks():
                 if first:
                     now = time.perf_counter()
                     engine = (now - t_send) + waited
@@ -602,10 +585,9 @@ class Proxy:
                     self.metrics.observe_added_ttft(max(0.0, now - started - engine))
                     first = False
                 await out.write(chunk)
-        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            if isinstance(exc, aiohttp.ClientConnectionResetError):
-                raise  # the client went away while we wrote to it
-            self.metrics.upstream_error(inst, type(exc).__name__)
+        except (TimeoutError, UpstreamError) as exc:
+            # (a client that went away while we wrote to it raises ConnectionError: not here)
+            self.metrics.upstream_error(inst, error_kind(exc))
             if first:
                 raise UpstreamUnavailable(inst, f"stream failed before a byte: {exc!r}") from exc
             # bytes already reached the client: never retried; say so in the stream

@@ -1,0 +1,451 @@
+"""A lean HTTP/1.1 client for the proxy's hot path: pooled keep-alive connections to engines.
+
+    client = Upstream(connect_timeout=5)
+    resp = await client.post("http://10.0.0.11:8100", "/v1/completions", body, "req-1",
+                             read_timeout=600)
+    try:
+        data = await resp.read()            # or: async for chunk in resp.chunks(): ...
+    finally:
+        resp.release()                      # back to the pool if the answer was read whole
+
+Why not aiohttp's client here: per request it builds request/response objects, header
+multidicts, a writer task and read timers, which was most of the proxy's CPU per request. This
+client writes one buffer per request and parses the engine's answer (Content-Length, chunked or
+until close) directly in `data_received`. Health checks and `/v1/models` still use aiohttp.
+
+Errors are `UpstreamError` (with `kind`, for metrics) or `TimeoutError`. A request whose
+connection was reused and closed by the engine before any answer byte is sent again once on a
+new connection (the engine closed an idle keep-alive connection; it never saw the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from typing import cast
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024
+# stop reading from the engine while this much answer waits for a slow client
+PAUSE_BYTES = 1024 * 1024
+
+
+class UpstreamError(Exception):
+    """The engine could not be reached or its answer broke off; `kind` names the failure."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Response:
+    """One engine answer: status and headers at once, the body as it arrives."""
+
+    def __init__(self, conn: _Conn, read_timeout: float | None) -> None:
+        self.conn = conn
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.keep_alive = True
+        self.done = False
+        self.error: BaseException | None = None
+        self.got_bytes = False
+        self._head = bytearray()
+        self._mode = ""  # length | chunked | close
+        self._left = 0  # body bytes left (length mode) or in the current chunk (chunked)
+        self._cbuf = bytearray()  # unparsed chunked framing
+        self._chunk_state = "size"  # size | data | crlf | trailer
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._queued = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self.head_ready: asyncio.Future[None] = conn.loop.create_future()
+        self._read_timeout = read_timeout
+        self._last = conn.loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        if read_timeout is not None:
+            self._timer = conn.loop.call_at(self._last + read_timeout, self._check_silence)
+
+    # ---------------------------------------------------------------- fed by the protocol
+
+    def feed(self, data: bytes) -> None:
+        self.got_bytes = True
+        if self._timer is not None:
+            self._last = self.conn.loop.time()
+        if not self.head_ready.done():
+            self._head += data
+            end = self._head.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._head) > MAX_HEAD_BYTES:
+                    self.fail(UpstreamError("ClientResponseError", "answer headers too large"))
+                return
+            try:
+                self._parse_head(bytes(self._head[:end]))
+            except (ValueError, UnicodeDecodeError) as exc:
+                self.fail(UpstreamError("ClientResponseError", f"bad answer head: {exc}"))
+                return
+            data = bytes(self._head[end + 4 :])
+            self._head = bytearray()
+            self.head_ready.set_result(None)
+            if self._mode == "length" and self._left == 0:
+                self._finish()
+            if not data or self.done:
+                if data:
+                    self.keep_alive = False  # bytes after a complete answer: do not reuse
+                return
+        if self._mode == "length":
+            if len(data) > self._left:
+                self.keep_alive = False
+                data = data[: self._left]
+            self._left -= len(data)
+            self._push(data)
+            if self._left == 0:
+                self._finish()
+        elif self._mode == "chunked":
+            self._feed_chunked(data)
+        else:
+            self._push(data)
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        version, _, rest = lines[0].partition(" ")
+        if not version.startswith("HTTP/1."):
+            raise ValueError(f"not HTTP/1.x: {lines[0][:40]!r}")
+        self.status = int(rest[:3])
+        headers = self.headers
+        for line in lines[1:]:
+            key, sep, value = line.partition(":")
+            if sep:
+                headers[key.strip().lower()] = value.strip()
+        conn_hdr = headers.get("connection", "").lower()
+        self.keep_alive = (
+            "close" not in conn_hdr if version == "HTTP/1.1" else "keep-alive" in conn_hdr
+        )
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self._mode = "chunked"
+        elif "content-length" in headers:
+            self._mode = "length"
+            self._left = int(headers["content-length"])
+        elif self.status in (204, 304) or 100 <= self.status < 200:
+            self._mode = "length"
+            self._left = 0
+        else:
+            self._mode = "close"
+            self.keep_alive = False
+
+    def _feed_chunked(self, data: bytes) -> None:
+        buf = self._cbuf
+        buf += data
+        pos = 0
+        n = len(buf)
+        while pos < n and not self.done:
+            state = self._chunk_state
+            if state == "data":
+                take = min(self._left, n - pos)
+                self._push(bytes(buf[pos : pos + take]))
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._chunk_state = "crlf"
+            elif state == "crlf":
+                if n - pos < 2:
+                    break
+                pos += 2
+                self._chunk_state = "size"
+            else:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if n - pos > 4096:
+                        self.fail(UpstreamError("ClientPayloadError", "bad chunk framing"))
+                        return
+                    break
+                line = bytes(buf[pos:eol])
+                pos = eol + 2
+                if state == "trailer":
+                    if not line:
+                        self._finish()
+                    continue
+                try:
+                    size = int(line.split(b";", 1)[0], 16)
+                except ValueError:
+                    self.fail(UpstreamError("ClientPayloadError", f"bad chunk size {line[:20]!r}"))
+                    return
+                if size == 0:
+                    self._chunk_state = "trailer"
+                else:
+                    self._left = size
+                    self._chunk_state = "data"
+        del buf[:pos]
+        if self.done and buf:
+            self.keep_alive = False
+
+    def _push(self, data: bytes) -> None:
+        if not data:
+            return
+        self._queue.append(data)
+        self._queued += len(data)
+        if self._queued > PAUSE_BYTES and not self._paused and self.conn.transport is not None:
+            self._paused = True
+            self.conn.transport.pause_reading()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.done = True
+        self._stop_timer()
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        """The answer cannot complete: wake readers with `exc`, never reuse the connection."""
+        if self.done:
+            return
+        self.done = True
+        self.error = exc
+        self.keep_alive = False
+        self._stop_timer()
+        if not self.head_ready.done():
+            self.head_ready.set_exception(exc)
+            self.head_ready.exception()  # retrieved: a caller may already have given up
+        self._wake()
+        self.conn.close()
+
+    def lost(self, exc: BaseException | None) -> None:
+        if self.done:
+            return
+        if self._mode == "close" and self.head_ready.done():
+            self._finish()  # the answer ends with the connection
+            return
+        why = f"connection closed{': ' + repr(exc) if exc else ''}"
+        kind = "ServerDisconnectedError" if self.got_bytes or exc is None else "ClientOSError"
+        self.fail(UpstreamError(kind, why))
+
+    def _check_silence(self) -> None:
+        assert self._read_timeout is not None
+        due = self._last + self._read_timeout
+        if self.conn.loop.time() >= due:
+            self._timer = None
+            self.fail(TimeoutError(f"no answer byte for {self._read_timeout} s"))
+        else:
+            self._timer = self.conn.loop.call_at(due, self._check_silence)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # ---------------------------------------------------------------- consumer side
+
+    async def _wait(self) -> None:
+        self._waiter = self.conn.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _take(self) -> bytes:
+        if len(self._queue) == 1:
+            data = self._queue.popleft()
+        else:
+            data = b"".join(self._queue)
+            self._queue.clear()
+        self._queued = 0
+        if self._paused and self.conn.transport is not None:
+            self._paused = False
+            self.conn.transport.resume_reading()
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self.done:
+            await self._wait()
+        if self.error is not None:
+            raise self.error
+        return self._take() if self._queue else b""
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (chunked framing removed), until the answer ends."""
+        while True:
+            if self._queue:
+                yield self._take()
+                continue
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return
+            await self._wait()
+
+    def release(self) -> None:
+        """Return the connection to the pool if the answer was read whole, else close it."""
+        self._stop_timer()
+        conn = self.conn
+        conn.response = None
+        if self.done and self.error is None and self.keep_alive and not self._queue:
+            conn.pool_put()
+        else:
+            conn.close()
+
+
+class _Conn(asyncio.Protocol):
+    """One TCP connection to an engine; carries one request at a time."""
+
+    def __init__(self, origin: _Origin) -> None:
+        self.origin = origin
+        self.loop = origin.loop
+        self.transport: asyncio.Transport | None = None
+        self.response: Response | None = None
+        self.closed = False
+        self.used = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but have its methods
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        resp = self.response
+        if resp is None:
+            self.close()  # nothing was asked: a broken or chatty server
+            return
+        resp.feed(data)
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.transport = None
+        self.origin.drop(self)
+        if self.response is not None:
+            self.response.lost(exc)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.origin.drop(self)
+            if self.transport is not None:
+                self.transport.abort()  # the engine sees the connection end and aborts
+
+    def pool_put(self) -> None:
+        if not self.closed:
+            self.origin.idle.append(self)
+
+
+class _Origin:
+    """Idle connections to one scheme://host:port."""
+
+    def __init__(self, base_url: str, loop: asyncio.AbstractEventLoop) -> None:
+        parts = urlsplit(base_url)
+        self.loop = loop
+        self.host = parts.hostname or ""
+        self.tls = parts.scheme == "https"
+        self.port = parts.port or (443 if self.tls else 80)
+        self.netloc = parts.netloc
+        self.idle: list[_Conn] = []
+        self.ssl_context = ssl.create_default_context() if self.tls else None
+
+    def drop(self, conn: _Conn) -> None:
+        if conn in self.idle:
+            self.idle.remove(conn)
+
+
+class Upstream:
+    """Pooled keep-alive HTTP/1.1 POSTs to engines (no per-request client objects)."""
+
+    def __init__(self, connect_timeout: float) -> None:
+        self.connect_timeout = connect_timeout
+        self.origins: dict[str, _Origin] = {}
+        self.heads: dict[tuple[str, str], bytes] = {}
+
+    def _origin(self, base_url: str) -> _Origin:
+        origin = self.origins.get(base_url)
+        if origin is None:
+            origin = self.origins[base_url] = _Origin(base_url, asyncio.get_running_loop())
+        return origin
+
+    async def _connect(self, origin: _Origin) -> _Conn:
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, proto = await origin.loop.create_connection(
+                    lambda: _Conn(origin),
+                    origin.host,
+                    origin.port,
+                    ssl=origin.ssl_context,
+                    server_hostname=origin.host if origin.tls else None,
+                )
+        except TimeoutError as exc:
+            raise UpstreamError("ConnectionTimeoutError", f"connect to {origin.netloc}") from exc
+        except OSError as exc:
+            raise UpstreamError(
+                "ClientConnectorError", f"connect to {origin.netloc}: {exc}"
+            ) from exc
+        return proto
+
+    async def post(
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        read_timeout: float | None = None,
+    ) -> Response:
+        """Send a JSON POST; return once the answer's status and headers are in.
+
+        Example: resp = await up.post("http://127.0.0.1:8100", "/v1/completions", b"{}", "r1")
+        """
+        origin = self._origin(base_url)
+        head = self.heads.get((base_url, path))
+        if head is None:
+            head = self.heads[(base_url, path)] = (
+                f"POST {path} HTTP/1.1\r\nHost: {origin.netloc}\r\n"
+                "Content-Type: application/json\r\nAccept: */*\r\n"
+            ).encode()
+        message = b"".join(
+            (
+                head,
+                b"Content-Length: %d\r\nX-Request-Id: %s\r\n\r\n"
+                % (len(body), request_id.encode("utf-8", "surrogateescape")),
+                body,
+            )
+        )
+        fresh = False
+        while True:
+            conn = None
+            while origin.idle and not fresh:
+                cand = origin.idle.pop()
+                if not cand.closed:
+                    conn = cand
+                    break
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(origin)
+            resp = Response(conn, read_timeout)
+            conn.response = resp
+            conn.used = True
+            assert conn.transport is not None
+            conn.transport.write(message)
+            try:
+                await resp.head_ready
+            except UpstreamError:
+                if reused and not resp.got_bytes:
+                    fresh = True  # the engine had closed this idle connection: once more, new
+                    continue
+                raise
+            except BaseException:
+                resp.release()
+                raise
+            return resp
+
+    def close(self) -> None:
+        for origin in self.origins.values():
+            for conn in list(origin.idle):
+                conn.close()
