@@ -19,7 +19,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -189,6 +189,9 @@ def error_response(status: int, message: str, etype: str, code: str | None = Non
     return web.json_response(body, status=status)
 
 
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
 class Proxy:
     """Request handling: auth, routing, the two P/D protocols, relaying, retries, metrics."""
 
@@ -204,25 +207,50 @@ class Proxy:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.limits.max_body_bytes)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_page)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.on_startup.append(self.start)
-        app.on_cleanup.append(self.stop)
-        return app
+    def server(self) -> web.Server:
+        """aiohttp's low-level server: five fixed routes need no router, app or middlewares."""
+        routes: dict[str, tuple[str, Handler]] = {
+            "/health": ("GET", self.health),
+            "/metrics": ("GET", self.metrics_page),
+            "/v1/models": ("GET", self.models),
+            "/v1/completions": ("POST", self.completions),
+            "/v1/chat/completions": ("POST", self.chat_completions),
+        }
+        max_body = self.config.limits.max_body_bytes
+        loop = asyncio.get_running_loop()
 
-    async def start(self, _app: web.Application) -> None:
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            route = routes.get(request.path)
+            if route is None:
+                return error_response(404, "Not found.", "not_found_error")
+            method, handler = route
+            if request.method != method and not (method == "GET" and request.method == "HEAD"):
+                resp = error_response(405, f"Use {method}.", "invalid_request_error")
+                resp.headers["Allow"] = method
+                return resp
+            return await handler(request)
+
+        def make_request(
+            message: Any, payload: Any, protocol: Any, writer: Any, task: Any
+        ) -> web.BaseRequest:
+            return web.BaseRequest(
+                message, payload, protocol, writer, task, loop, client_max_size=max_body
+            )
+
+        # handler_cancellation: a client that disconnects cancels its handler, which closes
+        # the upstream connections, so the engines abort the request
+        return web.Server(
+            handle, request_factory=make_request, handler_cancellation=True, access_log=None
+        )
+
+    async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
         )
         self.checker_task = asyncio.create_task(HealthChecker(self.pool, self.session).run())
 
-    async def stop(self, _app: web.Application) -> None:
+    async def stop(self) -> None:
         if self.checker_task:
             self.checker_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -233,7 +261,7 @@ class Proxy:
 
     # ------------------------------------------------------------------ small endpoints
 
-    def authorized(self, request: web.Request) -> bool:
+    def authorized(self, request: web.BaseRequest) -> bool:
         if self.api_key is None:
             return True
         header = request.headers.get("Authorization", "")
@@ -242,17 +270,17 @@ class Proxy:
             token.strip().encode(), self.api_key.encode()
         )
 
-    async def health(self, _request: web.Request) -> web.Response:
+    async def health(self, _request: web.BaseRequest) -> web.Response:
         if self.pool.routable():
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "no healthy route"}, status=503)
 
-    async def metrics_page(self, _request: web.Request) -> web.Response:
+    async def metrics_page(self, _request: web.BaseRequest) -> web.Response:
         return web.Response(
             text=self.metrics.render(self.pool), content_type="text/plain", charset="utf-8"
         )
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: web.BaseRequest) -> web.Response:
         if not self.authorized(request):
             return self.unauthorized()
         assert self.session is not None
@@ -277,13 +305,15 @@ class Proxy:
 
     # ------------------------------------------------------------------ generation
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
         return await self.generate(request, "/v1/completions", "completions")
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: web.BaseRequest) -> web.StreamResponse:
         return await self.generate(request, "/v1/chat/completions", "chat")
 
-    async def generate(self, request: web.Request, path: str, endpoint: str) -> web.StreamResponse:
+    async def generate(
+        self, request: web.BaseRequest, path: str, endpoint: str
+    ) -> web.StreamResponse:
         if not self.authorized(request):
             self.metrics.request("none", endpoint, 401)
             return self.unauthorized()
@@ -344,7 +374,7 @@ class Proxy:
 
     async def dispatch(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         decision: Decision,
         path: str,
         raw: bytes,
@@ -363,7 +393,7 @@ class Proxy:
 
     async def vllm_nixl(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         decision: Decision,
         path: str,
         raw: bytes,
@@ -383,12 +413,17 @@ class Proxy:
         prefill.picked += 1
         payload = json.dumps(prefill_body, separators=(",", ":")).encode()
         try:
-            async with asyncio.timeout(self.config.limits.prefill_timeout_s):
-                up = await self.upstream.post(prefill.url, path, payload, req_id)
-                try:
-                    data = await up.read()
-                finally:
-                    up.release()
+            up = await self.upstream.post(
+                prefill.url,
+                path,
+                payload,
+                req_id,
+                total_timeout=self.config.limits.prefill_timeout_s,
+            )
+            try:
+                data = await up.read()
+            finally:
+                up.release()
         except (TimeoutError, UpstreamError) as exc:
             self.metrics.upstream_error(prefill, error_kind(exc))
             raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}") from exc
@@ -427,7 +462,7 @@ class Proxy:
 
     async def sglang(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         decision: Decision,
         path: str,
         raw: bytes,
@@ -451,12 +486,17 @@ class Proxy:
 
         async def run_prefill() -> int:
             try:
-                async with asyncio.timeout(self.config.limits.prefill_timeout_s):
-                    up = await self.upstream.post(prefill.url, path, prefill_raw, req_id)
-                    try:
-                        await up.read()
-                    finally:
-                        up.release()
+                up = await self.upstream.post(
+                    prefill.url,
+                    path,
+                    prefill_raw,
+                    req_id,
+                    total_timeout=self.config.limits.prefill_timeout_s,
+                )
+                try:
+                    await up.read()
+                finally:
+                    up.release()
                 if up.status >= 500:
                     self.metrics.upstream_error(prefill, f"http_{up.status}")
                 return up.status
@@ -487,7 +527,7 @@ class Proxy:
 
     async def relay(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         inst: Instance,
         path: str,
         payload: bytes,
@@ -562,7 +602,7 @@ class Proxy:
 
     async def _stream(
         self,
-        request: web.Request,
+        request: web.BaseRequest,
         inst: Instance,
         up: Response,
         ctype: str,
@@ -614,11 +654,16 @@ async def serve(config: ProxyConfig) -> None:
     Example: asyncio.run(serve(load_proxy_config("proxy.json")))
     """
     proxy = Proxy(config)
-    # cancel the handler when its client disconnects, so upstream requests are cancelled too
-    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
+    await proxy.start()
+    runner = web.ServerRunner(proxy.server())
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        await proxy.stop()
+        raise
     log.info(
         "hgxserve proxy listening on %s:%d (%s, %d P/D groups, %d combined, auth %s)",
         config.host,
@@ -632,3 +677,4 @@ async def serve(config: ProxyConfig) -> None:
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
+        await proxy.stop()

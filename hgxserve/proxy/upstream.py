@@ -45,7 +45,7 @@ class UpstreamError(Exception):
 class Response:
     """One engine answer: status and headers at once, the body as it arrives."""
 
-    def __init__(self, conn: _Conn, read_timeout: float | None) -> None:
+    def __init__(self, conn: _Conn, read_timeout: float | None, deadline: float | None) -> None:
         self.conn = conn
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -63,11 +63,13 @@ class Response:
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self.head_ready: asyncio.Future[None] = conn.loop.create_future()
+        # one timer per answer, re-armed only when it fires (not on every byte)
         self._read_timeout = read_timeout
+        self._deadline = deadline
         self._last = conn.loop.time()
         self._timer: asyncio.TimerHandle | None = None
-        if read_timeout is not None:
-            self._timer = conn.loop.call_at(self._last + read_timeout, self._check_silence)
+        if read_timeout is not None or deadline is not None:
+            self._timer = conn.loop.call_at(self._due(), self._check_time)
 
     # ---------------------------------------------------------------- fed by the protocol
 
@@ -221,14 +223,22 @@ class Response:
         kind = "ServerDisconnectedError" if self.got_bytes or exc is None else "ClientOSError"
         self.fail(UpstreamError(kind, why))
 
-    def _check_silence(self) -> None:
-        assert self._read_timeout is not None
-        due = self._last + self._read_timeout
+    def _due(self) -> float:
+        due = self._deadline if self._deadline is not None else float("inf")
+        if self._read_timeout is not None:
+            due = min(due, self._last + self._read_timeout)
+        return due
+
+    def _check_time(self) -> None:
+        due = self._due()
         if self.conn.loop.time() >= due:
             self._timer = None
-            self.fail(TimeoutError(f"no answer byte for {self._read_timeout} s"))
+            if self._deadline is not None and due >= self._deadline:
+                self.fail(TimeoutError("no complete answer in time"))
+            else:
+                self.fail(TimeoutError(f"no answer byte for {self._read_timeout} s"))
         else:
-            self._timer = self.conn.loop.call_at(due, self._check_silence)
+            self._timer = self.conn.loop.call_at(due, self._check_time)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -372,9 +382,12 @@ class Upstream:
             origin = self.origins[base_url] = _Origin(base_url, asyncio.get_running_loop())
         return origin
 
-    async def _connect(self, origin: _Origin) -> _Conn:
+    async def _connect(self, origin: _Origin, deadline: float | None) -> _Conn:
+        limit = self.connect_timeout
+        if deadline is not None:
+            limit = max(0.0, min(limit, deadline - origin.loop.time()))
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout(limit):
                 _, proto = await origin.loop.create_connection(
                     lambda: _Conn(origin),
                     origin.host,
@@ -397,12 +410,17 @@ class Upstream:
         body: bytes,
         request_id: str,
         read_timeout: float | None = None,
+        total_timeout: float | None = None,
     ) -> Response:
         """Send a JSON POST; return once the answer's status and headers are in.
+
+        `read_timeout`: longest silence from the engine; `total_timeout`: the whole call,
+        connecting included, until the last body byte.
 
         Example: resp = await up.post("http://127.0.0.1:8100", "/v1/completions", b"{}", "r1")
         """
         origin = self._origin(base_url)
+        deadline = None if total_timeout is None else origin.loop.time() + total_timeout
         head = self.heads.get((base_url, path))
         if head is None:
             head = self.heads[(base_url, path)] = (
@@ -427,8 +445,8 @@ class Upstream:
                     break
             reused = conn is not None
             if conn is None:
-                conn = await self._connect(origin)
-            resp = Response(conn, read_timeout)
+                conn = await self._connect(origin, deadline)
+            resp = Response(conn, read_timeout, deadline)
             conn.response = resp
             conn.used = True
             assert conn.transport is not None
