@@ -19,7 +19,8 @@ Scratch venvs for the two baselines (kept out of the project's dependencies):
         fastapi==0.165.0 uvicorn==0.54.0 httpx==0.28.1 uvloop==0.23.0 httptools==0.9.0
 
 Prints, per target and concurrency: p50/p99 latency, latency added over direct (p50/p99), req/s,
-errors, and the proxy process's CPU time per request (user+sys from /proc/<pid>/stat).
+errors, and the proxy process's CPU time per request (user+sys from /proc/<pid>/stat), pooled
+over --rounds rounds in which the targets take turns (so load from elsewhere hits all alike).
 """
 
 from __future__ import annotations
@@ -127,7 +128,12 @@ def main() -> int:
         help="python of a venv with fastapi, httpx, uvicorn: runs the example-proxy equivalent",
     )
     ap.add_argument("--concurrency", default="1,64,512")
-    ap.add_argument("--requests", default="300,2000,2048", help="requests per concurrency level")
+    ap.add_argument(
+        "--requests", default="1000,2000,2048", help="requests per concurrency level and round"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="rounds per level; targets take turns each round"
+    )
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.requests.split(",")]
@@ -250,11 +256,22 @@ def main() -> int:
         rows: list[dict[str, Any]] = []
         base: dict[int, tuple[float, float]] = {}
         for conc, total in zip(levels, counts, strict=True):
-            for name, (url, pid) in targets.items():
+            for url, _ in targets.values():
                 asyncio.run(load(url, min(conc, 16), min(total, 100)))  # warm up pools
-                cpu0 = cpu_seconds(pid) if pid else 0.0
-                lat, errors, wall = asyncio.run(load(url, conc, total))
-                cpu = (cpu_seconds(pid) - cpu0) if pid else float("nan")
+            # targets take turns, round after round, so that a burst of other load on the
+            # machine falls on all of them rather than on one
+            runs: dict[str, list[tuple[list[float], int, float, float]]] = {n: [] for n in targets}
+            for _ in range(args.rounds):
+                for name, (url, pid) in targets.items():
+                    cpu0 = cpu_seconds(pid) if pid else 0.0
+                    lat, errors, wall = asyncio.run(load(url, conc, total))
+                    cpu = (cpu_seconds(pid) - cpu0) if pid else float("nan")
+                    runs[name].append((lat, errors, wall, cpu))
+            for name, parts in runs.items():
+                lat = [x for p in parts for x in p[0]]
+                errors = sum(p[1] for p in parts)
+                wall = sum(p[2] for p in parts)
+                cpu = sum(p[3] for p in parts)
                 p50, p99 = pct(lat, 0.50), pct(lat, 0.99)
                 if name == "direct":
                     base[conc] = (p50, p99)
@@ -262,7 +279,7 @@ def main() -> int:
                     {
                         "target": name,
                         "c": conc,
-                        "n": total,
+                        "n": total * args.rounds,
                         "p50": p50,
                         "p99": p99,
                         "add50": p50 - base[conc][0],

@@ -45,6 +45,12 @@ class UpstreamError(Exception):
 class Response:
     """One engine answer: status and headers at once, the body as it arrives."""
 
+    __slots__ = (
+        "conn", "status", "headers", "keep_alive", "done", "error", "got_bytes", "_head",
+        "_mode", "_left", "_cbuf", "_chunk_state", "_queue", "_queued", "_paused", "_waiter",
+        "head_ready", "_read_timeout", "_deadline", "_last", "_timer",
+    )  # fmt: skip
+
     def __init__(self, conn: _Conn, read_timeout: float | None, deadline: float | None) -> None:
         self.conn = conn
         self.status = 0
@@ -304,6 +310,8 @@ class Response:
 
 class _Conn(asyncio.Protocol):
     """One TCP connection to an engine; carries one request at a time."""
+
+    __slots__ = ("origin", "loop", "transport", "response", "closed", "used")
 
     def __init__(self, origin: _Origin) -> None:
         self.origin = origin
