@@ -50,6 +50,9 @@ CREDENTIAL_CODES = {
     "TokenRefreshRequired",
     "AuthorizationHeaderMalformed",
 }
+# Body bytes are received in slices of this size when a consumer writes them out as they come:
+# the slice is still in the CPU cache when it is written to the page cache (see transfer.py).
+RECV_SLICE = 64 << 10
 _UNRESERVED = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~"
 
 
@@ -342,8 +345,12 @@ class S3Client:
         body: bytes = b"",
         into: memoryview | None = None,
         ok: tuple[int, ...] = (200,),
+        on_data: Callable[[int, int], None] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         """Send one request with retries; read the body into `into` when given.
+
+        `on_data(start, end)` is called as each slice `into[start:end]` arrives (a retry starts
+        again from 0, so the consumer must accept the same range twice).
 
         status, headers, body = client.request("GET", "a/config.json")
         """
@@ -354,7 +361,9 @@ class S3Client:
         while True:
             attempt += 1
             try:
-                return self._request_once(method, path, query, headers or {}, body, into, ok, what)
+                return self._request_once(
+                    method, path, query, headers or {}, body, into, ok, what, on_data
+                )
             except _Retry as retry:
                 if attempt > self.retries:
                     raise SourceError(
@@ -384,6 +393,7 @@ class S3Client:
         into: memoryview | None,
         ok: tuple[int, ...],
         what: str,
+        on_data: Callable[[int, int], None] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         payload_hash = hashlib.sha256(body).hexdigest() if body else EMPTY_SHA256
         signed = self.signer.sign(method, self.endpoint.host, path, query, headers, payload_hash)
@@ -409,10 +419,13 @@ class S3Client:
                         self._drop_connection()
                         raise _Retry(f"expected {len(into)} bytes, server sends {length}")
                     got = 0
+                    step = RECV_SLICE if on_data is not None else length
                     while got < length:
-                        n = resp.readinto(into[got:])
+                        n = resp.readinto(into[got : got + step])
                         if not n:
                             break
+                        if on_data is not None:
+                            on_data(got, got + n)
                         got += n
                     if got != length:
                         self._drop_connection()
@@ -421,6 +434,10 @@ class S3Client:
                 return status, resp_headers, resp.read()
             data = resp.read()
         except _Retry:
+            raise
+        except WeightsError:
+            # The consumer failed (e.g. the disk is full) in the middle of a body.
+            self._drop_connection()
             raise
         except (OSError, http.client.HTTPException) as exc:
             self._drop_connection()
@@ -517,14 +534,24 @@ class S3Client:
         return self.request("GET", key)[2]
 
     def get_range_into(
-        self, key: str, offset: int, buf: memoryview, etag: str | None
+        self,
+        key: str,
+        offset: int,
+        buf: memoryview,
+        etag: str | None,
+        on_data: Callable[[int, int], None] | None = None,
     ) -> dict[str, str]:
-        """GET bytes [offset, offset+len(buf)) into `buf`; If-Match pins the listed version."""
+        """GET bytes [offset, offset+len(buf)) into `buf`; If-Match pins the listed version.
+
+        With `on_data`, each received slice is handed over while it is still in the CPU cache.
+        """
         headers = {"Range": f"bytes={offset}-{offset + len(buf) - 1}"}
         if etag:
             headers["If-Match"] = f'"{etag}"'
         try:
-            _, resp_headers, _ = self.request("GET", key, headers=headers, into=buf, ok=(206, 200))
+            _, resp_headers, _ = self.request(
+                "GET", key, headers=headers, into=buf, ok=(206, 200), on_data=on_data
+            )
         except S3RequestError as exc:
             if exc.status == 412:
                 raise SourceError(

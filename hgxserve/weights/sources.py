@@ -10,6 +10,7 @@ import base64
 import binascii
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hgxserve.weights.errors import SourceError
@@ -17,6 +18,9 @@ from hgxserve.weights.manifest import MANIFEST_NAME, check_relative_path
 from hgxserve.weights.s3 import S3Client, S3Options, S3Url, make_client
 from hgxserve.weights.state import STATE_DIR_NAME
 from hgxserve.weights.transfer import PARTIAL_SUFFIX, PARTS_SUFFIX, SourceFile
+
+# A consumer that writes parts out gets them in slices of this size (see Source.fetch_into).
+READ_SLICE = 1 << 20
 
 
 @dataclass
@@ -92,8 +96,14 @@ class S3Source:
         except (binascii.Error, ValueError):
             return None, head.version_id, "malformed checksum header"
 
-    def fetch_into(self, f: SourceFile, offset: int, buf: memoryview) -> None:
-        self.client.get_range_into(self.key(f.path), offset, buf, f.etag or None)
+    def fetch_into(
+        self,
+        f: SourceFile,
+        offset: int,
+        buf: memoryview,
+        on_data: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.client.get_range_into(self.key(f.path), offset, buf, f.etag or None, on_data)
 
     def publish(self, name: str, body: bytes) -> str:
         self.client.put_bytes(self.key(name), body)
@@ -147,18 +157,30 @@ class LocalSource:
                 self._fds[path] = fd
             return fd
 
-    def fetch_into(self, f: SourceFile, offset: int, buf: memoryview) -> None:
+    def fetch_into(
+        self,
+        f: SourceFile,
+        offset: int,
+        buf: memoryview,
+        on_data: Callable[[int, int], None] | None = None,
+    ) -> None:
         try:
             fd = self._fd(f.path)
-            view = buf
-            while len(view):
-                n = os.preadv(fd, [view], offset)
-                if n == 0:
-                    raise SourceError(f"{self.describe(f)}: file ended early (changed while read?)")
-                view = view[n:]
-                offset += n
         except OSError as exc:
             raise SourceError(f"{self.describe(f)}: {exc.strerror or exc}") from None
+        # Without a consumer one large read; with one, slices it writes while they are cached.
+        step = READ_SLICE if on_data is not None else len(buf)
+        got = 0
+        while got < len(buf):
+            try:
+                n = os.preadv(fd, [buf[got : got + step]], offset + got)
+            except OSError as exc:
+                raise SourceError(f"{self.describe(f)}: {exc.strerror or exc}") from None
+            if n == 0:
+                raise SourceError(f"{self.describe(f)}: file ended early (changed while read?)")
+            if on_data is not None:
+                on_data(got, got + n)
+            got += n
 
     def publish(self, name: str, body: bytes) -> str:
         from hgxserve.weights.manifest import atomic_write

@@ -278,6 +278,24 @@ def test_throttling_is_retried_and_completes(
     assert tree(tmp_path / "s") == files
 
 
+def test_connection_cut_mid_part_rewrites_the_whole_part(
+    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+) -> None:
+    # Parts are written to the .partial slice by slice as they arrive; a body cut halfway (with
+    # garbage in the half that arrived) must be fetched and written again from its start.
+    files = model_files(3)
+    upload(bucket, "c/", files)
+    port, seen = proxy
+    seen.faults.cut_gets = 5
+    dest = tmp_path / "c"
+    run = hgx(aws_env, "sync", f"s3://{bucket.name}/c/", str(dest), *endpoint(port), *PART)
+    assert run.rc == 0, run.text
+    assert seen.cuts_sent == 5
+    assert "retry" in run.err
+    assert tree(dest) == files
+    assert not list(dest.rglob("*.partial*"))
+
+
 def test_dead_endpoint_clear_error_nothing_marked(aws_env: dict[str, str], tmp_path: Path) -> None:
     dead = free_port()
     dest = tmp_path / "d"

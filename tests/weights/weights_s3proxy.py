@@ -30,6 +30,9 @@ class Faults:
     slowdown_gets: int = 0  # answer this many ranged GETs with 503 SlowDown
     get_delay: float = 0.0  # seconds before answering each ranged GET
     forbid_path_style_bucket: str | None = None
+    # answer this many ranged GETs with the full Content-Length but only the first half of the
+    # body, bytes inverted, then drop the connection: a client that keeps any of it is caught
+    cut_gets: int = 0
 
 
 @dataclass
@@ -39,6 +42,7 @@ class ProxyState:
     faults: Faults = field(default_factory=Faults)
     lock: threading.Lock = field(default_factory=threading.Lock)
     slowdowns_sent: int = 0
+    cuts_sent: int = 0
 
     def object_gets(self) -> list[Seen]:
         with self.lock:
@@ -49,6 +53,7 @@ class ProxyState:
             self.seen.clear()
             self.faults = Faults()
             self.slowdowns_sent = 0
+            self.cuts_sent = 0
 
 
 def make_handler(state: ProxyState) -> type[BaseHTTPRequestHandler]:
@@ -75,6 +80,11 @@ def make_handler(state: ProxyState) -> type[BaseHTTPRequestHandler]:
                     faults.slowdown_gets -= 1
                     state.slowdowns_sent += 1
                     slowdown = True
+                cut = False
+                if seen.range and self.command == "GET" and not slowdown and faults.cut_gets > 0:
+                    faults.cut_gets -= 1
+                    state.cuts_sent += 1
+                    cut = True
             bucket = faults.forbid_path_style_bucket
             if bucket and target.startswith(f"/{bucket}/"):
                 self._reply(
@@ -103,6 +113,12 @@ def make_handler(state: ProxyState) -> type[BaseHTTPRequestHandler]:
                     self.send_header(key, value)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            if cut and resp.status in (200, 206) and len(data) > 1:
+                self.wfile.write(bytes(b ^ 0xFF for b in data[: len(data) // 2]))
+                self.wfile.flush()
+                self.close_connection = True
+                conn.close()
+                return
             if self.command != "HEAD":
                 self.wfile.write(data)
             conn.close()
