@@ -18,9 +18,10 @@ Scratch venvs for the two baselines (kept out of the project's dependencies):
     python3 -m venv /tmp/toyproxy/venv && /tmp/toyproxy/venv/bin/pip install \
         fastapi==0.165.0 uvicorn==0.54.0 httpx==0.28.1 uvloop==0.23.0 httptools==0.9.0
 
-Prints, per target and concurrency: p50/p99 latency, latency added over direct (p50/p99), req/s,
-errors, and the proxy process's CPU time per request (user+sys from /proc/<pid>/stat), pooled
-over --rounds rounds in which the targets take turns (so load from elsewhere hits all alike).
+Prints, per target and concurrency: p50/p99/mean latency, latency added over direct
+(p50/p99), req/s, errors, and the proxy process's CPU time per request (user+sys from
+/proc/<pid>/stat), pooled over --rounds rounds in which the targets take turns (so load from
+elsewhere hits all of them alike).
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ def main() -> int:
                         "n": total * args.rounds,
                         "p50": p50,
                         "p99": p99,
+                        "mean": sum(lat) / max(1, len(lat)),
                         "add50": p50 - base[conc][0],
                         "add99": p99 - base[conc][1],
                         "rps": len(lat) / wall,
@@ -318,7 +320,7 @@ def main() -> int:
         f"vllm-router: {router_note}; toy-proxy: {toy_note}"
     )
     head = (
-        f"{'target':<12}{'C':>5}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'+p50 ms':>9}"
+        f"{'target':<12}{'C':>5}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'+p50 ms':>9}"
         f"{'+p99 ms':>9}{'req/s':>9}{'err':>5}{'CPU ms/req':>11}"
     )
     print(head)
@@ -326,6 +328,7 @@ def main() -> int:
     for r in rows:
         print(
             f"{r['target']:<12}{r['c']:>5}{r['n']:>6}{r['p50'] * 1e3:>9.2f}{r['p99'] * 1e3:>9.2f}"
+            f"{r['mean'] * 1e3:>9.2f}"
             f"{r['add50'] * 1e3:>9.2f}{r['add99'] * 1e3:>9.2f}{r['rps']:>9.0f}{r['errors']:>5}"
             f"{r['cpu_ms']:>11.3f}"
         )
