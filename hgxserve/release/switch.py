@@ -17,6 +17,7 @@ from pathlib import Path
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store
 
 DEADMAN_UNIT = "hgxserve-release-deadman"
+UNIT_DIR = "/etc/systemd/system"
 Log = Callable[[str], None]
 
 
@@ -91,24 +92,90 @@ def wait_gpus_free(gpus: set[int], timeout_s: float, log: Log) -> None:
         raise ReleaseError((proc.stderr or proc.stdout).strip() or "GPUs still in use")
 
 
-def stop_units(spec: ReleaseSpec, systemd: Systemd, log: Log) -> None:
-    """Stop in reverse start order: the proxy first, so no request lands on a stopping engine."""
+def stop_units(
+    spec: ReleaseSpec, systemd: Systemd, log: Log, keep: frozenset[str] = frozenset()
+) -> None:
+    """Stop in reverse start order: the proxy first, so no request lands on a stopping engine.
+    Units in `keep` run the same in the next release and stay up."""
     for unit in reversed(spec.units):
+        if unit.name in keep:
+            log(f"keeping {unit.name} running (unchanged)")
+            continue
         log(f"stopping {unit.name}")
         systemd.stop(unit.name)
 
 
-def start_units(spec: ReleaseSpec, systemd: Systemd, log: Log, timeout_s: float) -> None:
-    """Start engines (then wait for their health) and then the proxy, in release order."""
+def start_units(
+    spec: ReleaseSpec,
+    systemd: Systemd,
+    log: Log,
+    timeout_s: float,
+    keep: frozenset[str] = frozenset(),
+) -> None:
+    """Start engines (then wait for their health) and then the proxy, in release order.
+    Units in `keep` are already running; they are only health-checked."""
     deadline = time.monotonic() + timeout_s
     engines = [u for u in spec.units if u.kind != "proxy"]
     proxies = [u for u in spec.units if u.kind == "proxy"]
     for group in (engines, proxies):
         for unit in group:
+            if unit.name in keep:
+                continue
             systemd.reset_failed(unit.name)
             log(f"starting {unit.name}")
             systemd.start(unit.name)
         _wait_healthy(group, systemd, log, deadline)
+
+
+def unchanged_units(store: Store, old: ReleaseSpec | None, new: ReleaseSpec) -> frozenset[str]:
+    """Units that run exactly the same in both releases and can stay up across the switch:
+    same unit file bytes, same spec (GPUs, health), and for the proxy also the same other files
+    (its proxy.json). Changing only the proxy's routing then restarts only the proxy."""
+    if old is None:
+        return frozenset()
+
+    def content(spec: ReleaseSpec, path: str) -> bytes | None:
+        if path not in spec.files:
+            return None
+        file = store.release_dir(spec.id) / "tree" / path.lstrip("/")
+        return file.read_bytes() if file.is_file() else None
+
+    others_same = all(
+        content(old, path) == content(new, path)
+        for path in set(old.files) | set(new.files)
+        if not path.startswith(f"{UNIT_DIR}/")
+    )
+    old_units = {u.name: u for u in old.units}
+    keep = set()
+    for unit in new.units:
+        path = f"{UNIT_DIR}/{unit.name}"
+        text = content(new, path)
+        if old_units.get(unit.name) != unit or text is None or content(old, path) != text:
+            continue
+        if unit.kind == "proxy" and not others_same:
+            continue
+        keep.add(unit.name)
+    return frozenset(keep)
+
+
+def _transition(
+    store: Store,
+    old: ReleaseSpec | None,
+    new: ReleaseSpec,
+    systemd: Systemd,
+    log: Log,
+    gpu_timeout_s: float,
+) -> None:
+    """Go from `old` to `new`: stop what changes, wait for its GPUs, install, start."""
+    keep = unchanged_units(store, old, new)
+    if old is not None:
+        stop_units(old, systemd, log, keep)
+    moving = {g for spec in (old, new) if spec for u in spec.units if u.name not in keep
+              for g in u.gpus}  # fmt: skip
+    wait_gpus_free(moving, gpu_timeout_s, log)
+    store.install(new, old)
+    systemd.daemon_reload()
+    start_units(new, systemd, log, new.health_timeout_s, keep)
 
 
 def _wait_healthy(units: list, systemd: Systemd, log: Log, deadline: float) -> None:
@@ -140,12 +207,7 @@ def _activate(
     gpu_timeout_s: float,
 ) -> None:
     store.verify_tree(new)
-    if old is not None:
-        stop_units(old, systemd, log)
-    wait_gpus_free(new.gpus | (old.gpus if old else set()), gpu_timeout_s, log)
-    store.install(new, old)
-    systemd.daemon_reload()
-    start_units(new, systemd, log, new.health_timeout_s)
+    _transition(store, old, new, systemd, log, gpu_timeout_s)
 
 
 def switch(
@@ -219,16 +281,13 @@ def _rollback_to(
     log: Log,
     gpu_timeout_s: float,
 ) -> None:
-    stop_units(failed, systemd, log)
     if back is None:
+        stop_units(failed, systemd, log)
         store.install(ReleaseSpec("none", "", "", False, failed.host, [], {}), failed)
         systemd.daemon_reload()
         return
-    wait_gpus_free(back.gpus | failed.gpus, gpu_timeout_s, log)
-    store.install(back, failed)
-    systemd.daemon_reload()
     try:
-        start_units(back, systemd, log, back.health_timeout_s)
+        _transition(store, failed, back, systemd, log, gpu_timeout_s)
     except ReleaseError as exc:
         raise ReleaseError(f"rollback to {back.id} failed too: {exc}") from None
     log(f"back on {back.id}")

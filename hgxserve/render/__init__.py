@@ -356,7 +356,6 @@ def _engine_unit(
         .get_template("engine.service.j2")
         .render(
             topology=topo.name,
-            topology_digest=topo.digest[:12],
             headline=headline,
             notes=plan.notes,
             description=description,

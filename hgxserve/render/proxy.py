@@ -213,7 +213,6 @@ def render_proxy(
         .get_template("proxy.service.j2")
         .render(
             topology=topo.name,
-            topology_digest=topo.digest[:12],
             kind=proxy.kind,
             listen=listen,
             notes=notes,

@@ -180,3 +180,65 @@ def test_current_release_with_a_stopped_unit_restarts_only_that_unit(store: Stor
     assert msg == "release r1 is current; restarted hgxserve-proxy.service"
     assert sd.calls == [("start", "hgxserve-proxy.service")]
     assert store.pending() is None and store.link("current") == "r1"
+
+
+def stage_files(store: Store, rid: str, files: dict[str, str], units: list[str]) -> None:
+    """Stage a release with exact file contents (units are named by their file names)."""
+    spec = ReleaseSpec(
+        id=rid,
+        topology=f"topo-{rid}",
+        topology_digest=rid * 4,
+        baseline=False,
+        host="hgx-a",
+        units=[UnitSpec(u, "proxy" if "proxy" in u else "engine") for u in units],
+        files=dict.fromkeys(files, 0o644),
+        health_timeout_s=5,
+    )
+    for path, text in files.items():
+        dest = store.release_dir(rid) / "tree" / path.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text)
+    (store.release_dir(rid) / "release.json").write_text(spec.to_json())
+
+
+UNITS = "/etc/systemd/system"
+
+
+def test_changing_only_the_proxy_config_restarts_only_the_proxy(store: Store) -> None:
+    engine = {f"{UNITS}/hgxserve-combined-0.service": "[Service]\nExecStart=/bin/engine\n"}
+    proxy_unit = {f"{UNITS}/hgxserve-proxy.service": "[Service]\nExecStart=/bin/proxy\n"}
+    units = ["hgxserve-combined-0.service", "hgxserve-proxy.service"]
+    stage_files(store, "r1", {**engine, **proxy_unit, "/etc/hgxserve/proxy.json": "{}"}, units)
+    stage_files(store, "r2", {**engine, **proxy_unit, "/etc/hgxserve/proxy.json": "{1}"}, units)
+    stage_files(store, "r3", {**engine, **proxy_unit, "/etc/hgxserve/proxy.json": "{1}"}, units)
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd.calls.clear()
+    switch(store, "r2", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    assert [c for c in sd.calls if c[0] in ("stop", "start")] == [
+        ("stop", "hgxserve-proxy.service"),
+        ("start", "hgxserve-proxy.service"),
+    ]
+    assert (store.system_root / "etc/hgxserve/proxy.json").read_text() == "{1}"
+    sd.calls.clear()
+    switch(store, "r3", confirm_within_s=None, systemd=sd, log=lambda m: None)  # same files
+    assert [c for c in sd.calls if c[0] in ("stop", "start")] == []
+    assert store.link("current") == "r3"
+
+
+def test_rollback_restarts_only_what_the_failed_release_changed(store: Store) -> None:
+    engine = {f"{UNITS}/hgxserve-combined-0.service": "[Service]\nExecStart=/bin/engine\n"}
+    units_r1 = ["hgxserve-combined-0.service"]
+    units_r2 = ["hgxserve-combined-0.service", "hgxserve-decode-0.service"]
+    decode = {f"{UNITS}/hgxserve-decode-0.service": "[Service]\nExecStart=/bin/decode\n"}
+    stage_files(store, "r1", engine, units_r1)
+    stage_files(store, "r2", {**engine, **decode}, units_r2)
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd.calls.clear()
+    sd.failing = {"hgxserve-decode-0.service"}
+    with pytest.raises(ReleaseError, match="rolled back to r1"):
+        switch(store, "r2", confirm_within_s=30, systemd=sd, log=lambda m: None)
+    moves = [c for c in sd.calls if c[0] in ("stop", "start")]
+    assert moves == [("start", "hgxserve-decode-0.service"), ("stop", "hgxserve-decode-0.service")]
+    assert set(installed(store)) == {"hgxserve-combined-0.service"}
