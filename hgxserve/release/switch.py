@@ -38,7 +38,10 @@ class Systemd:
         self.run("systemctl", "stop", unit, check=False)
 
     def start(self, unit: str) -> None:
-        self.run("systemctl", "start", "--no-block", unit)
+        # Blocking: returns once ExecStartPre= ran and the main process is forked (or the start
+        # failed), so an `is-active` right after never sees a start job that is still queued.
+        # Failures are read from the unit's state and journal by the health wait.
+        self.run("systemctl", "start", unit, check=False)
 
     def reset_failed(self, unit: str) -> None:
         self.run("systemctl", "reset-failed", unit, check=False)
