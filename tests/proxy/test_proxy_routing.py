@@ -428,3 +428,13 @@ def test_sglang_pd_protocol(engines, proxy) -> None:
     gen = metric(pre.metrics(), "sglang:generation_tokens_total")
     time.sleep(0.5)  # health checks ran several times meanwhile: none of them generated
     assert metric(pre.metrics(), "sglang:generation_tokens_total") == gen
+
+
+def test_unknown_path_404_wrong_method_405_with_openai_errors(engines, proxy) -> None:
+    px = proxy(nixl_config([vllm(engines, "prefill")], [vllm(engines, "decode")]))
+    status, body = http("GET", px.url + "/v1/nothing")[:2]
+    assert status == 404 and json.loads(body)["error"]["code"] == 404
+    status, body = http("GET", px.url + "/v1/completions")[:2]
+    assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    status, body = http("POST", px.url + "/v1/completions", "a JSON string, not an object")[:2]
+    assert status == 400 and "JSON object" in json.loads(body)["error"]["message"]
