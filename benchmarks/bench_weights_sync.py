@@ -7,6 +7,11 @@ run the destination is deleted, synced to disk and left for a few seconds, becau
 the next writer for reclaiming freed pages. No-op re-sync times are measured on a complete copy.
 
     .venv/bin/python benchmarks/bench_weights_sync.py --rounds 3
+
+To compare with an earlier version of hgxserve in the same run (same server, same protocol):
+
+    mkdir /tmp/base && git archive <rev> hgxserve files schemas | tar -x -C /tmp/base
+    .venv/bin/python benchmarks/bench_weights_sync.py --rounds 5 --baseline-tree /tmp/base
 """
 
 from __future__ import annotations
@@ -88,9 +93,41 @@ def start_rclone(root: Path) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def tool_commands(url: str, dest: Path, cfg: Path) -> dict[str, list[str]]:
+# Runs the hgxserve CLI from another source tree: that tree first on sys.path, and the editable
+# install's finder (which maps `hgxserve` to this checkout) left out.
+_BASELINE_MAIN = (
+    "import sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); "
+    "sys.meta_path[:] = [f for f in sys.meta_path "
+    "if not getattr(f, '__module__', '').startswith('__editable__')]; "
+    "import hgxserve; assert hgxserve.__file__.startswith(tree), hgxserve.__file__; "
+    "from hgxserve.cli import main; sys.argv[0] = 'hgxserve'; sys.exit(main())"
+)
+
+
+def tool_commands(
+    url: str, dest: Path, cfg: Path, baseline: str | None = None
+) -> dict[str, list[str]]:
     src = f"s3://{BUCKET}/{PREFIX}"
-    return {
+    ours = [
+        "weights",
+        "sync",
+        src,
+        str(dest),
+        "--endpoint-url",
+        url,
+        "--addressing",
+        "path",
+        "--concurrency",
+        "16",
+        "--part-size",
+        "8MiB",
+        "-q",
+    ]
+    extra = {}
+    if baseline:
+        base = [sys.executable, "-c", _BASELINE_MAIN, os.path.abspath(baseline)]
+        extra = {"hgxserve@baseline": base + ours}
+    return extra | {
         "hgxserve": [
             str(BIN / "hgxserve"),
             "weights",
@@ -193,6 +230,9 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=200)
     parser.add_argument("--work", default="/tmp/hgxserve-bench-sync")
     parser.add_argument("--tools", default="")
+    parser.add_argument(
+        "--baseline-tree", help="also run hgxserve from this source tree (an earlier revision)"
+    )
     parser.add_argument("--boto3-download", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.boto3_download:
@@ -216,7 +256,7 @@ def main() -> None:
     )
     proc, url = start_rclone(served)
     try:
-        tools = tool_commands(url, dest, cfg)
+        tools = tool_commands(url, dest, cfg, args.baseline_tree)
         if args.tools:
             tools = {k: v for k, v in tools.items() if k in args.tools.split(",")}
         names = list(tools)
