@@ -1,13 +1,12 @@
-"""Real command captures from /work/shared/fixtures/real (H20/H200/H100), header line stripped."""
+"""Real command captures (tests/fixtures/real, from shared/fixtures/real), header stripped."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(os.environ.get("HGX_REAL_FIXTURES", "/work/shared/fixtures/real"))
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real"  # copied from shared/
 
 
 def load_capture(name: str) -> str:

@@ -26,7 +26,7 @@ from hgxserve.facts.host import (
     UnitMemlock,
 )
 
-FIXTURES = Path(os.environ.get("HGX_REAL_FIXTURES", "/work/shared/fixtures/real"))
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real"  # copied from shared/
 
 
 def run_fact(fact, path_dirs, **kwargs):
