@@ -31,8 +31,8 @@ def require_all_reachable(all_hosts: list[Host], active: list[Host]) -> None:
     lost = [h.name for h in all_hosts if h.name not in active_names]
     if lost:
         raise DeployError(
-            f"host(s) {', '.join(lost)} is unreachable; nothing was changed on any host "
-            "(all hosts of a topology switch together)"
+            f"host(s) {', '.join(lost)} is unreachable (or left out with --limit); nothing was "
+            "changed on any host (all hosts of a topology switch together)"
         )
 
 
