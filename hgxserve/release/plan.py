@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from hgxserve.release.store import ReleaseSpec, UnitSpec, tree_digest
 from hgxserve.topology import Topology
 from hgxserve.topology.model import SecretRef, is_loopback
+from hgxserve.topology.ports import engine_url
 
 
 @dataclass
@@ -92,7 +93,7 @@ def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) 
                 continue
             engine = topo.engines[unit.engine]
             if host == engine.head:
-                url = _local_url(engine.bind, engine.port, "/health")
+                url = engine_url(topo, engine, from_host=host) + "/health"
                 units.append(UnitSpec(unit.name, "engine", url, list(unit.gpus)))
             else:
                 units.append(UnitSpec(unit.name, "worker", None, list(unit.gpus)))
