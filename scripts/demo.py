@@ -62,9 +62,10 @@ def complete(address: str, prompt: str) -> str:
 
 
 def metric(address: str, port: int, name: str) -> float:
+    """First sample of a metric: `name` alone, or `name{labels}` written out in full."""
     with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=10) as resp:
         for line in resp.read().decode().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if line.startswith(name + " ") or ("{" not in name and line.startswith(name + "{")):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -109,8 +110,15 @@ def main() -> None:
         complete("10.77.0.13", long_prompt)
         after = metric("10.77.0.12", 8200, "vllm:nixl_xfer_time_seconds_count")
         print(f"   decode pulled KV over NIXL {after - before:.0f} times (one per TP rank)")
+        if after <= before:
+            raise SystemExit("demo: the long prompt was served without a KV transfer")
+        routed = 'hgxserve_proxy_requests_total{route="combined",endpoint="completions",code="2xx"}'
+        before = metric("10.77.0.13", 8000, routed)
         complete("10.77.0.13", "short prompt")
-        print("   (a short prompt goes to the combined engine on hgx-c)")
+        combined = metric("10.77.0.13", 8000, routed) - before
+        print(f"   the proxy sent {combined:.0f} short prompt(s) to the combined engine on hgx-c")
+        if combined != 1:
+            raise SystemExit("demo: the short prompt did not go to the combined engine")
 
         step("Back to the baseline, all hosts together")
         pyinfra("deploys/rollback.py", "--data", "to=baseline")
