@@ -3,5 +3,6 @@
 # with a tiny model, deploy baseline -> P/D -> back to baseline, print each step, tear down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/system-packages.sh
 bash scripts/setup.sh
 exec .venv/bin/python scripts/demo.py "$@"

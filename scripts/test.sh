@@ -4,6 +4,7 @@
 # built once with debootstrap and cached under /var/cache/hgxserve-testbed/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/system-packages.sh
 bash scripts/setup.sh
 echo "==> ruff"
 .venv/bin/ruff check .
