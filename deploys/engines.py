@@ -8,21 +8,21 @@ from pyinfra import host, inventory
 
 from hgxserve.release.deploying import (
     plan_switch,
+    release_plans,
     require_all_reachable,
     secret_values,
     topology_from_data,
 )
-from hgxserve.release.plan import gate_host, plan_release
+from hgxserve.release.plan import gate_host
 from roles.agent import agent
 from roles.releases import release
 
 topology = topology_from_data(host)
 active = list(inventory.iter_activated_hosts())
 require_all_reachable(list(inventory), active)
-coord = plan_switch(topology, active)
-plan = plan_release(
-    topology, host.name, health_timeout_s=float(host.data.get("health_timeout", 900))
-)
+plans = release_plans(topology, active, float(host.data.get("health_timeout", 900)))
+coord = plan_switch(f"release:{topology.digest}", active, {n: p.id for n, p in plans.items()})
+plan = plans[host.name]
 
 agent()
 release(

@@ -36,23 +36,31 @@ def require_all_reachable(all_hosts: list[Host], active: list[Host]) -> None:
         )
 
 
-def plan_switch(
-    topo: Topology, hosts: list[Host], targets: dict[str, str] | None = None
-) -> Coordination:
-    """Work out, once per run, which hosts switch and to which release.
+_PLANS: dict[tuple[str, tuple[str, ...], float], dict[str, HostRelease]] = {}
 
-    With `targets` (rollback) each host goes to the given staged release id; otherwise to the
-    release the topology renders for it.
-    """
-    key = f"{topo.digest}:{sorted((targets or {}).items())}"
-    coord = coordination(key)
+
+def release_plans(
+    topo: Topology, hosts: list[Host], health_timeout_s: float
+) -> dict[str, HostRelease]:
+    """Every host's release for `topo`, rendered once per run (each host's deploy asks)."""
+    key = (topo.digest, tuple(h.name for h in hosts), health_timeout_s)
+    if key not in _PLANS:
+        _PLANS[key] = {
+            h.name: plan_release(topo, h.name, health_timeout_s=health_timeout_s) for h in hosts
+        }
+    return _PLANS[key]
+
+
+def plan_switch(key: str, hosts: list[Host], targets: dict[str, str]) -> Coordination:
+    """Work out, once per run, which hosts switch: those whose state differs from the release
+    id `targets` gives them (the topology's release, or a staged previous/baseline one)."""
+    coord = coordination(f"{key}:{sorted(targets.items())}")
     if coord.planned:
         return coord
+    coord.targets = dict(targets)
     for h in hosts:
-        release_id = targets[h.name] if targets is not None else plan_release(topo, h.name).id
-        coord.targets[h.name] = release_id
-        if needs_switch(h.get_fact(ReleaseState), release_id):
-            coord.switching[h.name] = release_id
+        if needs_switch(h.get_fact(ReleaseState), targets[h.name]):
+            coord.switching[h.name] = targets[h.name]
     coord.planned = True
     return coord
 

@@ -31,7 +31,7 @@ class ReleaseState(FactBase[dict[str, Any]]):
             f'then echo "gate_$l=yes"; fi; '
             f"done; printf 'pending='; cat {r}/pending.json 2>/dev/null | tr -d '\\n'; echo; "
             # units of the current release that are not running (drift: stopped, crashed)
-            f"for u in $(sed -n 's/^ *\"name\": \"\\(hgxserve-[^\"]*\\)\",*$/\\1/p' "
+            f'for u in $(sed -n \'s/^ *"name": "\\(hgxserve-[^"]*\\)",*$/\\1/p\' '
             f"{r}/current/release.json 2>/dev/null); do "
             f'systemctl is-active --quiet "$u" || echo "inactive=$u"; done'
         )
@@ -113,9 +113,14 @@ def _fail(host: Host, message: str) -> bool:
     return False
 
 
+def _failed_switches(state: State, coord: Coordination) -> list[str]:
+    """Hosts of this run's switch that pyinfra has marked failed (switch error, lost host)."""
+    return sorted(h.name for h in state.failed_hosts if h.name in coord.switching)
+
+
 def run_gate(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call: on the gate host, after every host switched: run the gate, keep the verdict."""
-    failed = sorted(h.name for h in state.failed_hosts if h.name in coord.switching)
+    failed = _failed_switches(state, coord)
     if failed:
         coord.verdict = (False, f"host(s) {', '.join(failed)} failed to switch")
         return True  # the gate itself did not fail; settle reports the reason on every host
@@ -131,7 +136,7 @@ def run_gate(state: State, host: Host, coord: Coordination, release_id: str, roo
 
 def settle(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call on every switched host: confirm when the gate passed, else revert."""
-    failed = sorted(h.name for h in state.failed_hosts if h.name in coord.switching)
+    failed = _failed_switches(state, coord)
     if failed:
         verdict = (False, f"host(s) {', '.join(failed)} failed to switch")
     elif coord.verdict is None:
