@@ -32,6 +32,12 @@ DEMO_CREDENTIALS = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 STATE = testbed_hosts.STATE_DIR / "demo-s3.json"
+# Make a test host look as if it never ran an hgxserve release (tests start from and leave this).
+FORGET_RELEASES = (
+    "systemctl stop 'hgxserve-*' 2>/dev/null; "
+    "rm -f /etc/systemd/system/hgxserve-*; rm -rf /var/lib/hgxserve /etc/hgxserve/proxy.json; "
+    "systemctl daemon-reload; systemctl reset-failed"
+)
 
 
 def make_tiny_model(dest: Path, *, shards: int = 2, shard_mib: int = 2) -> Path:

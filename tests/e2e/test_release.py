@@ -30,22 +30,15 @@ PD = REPO / "topologies/demo/demo-pd.yml"
 LONG_PROMPT = " ".join(f"the release gate checks word {i}." for i in range(20))  # ~155 tokens
 
 
-FORGET_RELEASES = (
-    "systemctl stop 'hgxserve-*' 2>/dev/null; "
-    "rm -f /etc/systemd/system/hgxserve-*; rm -rf /var/lib/hgxserve /etc/hgxserve/proxy.json; "
-    "systemctl daemon-reload; systemctl reset-failed"
-)
-
-
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     for name in testbed.names:  # a fresh start: hosts that never ran an hgxserve release
-        testbed.ssh(name, FORGET_RELEASES, check=True)
+        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
     demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
     yield testbed
     demo.stop_s3()
     for name in testbed.names:  # leave the hosts as other tests expect them: no engines
-        testbed.ssh(name, FORGET_RELEASES)
+        testbed.ssh(name, demo.FORGET_RELEASES)
 
 
 def deploy(lab: testbed_hosts.Testbed, script: str, *data: str) -> subprocess.CompletedProcess:

@@ -53,11 +53,6 @@ pytestmark = [
     ),
 ]
 
-FORGET_RELEASES = (
-    "systemctl stop 'hgxserve-*' 2>/dev/null; "
-    "rm -f /etc/systemd/system/hgxserve-*; rm -rf /var/lib/hgxserve /etc/hgxserve/proxy.json; "
-    "systemctl daemon-reload; systemctl reset-failed"
-)
 MEASURED: dict[str, object] = {}
 
 
@@ -121,7 +116,7 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
     ensure_venv_mounted(testbed)
     ensure_libnuma(testbed)
     for name in testbed.names:  # hosts that never ran an hgxserve release, no compile cache
-        testbed.ssh(name, FORGET_RELEASES + "; rm -rf /var/cache/hgxserve", check=True)
+        testbed.ssh(name, demo.FORGET_RELEASES + "; rm -rf /var/cache/hgxserve", check=True)
     work = tmp_path_factory.mktemp("vllm-cpu")
     demo.prepare(testbed.names, work)  # the simulated baseline's model, S3, credentials
     model = tiny_llama.generate(work / "tiny-llama")
