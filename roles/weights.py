@@ -138,16 +138,15 @@ def weights(
             group="root",
             create_remote_dir=True,
         )
-    secret = None if cephfs_secret_env else host.get_fact(File, path=cephfs_secret_file)
-    if cephfs_secret_env:
-        pass  # written above with mode 0600
-    elif not secret:
-        raise DeployError(f"weights: CephX secret file {cephfs_secret_file} is not on the host")
-    elif int(str(secret.get("mode", 600)), 8) & 0o077:
-        raise DeployError(
-            f"weights: CephX secret file {cephfs_secret_file} has mode {secret.get('mode')}; "
-            "it must be 0600"
-        )
+    else:  # a secret file already on the host: it must exist and be 0600
+        secret = host.get_fact(File, path=cephfs_secret_file)
+        if not secret:
+            raise DeployError(f"weights: CephX secret file {cephfs_secret_file} is not on the host")
+        if int(str(secret.get("mode", 600)), 8) & 0o077:
+            raise DeployError(
+                f"weights: CephX secret file {cephfs_secret_file} has mode {secret.get('mode')}; "
+                "it must be 0600"
+            )
     unit = unit_name(cephfs_mount)
     files.directory(name=f"Create the mount point {cephfs_mount}", path=cephfs_mount)
     written = files.put(
@@ -158,13 +157,21 @@ def weights(
         dest=f"/etc/systemd/system/{unit}",
         mode="644",
     )
+    # React to a changed unit with _if (evaluated at run time); a bound `did_change` passed as
+    # a plain argument is always truthy and would reload and remount on every run.
+    systemd.daemon_reload(name=f"Reload systemd for {unit}", _if=written.did_change)
     systemd.service(
         name=f"Mount {cephfs_mount} read-only",
         service=unit,
         running=True,
         enabled=True,
-        daemon_reload=written.did_change,
-        restarted=written.did_change,
+    )
+    systemd.service(
+        name=f"Remount {cephfs_mount} with the changed unit",
+        service=unit,
+        running=None,  # only restarts a mount that was already up (start is the op above)
+        restarted=True,
+        _if=written.did_change,
     )
     if stage:
         synced(
