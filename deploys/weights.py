@@ -10,9 +10,9 @@ installed by `roles.agent` first.
 from pyinfra import host
 from pyinfra.api import DeployError
 
+from hgxserve.paths import AGENT, cephfs_secret_file
 from hgxserve.release.deploying import topology_from_data
 from hgxserve.topology.model import CephfsSource, S3Source
-from hgxserve.weights.operations import AGENT
 from roles.agent import agent
 from roles.weights import weights
 
@@ -60,7 +60,7 @@ elif isinstance(source, CephfsSource):
         cephfs_user=source.user,
         cephfs_secret_file=secret.value
         if secret.kind == "file"
-        else f"/etc/hgxserve/cephfs-{source.user}.secret",
+        else cephfs_secret_file(source.user),
         cephfs_secret_env=secret.value if secret.kind == "env" else None,
         cephfs_mount=source.mount,
         stage=source.stage,

@@ -9,8 +9,9 @@ from pyinfra.facts.server import Command
 from pyinfra.operations import files, server
 
 from hgxserve.agent_build import wheelhouse
+from hgxserve.paths import AGENT_PREFIX, AGENT_STAGING
 
-AGENT_DIR = "/opt/hgxserve"
+AGENT_DIR = AGENT_PREFIX
 # hosts already handled in this run: site.py's stages each ask for the agent
 _HANDLED: set[tuple[int, str]] = set()
 
@@ -32,7 +33,7 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
     if (installed or "").strip() == digest:
         host.noop(f"hgxserve agent {digest} is already installed")
         return
-    staging = f"/var/lib/hgxserve/agent/{digest}"
+    staging = f"{AGENT_STAGING}/{digest}"
     files.put(
         name=f"Push the agent wheelhouse {digest}",
         src=str(tarball),

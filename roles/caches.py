@@ -19,7 +19,8 @@ from pyinfra import host
 from pyinfra.api import DeployError, deploy
 
 from hgxserve.caches.layout import DEFAULT_ROOT
-from hgxserve.caches.operations import AGENT, baked, restored, store_index
+from hgxserve.caches.operations import baked, restored, store_index
+from hgxserve.paths import AGENT
 
 
 @deploy("Restore JIT caches")

@@ -16,7 +16,7 @@ from pyinfra.api import deploy, operation
 from pyinfra.operations import files, server
 
 from hgxserve.facts.host import ShmSize
-from hgxserve.facts.parsers import parse_size
+from hgxserve.sizes import parse_size
 from roles.nvidia_driver import TEMPLATES
 
 MEMLOCK_DROPIN = "/etc/systemd/system.conf.d/hgxserve-memlock.conf"

@@ -9,7 +9,7 @@ from pathlib import Path
 from pyinfra.api import deploy
 from pyinfra.operations import files, python, systemd
 
-from hgxserve.release import RELEASE_ROOT
+from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release.ops import Coordination, run_gate, settle, switched
 from hgxserve.release.plan import HostRelease
 

@@ -23,19 +23,11 @@ from pyinfra.api import DeployError, deploy
 from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
 
+from hgxserve.defaults import CEPHFS_MOUNT, S3_CONCURRENCY, S3_PART_SIZE
+from hgxserve.paths import AGENT, weights_state_dir
 from hgxserve.weights.cephfs import mount_unit, unit_name
 from hgxserve.weights.manifest import MANIFEST_NAME
-from hgxserve.weights.operations import AGENT, synced, verified
-
-STATE_ROOT = "/var/lib/hgxserve/weights"
-
-
-def in_place_state_dir(model_name: str) -> str:
-    """State dir of a tree verified in place on a read-only mount.
-
-    in_place_state_dir("DeepSeek-V4-Flash")  # "/var/lib/hgxserve/weights/DeepSeek-V4-Flash"
-    """
-    return f"{STATE_ROOT}/{model_name}"
+from hgxserve.weights.operations import synced, verified
 
 
 @deploy("Sync and verify model weights")
@@ -50,8 +42,8 @@ def weights(
     addressing: str = "auto",
     env_file: str | None = None,
     profile: str | None = None,
-    concurrency: int = 16,
-    part_size: str = "8MiB",
+    concurrency: int = S3_CONCURRENCY,
+    part_size: str = S3_PART_SIZE,
     manifest_name: str = MANIFEST_NAME,
     digest: str | None = None,
     local_path: str | None = None,
@@ -60,7 +52,7 @@ def weights(
     cephfs_user: str | None = None,
     cephfs_secret_file: str | None = None,
     cephfs_secret_env: str | None = None,
-    cephfs_mount: str = "/mnt/hgxserve-models",
+    cephfs_mount: str = CEPHFS_MOUNT,
     stage: bool = False,
     agent: str = AGENT,
 ) -> None:
@@ -197,7 +189,7 @@ def _verify_in_place(
         name=f"Verify {model_name} in place at {tree}",
         dest=tree,
         agent=agent,
-        state_dir=in_place_state_dir(model_name),
+        state_dir=weights_state_dir(model_name),
         manifest=f"{tree.rstrip('/')}/{manifest_name}",
         digest=digest,
     )

@@ -30,6 +30,7 @@ from typing import Any
 from hgxserve.caches.layout import BAKE_RECORD, ENV_SUBDIRS
 from hgxserve.caches.logscan import JitHit, read_from, scan
 from hgxserve.caches.warmup import Shape, run_shape, served_model
+from hgxserve.defaults import ENGINE
 
 # What systemd puts in every unit's environment before Environment= lines.
 SYSTEMD_BASE_ENV = {
@@ -49,7 +50,7 @@ class BakeSpec:
     cache_dir: str
     base_url: str
     shapes: list[Shape]
-    engine: str = "vllm"
+    engine: str = ENGINE
     key: str | None = None
     unit: str | None = None
     log_path: str | None = None

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import re
 
-DEFAULT_ROOT = "/var/cache/hgxserve"
+from hgxserve.paths import CACHE_ROOT
+
+DEFAULT_ROOT = CACHE_ROOT
 
 # Sub-directory per JIT/compile cache kind (DESIGN.md "Host conventions").
 SUBDIRS = ("vllm", "triton", "inductor", "deep_gemm", "flashinfer", "tilelang", "nv")

@@ -23,8 +23,7 @@ from pyinfra.api.command import FileUploadCommand
 
 from hgxserve.caches.hostfacts import normalize_host_facts, probe_command
 from hgxserve.caches.layout import DEFAULT_ROOT, RESTORE_MARKER
-
-AGENT = "/opt/hgxserve/bin/hgxserve"
+from hgxserve.paths import AGENT
 
 
 class CacheState(FactBase):

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from hgxserve.defaults import SGLANG_BOOTSTRAP_PORT
+
 PROTOCOLS = ("vllm-nixl", "sglang")
 
 
@@ -147,7 +149,10 @@ def _endpoint(chk: _Checker, raw: Any, path: str, sglang_prefill: bool) -> Endpo
         chk.fail(path, "bootstrap_host/bootstrap_port only apply to SGLang prefill engines")
     if sglang_prefill:
         host = host or (urlsplit(url).hostname if url else None)
-        port = 8998 if port is None else chk.number(port, f"{path}.bootstrap_port", 1, True)
+        if port is None:
+            port = SGLANG_BOOTSTRAP_PORT
+        else:
+            port = chk.number(port, f"{path}.bootstrap_port", 1, True)
     return Endpoint(url=url, bootstrap_host=host, bootstrap_port=port)
 
 

@@ -11,5 +11,3 @@ Host layout (DESIGN.md "Host conventions")::
     /var/lib/hgxserve/pending.json                 switched but not yet confirmed (dead-man timer)
 """
 
-RELEASE_ROOT = "/var/lib/hgxserve"
-AGENT = "/opt/hgxserve/bin/hgxserve"

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from hgxserve.release import RELEASE_ROOT
+from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release.gate import GateError, GateSpec, run_gate
 from hgxserve.release.store import ReleaseError, Store
 from hgxserve.release.switch import confirm, reconcile, revert, rollback_target, switch

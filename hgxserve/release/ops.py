@@ -12,7 +12,7 @@ from pyinfra.api import FactBase, operation
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
-from hgxserve.release import AGENT, RELEASE_ROOT
+from hgxserve.paths import AGENT, RELEASE_ROOT
 
 
 class ReleaseState(FactBase[dict[str, Any]]):

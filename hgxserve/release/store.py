@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hgxserve.release import RELEASE_ROOT
+from hgxserve.paths import RELEASE_ROOT
 
 LINKS = ("current", "previous", "baseline")
 

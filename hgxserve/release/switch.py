@@ -14,10 +14,10 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hgxserve.paths import UNIT_DIR
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store
 
 DEADMAN_UNIT = "hgxserve-release-deadman"
-UNIT_DIR = "/etc/systemd/system"
 Log = Callable[[str], None]
 
 

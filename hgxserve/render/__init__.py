@@ -22,8 +22,10 @@ from pathlib import Path
 
 import jinja2
 
+from hgxserve import paths
 from hgxserve.caches.key import cache_key
 from hgxserve.caches.layout import ENV_SUBDIRS, cache_env
+from hgxserve.paths import AGENT, CREDENTIALS_DIR, UNIT_DIR
 from hgxserve.render.engines import (
     NodePlan,
     RenderError,
@@ -35,8 +37,6 @@ from hgxserve.render.systemd import environment_value, exec_line, path_value
 from hgxserve.topology.model import Engine, SecretRef, Topology
 
 __all__ = [
-    "AGENT",
-    "CREDENTIALS_DIR",
     "CredentialSpec",
     "HostRender",
     "RenderError",
@@ -48,14 +48,6 @@ __all__ = [
     "unit_name",
 ]
 
-# The hgxserve agent installed on every host (a venv at /opt/hgxserve).
-AGENT = "/opt/hgxserve/bin/hgxserve"
-UNIT_DIR = "/etc/systemd/system"
-CONFIG_DIR = "/etc/hgxserve"
-PROXY_CONFIG = f"{CONFIG_DIR}/proxy.json"
-# The release role writes env-referenced secrets here, mode 0600; units load them from here.
-CREDENTIALS_DIR = f"{CONFIG_DIR}/credentials"
-RUN_ROOT = "/var/lib/hgxserve/run"
 MKDIR = "/usr/bin/mkdir"
 CONTAINER_TOOLS = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker"}
 GPU_WAIT_TIMEOUT_S = 120
@@ -181,7 +173,7 @@ def render_host(topo: Topology, host: str) -> HostRender:
 
 
 def run_dir(engine: Engine) -> str:
-    return f"{RUN_ROOT}/{engine.name}"
+    return f"{paths.RUN_ROOT}/{engine.name}"
 
 
 def engine_env(topo: Topology, engine: Engine, plan: NodePlan, key: str) -> dict[str, str]:

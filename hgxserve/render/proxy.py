@@ -13,6 +13,14 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from hgxserve.defaults import SGLANG_BOOTSTRAP_PORT
+from hgxserve.paths import (
+    AGENT,
+    AGENT_PREFIX,
+    CREDENTIALS_DIR,
+    PROXY_CONFIG,
+    unit_credentials_dir,
+)
 from hgxserve.render.engines import RenderError
 from hgxserve.render.systemd import exec_line
 from hgxserve.topology.model import Engine, Topology
@@ -22,7 +30,6 @@ if TYPE_CHECKING:
     from hgxserve.render import CredentialSpec, RenderedFile, RenderedUnit
 
 PROXY_UNIT = "hgxserve-proxy.service"
-AGENT_VENV = "/opt/hgxserve"
 API_KEY_CREDENTIAL = "api-key"
 
 
@@ -69,7 +76,7 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
     }
     if proxy.api_key is not None:
         name = _api_key_name(topo)
-        config["auth"] = {"api_key_file": f"/run/credentials/{PROXY_UNIT}/{name}"}
+        config["auth"] = {"api_key_file": f"{unit_credentials_dir(PROXY_UNIT)}/{name}"}
     return config
 
 
@@ -93,7 +100,7 @@ def _router_argv(topo: Topology) -> list[str]:
             "(no prompt-length buckets); use kind hgxserve"
         )
     runtime = proxy.runtime
-    venv = runtime.venv if runtime and runtime.venv else AGENT_VENV
+    venv = runtime.venv if runtime and runtime.venv else AGENT_PREFIX
     prefills = [topo.engines[n] for r in proxy.routes for n in r.prefill]
     decodes = [topo.engines[n] for r in proxy.routes for n in r.decode]
     combined = [topo.engines[n] for n in proxy.combined]
@@ -117,7 +124,7 @@ def _router_argv(topo: Topology) -> list[str]:
     if prefills:
         argv.append("--pd-disaggregation")
         for engine in _unique(prefills):
-            port = engine.kv.bootstrap_port if engine.kv else 8998
+            port = engine.kv.bootstrap_port if engine.kv else SGLANG_BOOTSTRAP_PORT
             argv += ["--prefill", engine_url(topo, engine), str(port)]
         for engine in _unique(decodes):
             argv += ["--decode", engine_url(topo, engine)]
@@ -138,10 +145,7 @@ def render_proxy(
 ) -> tuple[RenderedUnit, dict[str, RenderedFile]]:
     """The proxy unit and, for kind hgxserve, /etc/hgxserve/proxy.json."""
     from hgxserve.render import (
-        AGENT,
         CONTAINER_TOOLS,
-        CREDENTIALS_DIR,
-        PROXY_CONFIG,
         RenderedFile,
         RenderedUnit,
         _add_credential,

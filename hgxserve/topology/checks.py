@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from hgxserve.paths import CONFIG_DIR
 from hgxserve.topology.model import Engine, Topology, is_loopback
 from hgxserve.topology.ports import (
     ANY_ADDRESS,
@@ -810,7 +811,7 @@ def secret_env(topo: Topology) -> Iterator[Finding]:
                     (*base, "env", key),
                     f"env {key} looks like a secret: a value here lands in the unit file and "
                     f"`systemctl show`; use secret_env with a reference, e.g. secret_env: "
-                    f"{{{key}: {{env: {key}}}}} or {{file: /etc/hgxserve/{key.lower()}}}",
+                    f"{{{key}: {{env: {key}}}}} or {{file: {CONFIG_DIR}/{key.lower()}}}",
                 )
         for i, arg in enumerate(extra):
             if isinstance(arg, str) and arg.split("=", 1)[0] in _SECRET_FLAGS:

@@ -8,41 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
-from hgxserve.topology.schema import topology_schema
+from hgxserve.defaults import schema_default
+from hgxserve.sizes import parse_size
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti)?$")
-_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 LOOPBACK = ("127.", "localhost", "::1")
 
 
-def parse_quantity(value: int | str) -> int:
-    """Bytes in a quantity such as 128Gi, 32Mi or 1024.
-
-    >>> parse_quantity("128Gi")
-    137438953472
-    """
-    if isinstance(value, int):
-        return value
-    match = _QUANTITY.match(value)
-    if not match:
-        raise ValueError(f"not a size: {value!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def is_loopback(address: str) -> bool:
     return address.startswith(LOOPBACK)
-
-
-@cache
-def schema_default(definition: str, prop: str) -> Any:
-    """The `default` the schema gives `$defs.<definition>.properties.<prop>`."""
-    props = topology_schema()["$defs"][definition]["properties"]
-    return props[prop]["default"]
 
 
 def _get(data: dict[str, Any], definition: str, prop: str) -> Any:
@@ -309,7 +287,7 @@ def _host(name: str, data: dict[str, Any]) -> Host:
         gpus=_get(data, "host", "gpus"),
         rdma=tuple(data.get("rdma", ())),
         side_channel_address=data.get("side_channel_address", data["address"]),
-        shm=parse_quantity(data["shm"]) if "shm" in data else None,
+        shm=parse_size(data["shm"]) if "shm" in data else None,
         ssh_user=_get(ssh, "ssh", "user"),
         ssh_port=_get(ssh, "ssh", "port"),
         ssh_key=ssh.get("key"),
@@ -328,7 +306,7 @@ def _source(data: dict[str, Any]) -> ModelSource:
             addressing=_get(spec, "s3Source", "addressing"),
             credentials=next(iter(creds.items())) if creds else None,
             concurrency=_get(spec, "s3Source", "concurrency"),
-            part_size=parse_quantity(_get(spec, "s3Source", "part_size")),
+            part_size=parse_size(_get(spec, "s3Source", "part_size")),
         )
     if kind == "cephfs":
         return CephfsSource(
@@ -347,7 +325,7 @@ def _model(data: dict[str, Any]) -> Model:
         name=data["name"],
         served_name=data["served_name"],
         path=data["path"],
-        size=parse_quantity(data["size"]) if "size" in data else None,
+        size=parse_size(data["size"]) if "size" in data else None,
         architecture=Architecture(**data.get("architecture", {})),
         source=_source(data["source"]),
         manifest=_get(data, "model", "manifest"),
@@ -385,7 +363,7 @@ def _engine(name: str, data: dict[str, Any]) -> Engine:
     return Engine(
         name=name,
         role=data["role"],
-        engine=data.get("engine", "vllm"),
+        engine=_get(data, "engine", "engine"),
         version=data.get("version"),
         runtime=_runtime(data.get("runtime")),
         place={h: tuple(g) for h, g in data["place"].items()},
@@ -428,7 +406,7 @@ def _proxy(data: dict[str, Any] | None) -> Proxy | None:
         combined=tuple(data.get("combined", ())),
         pd_min_prompt_tokens=_get(data, "proxy", "pd_min_prompt_tokens"),
         api_key=SecretRef.parse(auth["api_key"]) if auth else None,
-        max_body=parse_quantity(_get(data, "proxy", "max_body")),
+        max_body=parse_size(_get(data, "proxy", "max_body")),
         timeout_s=float(_get(data, "proxy", "timeout_s")),
         runtime=_runtime(data.get("runtime")),
     )

@@ -5,23 +5,14 @@ from __future__ import annotations
 import difflib
 import json
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
+from hgxserve.defaults import topology_schema
 from hgxserve.topology.loader import Document
 from hgxserve.topology.problems import JsonPath, Problem
-
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "topology.schema.json"
-
-
-@cache
-def topology_schema() -> dict[str, Any]:
-    """The topology JSON Schema (schemas/topology.schema.json), loaded once."""
-    schema: dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-    return schema
 
 
 @cache

@@ -8,29 +8,22 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
 
+from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE
+from hgxserve.sizes import parse_size
 from hgxserve.weights.errors import EXIT_INTERRUPTED, EXIT_VERIFY_FAILED, WeightsError
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
-
-def parse_size(text: str) -> int:
-    """Bytes from "32MiB", "8M", "1048576".
-
-    parse_size("32MiB")  # 33554432
-    """
-    match = _SIZE.match(text)
-    if not match:
-        raise click.BadParameter(f"{text!r} is not a size like 32MiB")
-    unit = (match.group(2) or "").upper()[:1]
-    return int(match.group(1)) * _UNITS[unit]
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a size like 32MiB") from exc
 
 
 def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,11 +152,13 @@ def manifest(
 @click.option(
     "--concurrency",
     type=click.IntRange(1, 256),
-    default=16,
+    default=S3_CONCURRENCY,
     show_default=True,
     help="Ranged requests in flight, across and within files.",
 )
-@click.option("--part-size", default="8MiB", show_default=True, help="Bytes per ranged GET.")
+@click.option(
+    "--part-size", default=S3_PART_SIZE, show_default=True, help="Bytes per ranged GET."
+)
 @click.option(
     "--manifest",
     "manifest_ref",
@@ -209,7 +204,7 @@ def sync(
 
     opts = SyncOptions(
         concurrency=concurrency,
-        part_size=parse_size(part_size),
+        part_size=_size(part_size),
         manifest=manifest_ref,
         state_dir=state_dir,
         s3=_make_s3_options(kwargs),

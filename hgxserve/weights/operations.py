@@ -14,9 +14,9 @@ from typing import Any
 from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, operation
 
+from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE
+from hgxserve.paths import AGENT
 from hgxserve.weights.state import STATE_DIR_NAME
-
-AGENT = "/opt/hgxserve/bin/hgxserve"
 
 
 class ModelManifestState(FactBase):
@@ -100,8 +100,8 @@ def sync_command(
     addressing: str = "auto",
     env_file: str | None = None,
     profile: str | None = None,
-    concurrency: int = 16,
-    part_size: str = "8MiB",
+    concurrency: int = S3_CONCURRENCY,
+    part_size: str = S3_PART_SIZE,
     manifest: str | None = None,
     digest: str | None = None,
 ) -> str:
@@ -155,8 +155,8 @@ def synced(
     addressing: str = "auto",
     env_file: str | None = None,
     profile: str | None = None,
-    concurrency: int = 16,
-    part_size: str = "8MiB",
+    concurrency: int = S3_CONCURRENCY,
+    part_size: str = S3_PART_SIZE,
     manifest: str | None = None,
     digest: str | None = None,
 ):

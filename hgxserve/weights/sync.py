@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
 from hgxserve.weights.errors import LocalIOError, SourceError, UsageError, VerifyError, WeightsError
 from hgxserve.weights.hashing import sha256_file
 from hgxserve.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile
@@ -35,8 +36,8 @@ from hgxserve.weights.state import (
 )
 from hgxserve.weights.transfer import FileResult, SourceFile, Transfer, io_error
 
-DEFAULT_CONCURRENCY = 16
-DEFAULT_PART_SIZE = 8 << 20
+DEFAULT_CONCURRENCY = S3_CONCURRENCY
+DEFAULT_PART_SIZE = S3_PART_SIZE_BYTES
 
 
 @dataclass

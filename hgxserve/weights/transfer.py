@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
 from hgxserve.weights.errors import LocalIOError, SourceError, VerifyError, WeightsError
 from hgxserve.weights.progress import Progress
 
@@ -301,8 +302,8 @@ class Transfer:
         source: Source,
         dest: str,
         files: list[SourceFile],
-        concurrency: int = 16,
-        part_size: int = 8 << 20,
+        concurrency: int = S3_CONCURRENCY,
+        part_size: int = S3_PART_SIZE_BYTES,
         progress: Progress | None = None,
         fsync: bool = True,
         on_file: Callable[[FileResult], None] | None = None,

@@ -199,9 +199,9 @@ def _free_port() -> int:
 @pytest.mark.timeout(120)
 def test_bake_cli_runs_the_rendered_unit(tmp_path, monkeypatch):
     """The bake runs the renderer's argv/env: a fake `vllm` in a venv dir stands in for vLLM."""
-    import hgxserve.render as render
+    import hgxserve.paths as paths
 
-    monkeypatch.setattr(render, "RUN_ROOT", str(tmp_path / "run"))
+    monkeypatch.setattr(paths, "RUN_ROOT", str(tmp_path / "run"))
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     program = venv / "bin" / "vllm"

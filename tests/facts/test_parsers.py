@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hgxserve import sizes
 from hgxserve.facts import parsers
 
 H200_BUS = [
@@ -368,10 +369,10 @@ def test_no_diagnosis_for_healthy_output(capture):
     [("128Gi", 128 * 1024**3), ("64G", 64 * 1024**3), ("512m", 512 * 1024**2), ("4096", 4096)],
 )
 def test_parse_size(text, size):
-    assert parsers.parse_size(text) == size
-    assert parsers.parse_size(parsers.format_size(size)) == size
+    assert sizes.parse_size(text) == size
+    assert sizes.parse_size(sizes.format_size(size)) == size
 
 
 def test_parse_size_rejects_words():
     with pytest.raises(ValueError, match="not a size: 'lots'"):
-        parsers.parse_size("lots")
+        sizes.parse_size("lots")

@@ -1,0 +1,46 @@
+"""Defaults that the topology schema states, read from it so each is written once.
+
+The schema's `default` keywords are what a deploy uses; the CLIs, roles and operations take the
+same values from here, so calling `hgxserve weights sync` or the weights role directly behaves as a
+deploy does.
+
+>>> S3_CONCURRENCY, S3_PART_SIZE, SGLANG_BOOTSTRAP_PORT, ENGINE
+(32, '32Mi', 8998, 'vllm')
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from hgxserve.sizes import parse_size
+
+SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "topology.schema.json"
+
+
+@cache
+def topology_schema() -> dict[str, Any]:
+    """The topology JSON Schema (schemas/topology.schema.json), loaded once."""
+    schema: dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    return schema
+
+
+@cache
+def schema_default(definition: str, prop: str) -> Any:
+    """The `default` the schema gives `$defs.<definition>.properties.<prop>`."""
+    props = topology_schema()["$defs"][definition]["properties"]
+    return props[prop]["default"]
+
+
+# Weights from S3: ranged GETs in flight and bytes per GET.
+S3_CONCURRENCY: int = schema_default("s3Source", "concurrency")
+S3_PART_SIZE: str = schema_default("s3Source", "part_size")
+S3_PART_SIZE_BYTES = parse_size(S3_PART_SIZE)
+# SGLang prefill's disaggregation bootstrap server.
+SGLANG_BOOTSTRAP_PORT: int = schema_default("kv", "bootstrap_port")
+# Where a CephFS source is mounted read-only.
+CEPHFS_MOUNT: str = schema_default("cephfsSource", "mount")
+# The serving engine when an engine names none.
+ENGINE: str = schema_default("engine", "engine")

@@ -1,0 +1,50 @@
+"""Every path hgxserve uses on a host, written once.
+
+Library, roles, deploys and CLIs take their host paths from here; a path given on the command
+line or as a role argument still wins, these are only the defaults.
+
+>>> AGENT
+'/opt/hgxserve/bin/hgxserve'
+>>> weights_state_dir("DeepSeek-V4-Flash")
+'/var/lib/hgxserve/weights/DeepSeek-V4-Flash'
+"""
+
+from __future__ import annotations
+
+# The hgxserve agent: a venv on every host, installed by roles/agent.py.
+AGENT_PREFIX = "/opt/hgxserve"
+AGENT = f"{AGENT_PREFIX}/bin/hgxserve"
+
+# State: releases, symlinks current/previous/baseline, pending.json, engine run dirs, weights state.
+STATE_ROOT = "/var/lib/hgxserve"
+RELEASE_ROOT = STATE_ROOT
+RUN_ROOT = f"{STATE_ROOT}/run"
+WEIGHTS_STATE_ROOT = f"{STATE_ROOT}/weights"
+AGENT_STAGING = f"{STATE_ROOT}/agent"
+
+# Configuration: proxy.json, env-referenced secrets (0600), CephFS secrets.
+CONFIG_DIR = "/etc/hgxserve"
+PROXY_CONFIG = f"{CONFIG_DIR}/proxy.json"
+CREDENTIALS_DIR = f"{CONFIG_DIR}/credentials"
+
+# systemd: unit files, and where LoadCredential= puts a unit's credentials at run time.
+UNIT_DIR = "/etc/systemd/system"
+RUN_CREDENTIALS_DIR = "/run/credentials"
+
+# JIT/compile caches, one directory per cache key.
+CACHE_ROOT = "/var/cache/hgxserve"
+
+
+def weights_state_dir(model_name: str) -> str:
+    """Where verify state and the marker live for weights verified in place."""
+    return f"{WEIGHTS_STATE_ROOT}/{model_name}"
+
+
+def cephfs_secret_file(user: str) -> str:
+    """The default CephFS secret file for a client user."""
+    return f"{CONFIG_DIR}/cephfs-{user}.secret"
+
+
+def unit_credentials_dir(unit: str) -> str:
+    """Where systemd exposes a unit's LoadCredential= files while it runs."""
+    return f"{RUN_CREDENTIALS_DIR}/{unit}"
