@@ -73,7 +73,27 @@ def check_topology(path: str | Path) -> CheckResult:
     if problems:
         return CheckResult(doc.file, None, sort_problems(problems))
     topo = build_topology(doc.data, doc.file)
-    return CheckResult(doc.file, topo, sort_problems(rule_problems(topo, doc)))
+    problems = _accepted(rule_problems(topo, doc), doc)
+    return CheckResult(doc.file, topo, sort_problems(problems))
+
+
+def _accepted(problems: list[Problem], doc: Document) -> list[Problem]:
+    """Drop the warnings of rules the topology accepts (`accept: {rule: why}`); an accepted id
+    that is no warning rule is an error itself."""
+    from hgxserve.topology.rules import RULES
+
+    accept = doc.data.get("accept") or {}
+    kept = [p for p in problems if p.is_error or p.rule not in accept]
+    for rule_id in accept:
+        known = RULES.get(rule_id)
+        if known is None:
+            why = "no rule has this id (hgxserve validate --list-rules)"
+        elif known.severity != "warning":
+            why = f"{rule_id} finds errors, and errors cannot be accepted"
+        else:
+            continue
+        kept.append(doc.problem(("accept", rule_id), why, rule="accept", key=True))
+    return kept
 
 
 def load_topology(path: str | Path) -> Topology:

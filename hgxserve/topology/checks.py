@@ -20,6 +20,7 @@ from hgxserve.topology.ports import (
     proxy_targets,
     setting_path,
     uses_nixl_side_channel,
+    warmup_targets,
 )
 from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.rules import Finding, rule
@@ -550,16 +551,53 @@ def heads_per_rank(topo: Topology) -> Iterator[Finding]:
         per_rank = heads // attention_tp
         if heads % attention_tp == 0 and per_rank % granule == 0:
             continue
-        good = [t for t in (1, 2, 4, 8, 16) if heads % t == 0 and (heads // t) % granule == 0]
-        good_text = "{" + ", ".join(map(str, good)) + "}" if good else "none"
         yield (
             setting_path(topo, engine.name, "tp"),
             f"{heads} attention heads / tp {attention_tp}{note} = {per_rank} heads per rank; "
             f"FlashMLA-sparse (DSA) on {'/'.join(kinds)} computes heads per rank in multiples of "
             f"{granule}, so each rank pads to {granule} and wastes work (seed 000 §4.4.2: "
-            f"DeepSeek V3.2 128 heads -> TP in {{1, 2}} on Hopper); use tp in {good_text} with "
-            "dp for more GPUs",
+            f"DeepSeek V3.2 128 heads -> TP in {{1, 2}} on Hopper); "
+            + _heads_advice(topo, engine, heads, granule),
         )
+
+
+def _heads_advice(topo: Topology, engine: Engine, heads: int, granule: int) -> str:
+    """Which tp to use instead: only sizes that divide the heads into whole granules, fit on
+    one host, and hold the weights (with expert parallelism where that is what makes them fit)."""
+    from hgxserve.topology import fit
+
+    host_gpus = min((topo.hosts[h].gpus for h in engine.hosts if h in topo.hosts), default=8)
+    sizes = [
+        t
+        for t in (1, 2, 4, 8, 16)
+        if t <= host_gpus and heads % t == 0 and (heads // t) % granule == 0
+    ]
+    try:
+        facts = fit.model_facts(topo)
+    except fit.ConfigError:
+        facts = None
+    estimate = fit.engine_fit(topo, engine, facts) if facts else None
+    if facts is None or estimate is None:
+        if not sizes:
+            return "no tp divides the heads into whole multiples; keep the padding"
+        return "use tp in {" + ", ".join(map(str, sizes)) + "} with dp for more GPUs"
+    plain, with_ep = [], []
+    for t in sizes:
+        if fit.weights_per_gpu(facts, engine, tp=t, ep=engine.ep) <= estimate.budget:
+            plain.append(t)
+        elif not engine.ep and fit.weights_per_gpu(facts, engine, tp=t, ep=True) <= estimate.budget:
+            with_ep.append(t)
+    if plain:
+        return "use tp in {" + ", ".join(map(str, plain)) + "} with dp for more GPUs"
+    if with_ep:
+        return (
+            "use tp in {" + ", ".join(map(str, with_ep)) + "} with dp and ep: true (at those "
+            "sizes only expert parallelism makes the weights fit)"
+        )
+    return (
+        "no tp with whole multiples holds the weights on these GPUs "
+        f"(tried {', '.join(map(str, sizes)) or 'none'}); keep tp {engine.tp} and the padding"
+    )
 
 
 # -- 5. Known-bad combinations -------------------------------------------------------------------
@@ -749,15 +787,8 @@ def extra_args_typed(topo: Topology) -> Iterator[Finding]:
 
 @rule("warmup-max-model-len", "error", "Warm-up input + output fits the engines' max_model_len.")
 def warmup_max_model_len(topo: Topology) -> Iterator[Finding]:
-    proxy = topo.proxy
-    pd_names = [n for r in proxy.routes for n in (*r.prefill, *r.decode)] if proxy else []
     for index, shape in enumerate(topo.warmup):
-        if proxy is None:
-            names = list(topo.engines)
-        elif pd_names and (not proxy.combined or shape.input >= proxy.pd_min_prompt_tokens > 0):
-            names = pd_names
-        else:
-            names = list(proxy.combined)
+        names = warmup_targets(topo, shape)
         total = shape.input + shape.output
         limits = [
             (topo.engines[n].args["max_model_len"], n)
@@ -835,3 +866,7 @@ def sglang_dp_attention(topo: Topology) -> Iterator[Finding]:
                 f"> 1 and divide tp, got dp {engine.dp} (seed 002: --tp-size 8 --dp-size 8 "
                 "--enable-dp-attention)",
             )
+
+
+# rules in other modules register on import
+from hgxserve.topology import engine_rules  # noqa: E402,F401

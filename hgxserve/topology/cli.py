@@ -7,6 +7,7 @@ read or parsed. Problems print as `file:line:col: $.path: message`; nothing prin
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -230,6 +231,27 @@ def build_plan(topo: Topology) -> dict[str, Any]:
         "hosts": hosts,
         "units_note": units_note,
         "wiring": _wiring(topo),
+        "fit": _fit(topo),
+    }
+
+
+def _fit(topo: Topology) -> dict[str, Any]:
+    """The memory / KV-cache estimate per engine (hgxserve.topology.fit), as plain data."""
+    from hgxserve.topology import fit
+
+    try:
+        facts, fits = fit.topology_fit(topo)
+    except fit.ConfigError as exc:
+        return {"config": topo.model.config, "error": str(exc), "engines": {}}
+    if facts is None:
+        return {"config": None, "error": "model.config not set: no estimate", "engines": {}}
+    path = fit.config_path(topo)
+    shown = os.path.relpath(path) if path and not os.path.relpath(path).startswith("..") else path
+    return {
+        "config": str(shown),
+        "sources": facts.sources,
+        "engines": {name: est.to_json() for name, est in fits.items()},
+        "no_estimate": [n for n in topo.engines if n not in fits],
     }
 
 
@@ -348,6 +370,7 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
             for key, value in sorted(unit["env"].items()):
                 lines.append(f"      {key}={shlex.quote(str(value))}")
             lines += _command_lines(unit["argv"], "      ")
+    lines += _fit_text(plan["fit"])
     wiring = plan["wiring"]
     lines += ["", "wiring"]
     if wiring is None:
@@ -385,6 +408,44 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
             "    flow: proxy -> prefill (max_tokens=1, kv_transfer_params) -> decode "
             "(KV pulled from the prefill's side channel) -> client"
         )
+    return lines
+
+
+def _fit_text(data: dict[str, Any]) -> list[str]:
+    lines = ["", "fit (estimate per GPU, GiB; docs/fit.md)"]
+    if data.get("error"):
+        return [*lines, f"  {data['error']}"]
+    lines.append(f"  model config {data['config']}")
+    header = (
+        f"  {'engine':<12} {'gpu':<6} {'util':>5} {'budget':>7} {'weights':>8} {'other':>6} "
+        f"{'kv':>6} {'kv/token':>9} {'kv tokens':>10} {'seqs@max_len':>13} {'max_num_seqs':>12}  "
+        "status"
+    )
+    lines.append(header)
+    gib = 1 << 30
+    for name, est in data["engines"].items():
+        conc = est["max_concurrency"]
+        per_rank = f"{conc:.1f}" if conc is not None else "-"
+        if est["dp_ranks"] > 1:
+            per_rank += f" x{est['dp_ranks']}"
+        util = f"{est['utilization']:.2f}" + ("*" if est["utilization_assumed"] else "")
+        kv = "fixed" if est["kv_fixed"] else f"{est['kv_bytes'] / gib:.1f}"
+        lines.append(
+            f"  {name:<12} {est['gpu']:<6} {util:>5} {est['budget'] / gib:>7.1f} "
+            f"{est['weights'] / gib:>8.1f} {est['allowance'] / gib:>6.1f} {kv:>6} "
+            f"{est['kv_bytes_per_token']:>9} {est['kv_tokens']:>10} {per_rank:>13} "
+            f"{est['max_num_seqs']:>12}  {est['status']}"
+        )
+        for shape in est["shapes"]:
+            mark = "ok" if shape["concurrency"] <= shape["capacity"] else "does not fit"
+            lines.append(
+                f"      warm-up {shape['input']}+{shape['output']} tokens x "
+                f"{shape['concurrency']}: KV holds {shape['capacity']} ({mark})"
+            )
+    if any(e["utilization_assumed"] for e in data["engines"].values()):
+        lines.append("  * SGLang picks its memory fraction when unset; vLLM's 0.9 assumed")
+    if data.get("no_estimate"):
+        lines.append(f"  no estimate (GPU memory unknown): {', '.join(data['no_estimate'])}")
     return lines
 
 

@@ -105,6 +105,7 @@ class Model:
     architecture: Architecture
     source: ModelSource
     manifest: str
+    config: str | None = None  # config.json for the fit estimate (hgxserve.topology.fit)
 
 
 @dataclass(frozen=True)
@@ -329,6 +330,7 @@ def _model(data: dict[str, Any]) -> Model:
         architecture=Architecture(**data.get("architecture", {})),
         source=_source(data["source"]),
         manifest=_get(data, "model", "manifest"),
+        config=data.get("config"),
     )
 
 

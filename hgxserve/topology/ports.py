@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hgxserve.topology.model import Engine, Topology, is_loopback
+from hgxserve.topology.model import Engine, Topology, Warmup, is_loopback
 from hgxserve.topology.problems import JsonPath
 
 ANY_ADDRESS = "0.0.0.0"
@@ -70,6 +70,17 @@ def _has(data: Any, keys: tuple[str, ...]) -> bool:
             return False
         data = data[key]
     return True
+
+
+def warmup_targets(topo: Topology, shape: Warmup) -> list[str]:
+    """Engines a warm-up shape reaches: P/D routes for long prompts, combined ones otherwise."""
+    proxy = topo.proxy
+    if proxy is None:
+        return list(topo.engines)
+    pd_names = [n for r in proxy.routes for n in (*r.prefill, *r.decode)]
+    if pd_names and (not proxy.combined or shape.input >= proxy.pd_min_prompt_tokens > 0):
+        return pd_names
+    return list(proxy.combined)
 
 
 def proxy_targets(topo: Topology) -> set[str]:

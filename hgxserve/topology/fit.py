@@ -1,0 +1,493 @@
+"""Does the model fit? Weights per GPU, KV bytes per token, KV tokens, concurrent sequences.
+
+An estimate from the model's `config.json` (`model.config` in the topology, a path relative to
+the topology file) and the engine's settings, following how vLLM sizes its KV cache:
+
+    budget    = GPU memory x gpu_memory_utilization            (per GPU)
+    weights   = dense / attention-TP + embeddings / attention-TP + experts / expert shards
+    allowance = runtime + activations (+ DSA workspaces)        (profiled peak, inside the budget)
+    KV bytes  = budget - weights - allowance                    (per GPU)
+    KV tokens = KV bytes / KV bytes per token                   (per DP rank: TP ranks share it)
+    sequences = KV tokens // (length rounded up to block_size)  (per DP rank, x dp per engine)
+
+CUDA graphs are captured after the KV cache is allocated, outside the budget (the seeds' cards
+sit above gpu_memory_utilization for that reason: seed 003 §1, ~93 GiB of 95.6 on an H20 at
+0.88). docs/fit.md compares the estimate with what the seeds' engines reported.
+
+A config may carry an `hgxserve_fit` block for what `config.json` cannot say (a model whose
+attention the formulas here do not cover): `weights` ({"experts": bytes, "dense": bytes}),
+`kv_bytes_per_token` and `sources`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from hgxserve.topology.model import Engine, Topology
+from hgxserve.topology.ports import warmup_targets
+
+GIB = 1 << 30
+MIB = 1 << 20
+# Memory nvidia-smi reports per GPU (MiB), from the captured outputs in
+# shared/fixtures/real (h200_nvidia-smi.txt, h20_1gpu-vm_nvidia-smi.txt,
+# h20-3e_nvidia-smi.txt, h100_nvidia-smi.txt). H800 is the H100's 80 GB board. B200 has no
+# capture here: its 180 GB spec figure (180e9 bytes) stands in, rounded down.
+GPU_MEMORY_MIB = {
+    "H20": 97871,
+    "H20-3e": 143771,
+    "H100": 81559,
+    "H800": 81559,
+    "H200": 143771,
+    "B200": 171661,
+}
+# vLLM's default --gpu-memory-utilization. SGLang picks --mem-fraction-static itself when it is
+# unset; the estimate then assumes the same figure and says so.
+DEFAULT_UTILIZATION = 0.9
+# vLLM's default --max-num-batched-tokens for the OpenAI server on >= 70 GiB GPUs, and its
+# default --max-num-seqs there.
+DEFAULT_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 1024
+DEFAULT_BLOCK_SIZE = 16
+# Runtime memory inside the budget that is not weights, KV or activations: CUDA context, NCCL
+# communicators and buffers, allocator slack. Calibrated on seed 003 §6 (see docs/fit.md).
+RUNTIME_GIB_SINGLE = 0.5
+RUNTIME_GIB_MULTI = 1.5
+# Peak activations of a profiled step, as bytes per batched token per hidden unit (residual
+# stream, norms, attention and MoE temporaries in bf16).
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 16
+# vLLM's fused-MoE kernels work through at most this many tokens at once (VLLM_FUSED_MOE_CHUNK_SIZE)
+MOE_CHUNK_TOKENS = 32768
+# DeepSeek sparse attention (vLLM): the indexer's prefill buffer holds 40 x max_model_len keys
+# of 128 fp8 + 4 scale bytes, the FlashMLA-sparse workspace 5 x max_model_len latents of 576 bf16.
+DSA_INDEXER_BUFFER = 40 * 132
+DSA_SPARSE_WORKSPACE = 5 * 576 * 2
+# KV bytes per latent row: bf16 576 (512 latent + 64 rope); fp8 576; vLLM's fp8_ds_mla layout
+# for sparse MLA 656 (512 fp8 + 4 fp32 scales + 64 bf16 rope).
+FP8_DS_MLA_BYTES = 656
+INDEXER_KEY_BYTES = 4  # fp32 scale per indexer key, next to index_head_dim fp8 bytes
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+_KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float16": 2}
+_QUANT_BYTES = {"fp8": 1.0, "mxfp4": 0.53, "fp4": 0.53, "nvfp4": 0.56}
+
+
+class ConfigError(ValueError):
+    """The model config is missing, unreadable or lacks a field the estimate needs."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimate needs from a model config."""
+
+    source: str
+    layers: int
+    hidden: int
+    vocab: int
+    attention: str  # mha | gqa | mla | dsa | given (kv_bytes_per_token from hgxserve_fit)
+    kv_heads: int
+    head_dim: int
+    latent: int  # MLA: kv_lora_rank + qk_rope_head_dim
+    index_head_dim: int  # DSA indexer key size (0: none)
+    dense_bytes: float  # attention, dense MLP, shared experts, routers
+    embed_bytes: float  # embeddings and LM head
+    expert_bytes: float  # routed experts
+    expert_count: int
+    moe_layers: int
+    expert_bytes_each: float  # one routed expert in one layer
+    experts_per_token: int
+    moe_intermediate: int
+    heads: int
+    absorbed_per_head: int  # MLA: kv_lora_rank x (qk_nope + v) bf16 elements per head and layer
+    dtype_bytes: int
+    max_position: int | None
+    kv_bytes_given: int | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        if default is not None and value is None:
+            return default
+        raise ConfigError(f"config field {key!r} is missing or not an integer")
+    return value
+
+
+def _weight_bytes(config: dict[str, Any], dtype_bytes: int) -> float:
+    quant = config.get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    return _QUANT_BYTES.get(method, float(dtype_bytes))
+
+
+def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
+    """ModelFacts from a Hugging Face config.json (DeepSeek V3/V3.2 MLA MoE, or a dense model).
+
+    >>> facts_from_config({"hidden_size": 128, "intermediate_size": 256,
+    ...     "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    ...     "vocab_size": 512, "torch_dtype": "float32"}).dense_bytes
+    786432.0
+    """
+    dtype_bytes = _DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
+    fit = config.get("hgxserve_fit") or {}
+    hidden = _int(config, "hidden_size")
+    layers = _int(config, "num_hidden_layers")
+    vocab = _int(config, "vocab_size")
+    heads = _int(config, "num_attention_heads")
+    kv_heads = _int(config, "num_key_value_heads", heads)
+    head_dim = _int(config, "head_dim", hidden // heads)
+    tied = bool(config.get("tie_word_embeddings", False))
+    embed = vocab * hidden * (1 if tied else 2) * dtype_bytes
+    wbytes = _weight_bytes(config, dtype_bytes)
+    kv_lora = config.get("kv_lora_rank")
+    n_experts = _int(config, "n_routed_experts", 0) or _int(config, "num_local_experts", 0)
+    first_dense = _int(config, "first_k_dense_replace", 0) if n_experts else layers
+    moe_layers = layers - first_dense
+    inter = _int(config, "intermediate_size", 0)
+    moe_inter = _int(config, "moe_intermediate_size", inter)
+    expert_each = 3 * hidden * moe_inter * wbytes
+    latent = 0
+    index_dim = 0
+    absorbed = 0
+    if kv_lora:
+        rope = _int(config, "qk_rope_head_dim")
+        nope = _int(config, "qk_nope_head_dim")
+        v_dim = _int(config, "v_head_dim")
+        q_lora = config.get("q_lora_rank")
+        q = (
+            (hidden * q_lora + q_lora * heads * (nope + rope))
+            if q_lora
+            else hidden * heads * (nope + rope)
+        )
+        attn = q + hidden * (kv_lora + rope) + kv_lora * heads * (nope + v_dim)
+        attn += heads * v_dim * hidden
+        latent = kv_lora + rope
+        absorbed = kv_lora * (nope + v_dim)
+        attention = "mla"
+        if config.get("index_n_heads"):
+            index_dim = _int(config, "index_head_dim")
+            index_heads = _int(config, "index_n_heads")
+            attn += (q_lora or hidden) * index_heads * index_dim + hidden * index_dim
+            attn += hidden * index_heads
+            attention = "dsa"
+    else:
+        attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        attn += heads * head_dim * hidden
+        attention = "gqa" if kv_heads < heads else "mha"
+    dense = layers * attn + first_dense * 3 * hidden * inter
+    shared = _int(config, "n_shared_experts", 0)
+    dense += moe_layers * shared * 3 * hidden * moe_inter
+    dense_bytes = dense * wbytes + moe_layers * n_experts * hidden * dtype_bytes  # routers
+    expert_bytes = moe_layers * n_experts * expert_each
+    weights = fit.get("weights")
+    if weights:
+        dense_bytes = float(weights["dense"]) - embed
+        expert_bytes = float(weights["experts"])
+        expert_each = expert_bytes / max(1, moe_layers * n_experts)
+    given = fit.get("kv_bytes_per_token")
+    return ModelFacts(
+        source=source,
+        layers=layers,
+        hidden=hidden,
+        vocab=vocab,
+        attention="given" if given else attention,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        latent=latent,
+        index_head_dim=index_dim,
+        dense_bytes=float(dense_bytes),
+        embed_bytes=float(embed),
+        expert_bytes=float(expert_bytes),
+        expert_count=n_experts,
+        moe_layers=moe_layers if n_experts else 0,
+        expert_bytes_each=float(expert_each),
+        experts_per_token=_int(config, "num_experts_per_tok", 0),
+        moe_intermediate=moe_inter,
+        heads=heads,
+        absorbed_per_head=absorbed,
+        dtype_bytes=dtype_bytes,
+        max_position=config.get("max_position_embeddings"),
+        kv_bytes_given=int(given) if given else None,
+        sources=dict(fit.get("sources", {})),
+    )
+
+
+def config_path(topo: Topology) -> Path | None:
+    """Where `model.config` points (relative to the topology file), or None when unset."""
+    written = topo.model.config
+    if not written:
+        return None
+    path = Path(written)
+    if not path.is_absolute():
+        path = Path(topo.source_file).resolve().parent / path
+    return path
+
+
+@cache
+def _load(path: str, mtime_ns: int) -> ModelFacts:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError("not UTF-8 text") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("not a JSON object")
+    return facts_from_config(data, path)
+
+
+def model_facts(topo: Topology) -> ModelFacts | None:
+    """The model's facts from `model.config`; None when the topology names no config.
+
+    Raises ConfigError when the file is missing, unreadable or incomplete.
+    """
+    path = config_path(topo)
+    if path is None:
+        return None
+    try:
+        mtime = path.stat().st_mtime_ns
+        return _load(str(path), mtime)
+    except OSError as exc:
+        raise ConfigError(
+            f"model config {topo.model.config} (next to the topology) cannot be read: "
+            f"{exc.strerror}"
+        ) from exc
+    except ConfigError as exc:
+        raise ConfigError(f"model config {topo.model.config}: {exc}") from exc
+
+
+# -- per engine ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShapeFit:
+    input: int
+    output: int
+    concurrency: int
+    capacity: int  # sequences of input+output tokens the engine's KV holds (all DP ranks)
+
+
+@dataclass(frozen=True)
+class EngineFit:
+    """The estimate for one engine (bytes are per GPU unless named otherwise)."""
+
+    engine: str
+    gpu: str
+    gpu_bytes: int
+    utilization: float
+    utilization_assumed: bool
+    budget: float
+    weights: float
+    allowance: float
+    kv_bytes: float
+    kv_bytes_per_token: int
+    block_size: int
+    kv_tokens: int  # per DP rank (every TP rank of it holds its share of the same tokens)
+    dp_ranks: int
+    max_model_len: int | None
+    max_concurrency: float | None  # sequences of max_model_len tokens, per DP rank
+    max_num_seqs: int  # per DP rank
+    shapes: tuple[ShapeFit, ...]  # the warm-up shapes that reach this engine
+    longest_shape: int | None  # tokens of its longest warm-up shape
+    longest_capacity: int | None  # sequences of that length one DP rank holds
+    kv_fixed: bool  # KV size set by --kv-cache-memory-bytes
+
+    @property
+    def status(self) -> str:
+        """`no-fit` (weights, or one max_model_len sequence), `tight` (max_num_seqs or a
+        warm-up shape does not fit) or `ok`."""
+        if self.weights > self.budget:
+            return "no-fit"
+        if self.max_model_len and self.kv_tokens < self.max_model_len:
+            return "no-fit"
+        if any(s.concurrency > s.capacity for s in self.shapes):
+            return "tight"
+        if self.longest_capacity is not None and self.max_num_seqs > self.longest_capacity:
+            return "tight"
+        return "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["shapes"] = [asdict(s) for s in self.shapes]
+        data["status"] = self.status
+        return data
+
+
+def _attention_split(engine: Engine) -> int:
+    """Ranks that split the attention weights and KV heads (tp, or tp/dp with DP attention)."""
+    if engine.dp_attention and engine.dp > 0 and engine.tp % engine.dp == 0:
+        return max(1, engine.tp // engine.dp)
+    return max(1, engine.tp)
+
+
+def _expert_shards(engine: Engine) -> int:
+    if not engine.ep:
+        return engine.tp
+    # vLLM: EP size = tp x dp; SGLang: --ep-size is tp (DP attention ranks live inside tp)
+    return engine.tp if engine.engine == "sglang" else engine.tp * engine.dp
+
+
+def weights_per_gpu(
+    facts: ModelFacts, engine: Engine, *, tp: int | None = None, ep: bool | None = None
+) -> float:
+    """Bytes of weights one GPU of the engine holds; with `tp`, on the same GPUs at that tp
+    (the rest dp) with or without expert parallelism over all of them."""
+    if tp is None:
+        split, shards = _attention_split(engine), _expert_shards(engine)
+    else:
+        split = tp
+        shards = engine.gpu_count if (engine.ep if ep is None else ep) else tp
+    eplb = engine.args.get("eplb_config") or {}
+    redundant = int(eplb.get("num_redundant_experts") or 0) if engine.args.get("enable_eplb") else 0
+    experts = facts.expert_bytes + redundant * facts.moe_layers * facts.expert_bytes_each
+    # vLLM's MLA keeps W_UK and W_UV of this rank's heads in bf16 next to the fp8 kv_b_proj
+    absorbed = facts.layers * facts.absorbed_per_head * math.ceil(facts.heads / split) * 2
+    return (facts.dense_bytes + facts.embed_bytes) / split + experts / shards + absorbed
+
+
+def kv_bytes_per_token(facts: ModelFacts, engine: Engine) -> int:
+    """KV cache bytes one token takes on one GPU of the engine."""
+    if facts.kv_bytes_given:
+        return facts.kv_bytes_given
+    kv_dtype = str(engine.args.get("kv_cache_dtype", "auto"))
+    elem = _KV_DTYPE_BYTES.get(kv_dtype)
+    if elem is None:  # auto: the model's dtype (or the engine's --dtype)
+        dtype = str(engine.args.get("dtype", "auto"))
+        elem = _DTYPE_BYTES.get(dtype, facts.dtype_bytes)
+    if facts.attention in ("mla", "dsa"):
+        # the latent is not split by heads: every TP rank keeps the whole latent row
+        row = facts.latent * elem
+        if facts.attention == "dsa" and elem == 1:
+            row = FP8_DS_MLA_BYTES
+        if facts.index_head_dim:
+            row += facts.index_head_dim + INDEXER_KEY_BYTES
+        return facts.layers * row
+    heads_here = max(1, math.ceil(facts.kv_heads / _attention_split(engine)))
+    return 2 * facts.layers * heads_here * facts.head_dim * elem
+
+
+def _kv_memory_override(engine: Engine) -> int | None:
+    args = engine.extra_args
+    for i, arg in enumerate(args):
+        if arg == "--kv-cache-memory-bytes" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--kv-cache-memory-bytes="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def allowance(facts: ModelFacts, engine: Engine) -> float:
+    """Bytes per GPU inside the budget for everything but weights and KV (profiled peak)."""
+    runtime = (
+        RUNTIME_GIB_MULTI if engine.tp * engine.pp > 1 or engine.dp > 1 else (RUNTIME_GIB_SINGLE)
+    )
+    tokens = int(engine.args.get("max_num_batched_tokens", DEFAULT_BATCHED_TOKENS))
+    seqs = _seqs_per_rank(engine)
+    act = tokens * facts.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN
+    if facts.experts_per_token:
+        # fused-MoE workspaces (bf16): vLLM's DP + EP gathers every DP rank's tokens first
+        gathered = tokens * engine.dp if engine.ep and engine.engine == "vllm" else tokens
+        rows = min(gathered, MOE_CHUNK_TOKENS) * facts.experts_per_token
+        width = max(2 * facts.moe_intermediate, facts.hidden) + facts.moe_intermediate
+        act += rows * width * 2
+    act += seqs * facts.vocab * 4 * 2  # fp32 logits and the sampler's copy
+    if facts.attention == "dsa":
+        length = int(engine.args.get("max_model_len") or facts.max_position or 0)
+        act += length * (DSA_INDEXER_BUFFER + DSA_SPARSE_WORKSPACE)
+    return runtime * GIB + act
+
+
+def _seqs_per_rank(engine: Engine) -> int:
+    """max_num_seqs of one DP rank: vLLM's is per rank; SGLang's --max-running-requests is the
+    engine's, shared by its DP attention ranks."""
+    seqs = int(engine.args.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS))
+    if engine.dp_attention and engine.dp > 1:
+        return -(-seqs // engine.dp)
+    return seqs
+
+
+def _rounded(tokens: int, block: int) -> int:
+    return math.ceil(tokens / block) * block
+
+
+def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit | None:
+    """The estimate for one engine; None when its GPU kind has no known memory size."""
+    gpus = [topo.hosts[h].gpu for h in engine.hosts if h in topo.hosts]
+    if not gpus or gpus[0] not in GPU_MEMORY_MIB:
+        return None
+    gpu = gpus[0]
+    gpu_bytes = GPU_MEMORY_MIB[gpu] * MIB
+    util_set = engine.args.get("gpu_memory_utilization")
+    util = float(util_set) if util_set is not None else DEFAULT_UTILIZATION
+    budget = gpu_bytes * util
+    weights = weights_per_gpu(facts, engine)
+    other = allowance(facts, engine)
+    fixed = _kv_memory_override(engine)
+    kv_bytes = float(fixed) if fixed is not None else max(0.0, budget - weights - other)
+    per_token = kv_bytes_per_token(facts, engine)
+    block = int(engine.args.get("block_size", DEFAULT_BLOCK_SIZE))
+    kv_tokens = int(kv_bytes // per_token) // block * block
+    max_len = engine.args.get("max_model_len") or facts.max_position
+    concurrency = kv_tokens / _rounded(int(max_len), block) if max_len else None
+    dp_ranks = engine.dp
+    shapes = tuple(
+        ShapeFit(
+            w.input,
+            w.output,
+            w.concurrency,
+            dp_ranks * (kv_tokens // _rounded(w.input + w.output, block)),
+        )
+        for w in topo.warmup
+        if engine.name in warmup_targets(topo, w)
+    )
+    longest = max((s.input + s.output for s in shapes), default=None)
+    return EngineFit(
+        engine=engine.name,
+        gpu=gpu,
+        gpu_bytes=gpu_bytes,
+        utilization=util,
+        utilization_assumed=util_set is None and engine.engine == "sglang",
+        budget=budget,
+        weights=weights,
+        allowance=other,
+        kv_bytes=kv_bytes,
+        kv_bytes_per_token=per_token,
+        block_size=block,
+        kv_tokens=kv_tokens,
+        dp_ranks=dp_ranks,
+        max_model_len=int(max_len) if max_len else None,
+        max_concurrency=concurrency,
+        max_num_seqs=_seqs_per_rank(engine),
+        shapes=shapes,
+        longest_shape=longest,
+        longest_capacity=kv_tokens // _rounded(longest, block) if longest else None,
+        kv_fixed=fixed is not None,
+    )
+
+
+def topology_fit(topo: Topology) -> tuple[ModelFacts | None, dict[str, EngineFit]]:
+    """Facts and per-engine estimates (empty without a model config; ConfigError if broken)."""
+    facts = model_facts(topo)
+    if facts is None:
+        return None, {}
+    fits = {}
+    for engine in topo.engines.values():
+        fit = engine_fit(topo, engine, facts)
+        if fit is not None:
+            fits[engine.name] = fit
+    return facts, fits
+
+
+def gib(value: float) -> str:
+    """`93.1` for bytes in GiB, one decimal."""
+    return f"{value / GIB:.1f}"
