@@ -347,7 +347,10 @@ def test_teardown_leaves_nothing_behind_and_stale_state_recovers(testbed):
     bed = hosts.require()
     started = time.monotonic()
     assert hosts.down() is True
-    assert time.monotonic() - started < 30
+    # Bounded, not timed: each host gets STOP_TIMEOUT_S for a clean shutdown before its PIDs are
+    # killed, so a teardown never hangs past that (on a loaded machine a clean stop takes longer
+    # than on an idle one; speed itself is not what this test checks).
+    assert time.monotonic() - started < hosts.STOP_TIMEOUT_S * len(bed.hosts) + 30
     assert _leftovers(bed) == []
 
     # A stale record (as after a machine restart) plus a leftover netns: up recovers.
