@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, cast
 
 import zstandard
 
-from hgxserve.caches.layout import MANIFEST_NAME, RESTORE_MARKER
+from hgxserve.caches.layout import MANIFEST_NAME, RESTORE_MARKER, read_marker
 
 FORMAT = "hgxserve-cache/1"
 ZSTD_LEVEL = 3
@@ -291,16 +291,6 @@ def expected_digest(archive: str, given: str | None) -> str | None:
         return given
     match = DIGEST_NAME.match(os.path.basename(archive))
     return match.group(1) if match else None
-
-
-def read_marker(dest: str) -> dict[str, Any] | None:
-    """The restore marker of a key directory, or None when absent or unreadable."""
-    try:
-        with open(os.path.join(dest, RESTORE_MARKER)) as fh:
-            value = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def write_marker(dest: str, marker: dict[str, Any]) -> None:

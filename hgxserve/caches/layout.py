@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from typing import Any
 
 from hgxserve.paths import CACHE_ROOT
 
@@ -56,3 +58,13 @@ def cache_env(root: str, key: str) -> dict[str, str]:
     """Environment that pins every JIT/compile cache of an engine under `<root>/<key>/`."""
     base = cache_dir(root, key)
     return {var: os.path.join(base, sub) for var, sub in ENV_SUBDIRS.items()}
+
+
+def read_marker(dest: str) -> dict[str, Any] | None:
+    """The restore marker of a key directory, or None when absent or unreadable."""
+    try:
+        with open(os.path.join(dest, RESTORE_MARKER)) as fh:
+            value = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
