@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -32,6 +34,22 @@ class Instance:
         self.healthy = False
         self.ok_streak = 0
         self.fail_streak = 0
+        # why the instance is out of rotation (shown by /metrics and `hgxserve status`), and
+        # since when it is in or out
+        self.reason = "not admitted yet: no passing health check since the proxy started"
+        self.since = time.time()
+
+    def set_healthy(self, healthy: bool, reason: str = "") -> bool:
+        """Move the instance in or out of rotation; True when that changed its state."""
+        if not healthy:
+            self.reason = reason
+        if healthy == self.healthy:
+            return False
+        self.healthy = healthy
+        self.since = time.time()
+        if healthy:
+            self.reason = ""
+        return True
 
     def sort_key(self) -> tuple[int, int]:
         # least outstanding first; among equals the one picked least often, so idle
@@ -127,8 +145,7 @@ class Pool:
         """Eject an instance at once after a failed connection (active checks readmit it)."""
         inst.ok_streak = 0
         inst.fail_streak = max(inst.fail_streak, self.config.health.unhealthy_after)
-        if inst.healthy:
-            inst.healthy = False
+        if inst.set_healthy(False, f"request failed: {why}"):
             log.warning("ejected %s %s: %s", inst.role, inst.url, why)
 
 
@@ -141,28 +158,43 @@ class HealthChecker:
         self.health = pool.config.health
 
     async def check(self, inst: Instance) -> None:
-        ok = False
+        why = ""
         try:
             timeout = aiohttp.ClientTimeout(total=self.health.timeout_s)
             async with self.session.get(inst.url + self.health.path, timeout=timeout) as resp:
                 await resp.read()
-                ok = resp.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            ok = False
-        if ok:
+                if resp.status != 200:
+                    why = f"HTTP {resp.status}"
+        except TimeoutError:
+            why = f"no answer within {self.health.timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            why = _connect_error(exc)
+        if not why:
             inst.ok_streak += 1
             inst.fail_streak = 0
             if not inst.healthy and inst.ok_streak >= self.health.healthy_after:
-                inst.healthy = True
+                inst.set_healthy(True)
                 log.info("admitted %s %s", inst.role, inst.url)
         else:
             inst.fail_streak += 1
             inst.ok_streak = 0
+            reason = f"{inst.fail_streak} failed health check(s) of {self.health.path}: {why}"
             if inst.healthy and inst.fail_streak >= self.health.unhealthy_after:
-                inst.healthy = False
-                log.warning("ejected %s %s: health check failed", inst.role, inst.url)
+                inst.set_healthy(False, reason)
+                log.warning("ejected %s %s: %s", inst.role, inst.url, reason)
+            elif not inst.healthy:
+                inst.reason = reason
 
     async def run(self) -> None:
         while True:
             await asyncio.gather(*(self.check(i) for i in self.pool.instances))
             await asyncio.sleep(self.health.interval_s)
+
+
+def _connect_error(exc: BaseException) -> str:
+    """A short reason for a failed health check: `connection refused`, `no route to host`."""
+    inner = getattr(exc, "os_error", None) or exc
+    code = getattr(inner, "errno", None)
+    if code:
+        return os.strerror(code).lower()
+    return str(inner) or type(inner).__name__

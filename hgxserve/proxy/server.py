@@ -82,6 +82,11 @@ class Metrics:
         self.upstream_errors: dict[tuple[str, str, str], int] = {}
         self.retries = 0
         self.disconnects = 0
+        self.started = time.time()
+        # P/D KV hand-offs by result: ok (prefill returned the KV to pull / answered), none
+        # (vLLM prefill returned no kv_transfer_params: decode computes the prompt itself),
+        # failed (prefill failed)
+        self.kv_handoffs: dict[str, int] = {}
         self.added_ttft = [0] * (len(LATENCY_BUCKETS) + 1)
         self.added_sum = 0.0
 
@@ -92,6 +97,9 @@ class Metrics:
     def upstream_error(self, inst: Instance, kind: str) -> None:
         key = (inst.role, inst.url, kind)
         self.upstream_errors[key] = self.upstream_errors.get(key, 0) + 1
+
+    def kv_handoff(self, result: str) -> None:
+        self.kv_handoffs[result] = self.kv_handoffs.get(result, 0) + 1
 
     def observe_added_ttft(self, seconds: float) -> None:
         self.added_sum += seconds
@@ -139,6 +147,38 @@ class Metrics:
                 f"{int(i.healthy)}"
             )
         out += [
+            "# HELP hgxserve_proxy_instance_state_since_seconds When the instance last went"
+            " in or out of rotation (Unix time).",
+            "# TYPE hgxserve_proxy_instance_state_since_seconds gauge",
+        ]
+        for i in pool.instances:
+            out.append(
+                f'hgxserve_proxy_instance_state_since_seconds{{role="{i.role}",'
+                f'instance="{i.url}"}} {i.since:.3f}'
+            )
+        out += [
+            "# HELP hgxserve_proxy_instance_out_of_rotation Instances out of rotation, with why.",
+            "# TYPE hgxserve_proxy_instance_out_of_rotation gauge",
+        ]
+        for i in pool.instances:
+            if not i.healthy:
+                out.append(
+                    f'hgxserve_proxy_instance_out_of_rotation{{role="{i.role}",'
+                    f'instance="{i.url}",reason="{label_value(i.reason)}"}} 1'
+                )
+        out += [
+            "# HELP hgxserve_proxy_kv_handoffs_total P/D requests by what the prefill handed"
+            " to the decode: ok, none (no KV: decode computes the prompt), failed.",
+            "# TYPE hgxserve_proxy_kv_handoffs_total counter",
+        ]
+        for result, n in sorted(self.kv_handoffs.items()):
+            out.append(f'hgxserve_proxy_kv_handoffs_total{{result="{result}"}} {n}')
+        out += [
+            "# HELP hgxserve_proxy_start_time_seconds When this proxy started (Unix time).",
+            "# TYPE hgxserve_proxy_start_time_seconds gauge",
+            f"hgxserve_proxy_start_time_seconds {self.started:.3f}",
+        ]
+        out += [
             "# HELP hgxserve_proxy_added_ttft_seconds Time to first byte spent in the proxy"
             " itself (total minus time waiting on engines).",
             "# TYPE hgxserve_proxy_added_ttft_seconds histogram",
@@ -158,6 +198,11 @@ class Metrics:
             f"hgxserve_proxy_client_disconnects_total {self.disconnects}",
         ]
         return "\n".join(out) + "\n"
+
+
+def label_value(text: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def estimate_prompt_tokens(body: dict[str, Any], bytes_per_token: float) -> int:
@@ -426,11 +471,13 @@ class Proxy:
                 up.release()
         except (TimeoutError, UpstreamError) as exc:
             self.metrics.upstream_error(prefill, error_kind(exc))
+            self.metrics.kv_handoff("failed")
             raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}") from exc
         finally:
             prefill.outstanding -= 1
         if up.status in RETRYABLE_STATUS or up.status >= 500:
             self.metrics.upstream_error(prefill, f"http_{up.status}")
+            self.metrics.kv_handoff("failed")
             raise UpstreamUnavailable(prefill, f"prefill answered HTTP {up.status}")
         if up.status != 200:
             # the request itself is wrong (too long, unknown model): say so, once
@@ -439,6 +486,7 @@ class Proxy:
             params = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError):
             params = None
+        self.metrics.kv_handoff("ok" if params else "none")
         if params:
             decode_raw = with_fields(raw, body, {"kv_transfer_params": params})
         elif "kv_transfer_params" in body:
@@ -499,9 +547,11 @@ class Proxy:
                     up.release()
                 if up.status >= 500:
                     self.metrics.upstream_error(prefill, f"http_{up.status}")
+                self.metrics.kv_handoff("ok" if up.status == 200 else "failed")
                 return up.status
             except (TimeoutError, UpstreamError) as exc:
                 self.metrics.upstream_error(prefill, error_kind(exc))
+                self.metrics.kv_handoff("failed")
                 raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}") from exc
             finally:
                 prefill.outstanding -= 1

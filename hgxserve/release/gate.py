@@ -20,7 +20,6 @@ from typing import Any
 # vLLM's NIXL connector metrics (KV transfer evidence on the decode side).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 XFER_FAILED = "vllm:nixl_num_failed_transfers_total"
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfa]+)$")
 
 
 class GateError(Exception):
@@ -61,14 +60,52 @@ def _request(
         raise GateError(f"{url}: cannot connect ({reason})") from None
 
 
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of Prometheus text as (name, labels, value); label values unescaped.
+
+    >>> parse_samples('up{job="a",why="down"} 1')
+    [('up', {'job': 'a', 'why': 'down'}, 1.0)]
+    """
+    samples = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name_end = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line)
+        if not name_end:
+            continue
+        name, rest = name_end.group(0), line[name_end.end() :]
+        labels: dict[str, str] = {}
+        if rest.startswith("{"):
+            pos = 1
+            while pos < len(rest) and rest[pos] != "}":
+                label = _LABEL.match(rest, pos)
+                if not label:
+                    break
+                labels[label.group(1)] = re.sub(
+                    r'\\[\\"n]', lambda m: _UNESCAPE[m.group(0)], label.group(2)
+                )
+                pos = label.end()
+            if pos >= len(rest) or rest[pos] != "}":
+                continue  # not a sample line we understand
+            rest = rest[pos + 1 :]
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            samples.append((name, labels, float(parts[0])))
+        except ValueError:
+            continue
+    return samples
+
+
 def metric_sum(text: str, name: str) -> float:
     """Sum of all samples of one metric (over label sets) in Prometheus text."""
-    total = 0.0
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match and match.group(1) == name:
-            total += float(match.group(3))
-    return total
+    return sum(value for sample, _, value in parse_samples(text) if sample == name)
 
 
 def _kv_counters(spec: GateSpec) -> tuple[float, float]:
@@ -92,9 +129,9 @@ def wait_instances_admitted(base: str, timeout_s: float, log: Any) -> None:
     while True:
         status, text = _request(f"{base}/metrics", timeout=10)
         samples = [
-            (m.group(2) or "", float(m.group(3)))
-            for m in map(_SAMPLE.match, (line.strip() for line in text.splitlines()))
-            if m and m.group(1) == INSTANCE_HEALTHY
+            (labels.get("instance", ""), value)
+            for name, labels, value in parse_samples(text)
+            if name == INSTANCE_HEALTHY
         ]
         if status == 200 and not samples:
             return  # not hgxserve's proxy: nothing to wait for

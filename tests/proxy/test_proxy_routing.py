@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -209,6 +210,12 @@ def test_fallback_when_prefill_dies(engines, proxy) -> None:
     assert metric(text, "hgxserve_proxy_retries_total") == 1
     assert metric(text, "hgxserve_proxy_instance_healthy", role="prefill") == 0
     assert metric(text, "hgxserve_proxy_upstream_errors_total", role="prefill") == 1
+    # why it is out of rotation, as `hgxserve status` reads it
+    from hgxserve.status.host import parse_proxy_metrics
+
+    out = [i for i in parse_proxy_metrics(text)["instances"] if not i["in_rotation"]]
+    assert [i["role"] for i in out] == ["prefill"]
+    assert out[0]["reason"].startswith("request failed: prefill unreachable")
 
 
 def test_fallback_without_combined_decode_prefills_locally(engines, proxy) -> None:
@@ -362,6 +369,12 @@ def test_instance_ejected_and_readmitted(engines, proxy) -> None:
     c1_port = c1.port
     c1.stop()
     wait_for(c1.url, 0)
+    from hgxserve.status.host import parse_proxy_metrics
+
+    out = {i["url"]: i for i in parse_proxy_metrics(px.metrics())["instances"]}[c1.url]
+    assert out["in_rotation"] is False
+    assert re.match(r"\d+ failed health check\(s\) of /health: ", out["reason"]), out["reason"]
+    assert "refused" in out["reason"].lower(), out["reason"]
     for _ in range(3):
         assert (
             http_json(
