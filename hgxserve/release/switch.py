@@ -253,7 +253,15 @@ def switch(
             f"{previous_id or 'nothing'}: {reason}"
         ) from None
     if confirm_within_s:
-        store.set_pending({"id": release_id, "previous": previous_id, "since": time.time()})
+        since = time.time()
+        store.set_pending(
+            {
+                "id": release_id,
+                "previous": previous_id,
+                "since": since,
+                "deadline": since + confirm_within_s,  # when the dead-man timer reverts it
+            }
+        )
         systemd.arm_deadman(confirm_within_s, [_agent(), "release", "revert", release_id])
         return f"switched to {release_id}; revert in {confirm_within_s}s unless confirmed"
     _commit(store, new, previous_id)

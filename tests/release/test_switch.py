@@ -134,10 +134,13 @@ def test_pending_switch_is_confirmed_or_reverted(store: Store) -> None:
     sd = FakeSystemd()
     switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
     switch(store, "r2", confirm_within_s=30, systemd=sd, log=lambda m: None)
-    assert sd.deadman == 30 and store.pending() == {
+    pending = store.pending()
+    assert pending is not None
+    assert sd.deadman == 30 and pending == {
         "id": "r2",
         "previous": "r1",
-        "since": store.pending()["since"],  # type: ignore[index]
+        "since": pending["since"],
+        "deadline": pending["since"] + 30,  # what `hgxserve status` shows
     }
     assert store.link("current") == "r1"  # not confirmed yet
     revert(store, "r2", systemd=sd, log=lambda m: None)
