@@ -30,6 +30,9 @@ Environment knobs (all optional):
       exit_after:N    serve N generation requests, then die abruptly (exit 1, memory files left)
       slow_stop       ignore SIGTERM for HGXSERVE_SIM_SLOW_STOP_SECONDS (default 30)
       garbage         return wrong (random) text, as a broken kernel/executor would
+      error:CAPTURE   at start, print the real failure captured in CAPTURE.txt (a file of the
+                      test hosts' fixtures, e.g. h200_error-802_hf-jobs) and exit 1, as the
+                      real engine failing that way would
 
 Prompts understood specially (deterministic, temperature 0):
   "Only answer: X" / "只输出：X" / "只回答：X"  -> the answer is exactly X
@@ -1260,6 +1263,8 @@ async def serve(args: dict[str, Any]) -> int:
         return 0
     except TimeoutError:
         pass
+    if "error" in s.fail:
+        return print_captured_failure(s.fail["error"])
     if "crash_on_start" in s.fail:
         log("RuntimeError: simulated engine crash on start (HGXSERVE_SIM_FAIL=crash_on_start)")
         return 1
@@ -1313,6 +1318,29 @@ async def serve(args: dict[str, Any]) -> int:
     release_gpu_memory()
     log("simulated GPU memory released; exit 0")
     return 0
+
+
+FIXTURE_DIRS = (
+    os.environ.get("HGXSERVE_FAKE_FIXTURES", ""),
+    "/usr/local/share/hgxserve-testbed/fixtures",  # where testbed/hosts.py installs them
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakes", "fixtures"),
+)
+
+
+def print_captured_failure(name: str) -> int:
+    """HGXSERVE_SIM_FAIL=error:NAME: print the real capture NAME.txt (without its `# source:`
+    header) to stderr as the failing engine would, and exit 1."""
+    for directory in filter(None, FIXTURE_DIRS):
+        path = os.path.join(directory, os.path.basename(name) + ".txt")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                lines = fh.read().splitlines()
+            log(f"simulated failure error:{name}: the real capture follows")
+            for line in lines[1:] if lines and lines[0].startswith("# source:") else lines:
+                print(line, file=sys.stderr, flush=True)
+            return 1
+    log(f"simulated failure error:{name}: no capture {name}.txt in {FIXTURE_DIRS}")
+    return 1
 
 
 def main(argv: list[str]) -> int:

@@ -325,6 +325,22 @@ def test_failure_injection(tmp_path: Path, mode: str) -> None:
         eng.stop()
 
 
+def test_error_injection_prints_a_real_capture_that_the_diagnosis_names(tmp_path: Path) -> None:
+    from hgxserve.facts.parsers import diagnose_errors
+
+    env = {"HGXSERVE_SIM_FAIL": "error:h200_error-802_hf-jobs", "HGXSERVE_SIM_START_SECONDS": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(SIMENGINE), "--engine", "vllm", *vllm_args()],
+        env={**env, "PATH": "/usr/bin:/bin", "HGXSERVE_SIM_GPU_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    assert "Error 802: system not yet initialized" in proc.stderr
+    assert [d["code"] for d in diagnose_errors(proc.stdout + proc.stderr)] == ["cuda-802"]
+
+
 def test_slow_stop_ignores_sigterm_for_a_while(tmp_path: Path) -> None:
     env = {"HGXSERVE_SIM_FAIL": "slow_stop", "HGXSERVE_SIM_SLOW_STOP_SECONDS": "1.5"}
     with SimEngine("vllm", vllm_args(), tmp_path, env=env) as eng:
