@@ -1,8 +1,9 @@
 """Install the NVIDIA datacenter driver (open kernel modules) at one pinned version.
 
-Pinned versions live here, once: `DRIVER_BRANCH` and `DRIVER_VERSION`; the fabric manager role
-imports them so the two can never drift apart. Packages come from NVIDIA's CUDA repository for
-the host's distribution:
+The pinned `DRIVER_BRANCH` and `DRIVER_VERSION` live once in hgxserve.topology.cuda (next to
+the CUDA <-> driver table that topology validation checks runtimes against); the fabric manager
+role imports them from here so the two can never drift apart. Packages come from NVIDIA's CUDA
+repository for the host's distribution:
 
 | distribution | packages (open kernel modules, no X) |
 |---|---|
@@ -35,9 +36,8 @@ from pyinfra.operations import apt, files, python, systemd
 import hgxserve
 from hgxserve.facts.gpu import NvidiaKernelModule, upstream_version
 from hgxserve.facts.host import HeldPackages, OsRelease
+from hgxserve.topology.cuda import DRIVER_BRANCH, DRIVER_VERSION
 
-DRIVER_BRANCH = "570"
-DRIVER_VERSION = "570.158.01"
 APT_CACHE_SECONDS = 86400
 APT_UPDATE_STAMP = "/var/lib/apt/periodic/update-success-stamp"
 NVIDIA_SOURCE_FILE = "/etc/apt/sources.list.d/hgxserve-nvidia.list"

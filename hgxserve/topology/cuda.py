@@ -6,7 +6,7 @@ Versions", Linux x86_64, GA releases). Within one major version, CUDA *minor ver
 compatibility* lets a newer minor run on an older driver of the same major (no PTX JIT); across
 major versions it does not: a CUDA 13.0 runtime on a 570 driver (which reports `CUDA Version:
 12.8` in nvidia-smi's header) fails at CUDA init. Seed 003 §12 ran SGLang v0.5.17 in a CUDA 13.0
-image; the default driver hgxserve installs (roles.nvidia_driver.DRIVER_VERSION) is 570.
+image; the default driver hgxserve installs (DRIVER_VERSION below) is 570.
 
     >>> min_driver_for("13.0")
     '580.65.06'
@@ -22,6 +22,11 @@ image; the default driver hgxserve installs (roles.nvidia_driver.DRIVER_VERSION)
 from __future__ import annotations
 
 import re
+
+# The driver hgxserve installs unless provision is given another (`--data driver_version=...`):
+# roles.nvidia_driver and roles.fabric_manager install exactly this version.
+DRIVER_BRANCH = "570"
+DRIVER_VERSION = "570.158.01"
 
 # CUDA toolkit (major.minor, GA) -> minimum Linux x86_64 driver version.
 CUDA_MIN_DRIVER: dict[str, str] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hgxserve.topology import fit
+from hgxserve.topology import cuda, fit
 from hgxserve.topology.checks import (
     HOPPER,
     VLLM_NCCL_DP_SYNC,
@@ -348,3 +348,30 @@ def fit_concurrency(topo: Topology) -> Iterator[Finding]:
                 "warm-up queues instead of compiling the shape it should (seed 003 §8.2); lower "
                 "the concurrency or give the engine more KV memory",
             )
+
+
+# -- runtime CUDA <-> driver ---------------------------------------------------------------------
+
+
+@rule(
+    "runtime-driver",
+    "warning",
+    "A runtime's CUDA runs on the driver branch hgxserve installs (newer majors need newer).",
+)
+def runtime_driver(topo: Topology) -> Iterator[Finding]:
+    for engine in topo.engines.values():
+        runtime = engine.runtime
+        if runtime is None or not runtime.cuda:
+            continue
+        why = cuda.cuda_driver_problem(runtime.cuda, driver_version=cuda.DRIVER_VERSION)
+        if why is None:
+            continue
+        branch = cuda.driver_branch_for(runtime.cuda)
+        yield (
+            setting_path(topo, engine.name, "runtime", "cuda"),
+            f"{engine.name}'s runtime is built for CUDA {runtime.cuda}, and the driver hgxserve "
+            f"installs by default is {cuda.DRIVER_VERSION}: {why}; the engine would fail at CUDA "
+            f"init (seed 003 §12: SGLang v0.5.17 ran from a CUDA 13.0 image); provision the "
+            f"hosts with --data driver_version=<a {branch} driver> (preflight checks the "
+            "installed one), or use a runtime built for the installed CUDA",
+        )

@@ -17,8 +17,6 @@ from hgxserve.sizes import parse_size
 LOOPBACK = ("127.", "localhost", "::1")
 
 
-
-
 def is_loopback(address: str) -> bool:
     return address.startswith(LOOPBACK)
 
@@ -113,6 +111,7 @@ class Runtime:
     venv: str | None = None
     image: str | None = None
     tool: str | None = None
+    cuda: str | None = None  # CUDA version the runtime was built for
 
     @property
     def is_container(self) -> bool:
@@ -275,8 +274,10 @@ def _runtime(data: dict[str, Any] | None) -> Runtime | None:
     if data is None:
         return None
     if "venv" in data:
-        return Runtime(venv=data["venv"])
-    return Runtime(image=data["image"], tool=_get(data, "imageRuntime", "tool"))
+        return Runtime(venv=data["venv"], cuda=data.get("cuda"))
+    return Runtime(
+        image=data["image"], tool=_get(data, "imageRuntime", "tool"), cuda=data.get("cuda")
+    )
 
 
 def _host(name: str, data: dict[str, Any]) -> Host:

@@ -95,7 +95,7 @@ def test_hgxserve_facts_output_is_accepted(tmp_path):
     "old,new",
     [
         ("version: 0.26.0", "version: 0.26.1"),  # engine version
-        ("runtime: {venv: /opt/vllm-0.26}", "runtime: {venv: /opt/vllm-0.26b}"),
+        ("runtime: {venv: /opt/vllm-0.26,", "runtime: {venv: /opt/vllm-0.26b,"),
         ("gpu: H20", "gpu: H200"),  # GPU kind
         ("name: DeepSeek-V4-Flash-0731\n", "name: DeepSeek-V4-Flash-0801\n"),  # model
         ("    tp: 8", "    tp: 8\n    ep: true"),  # parallel layout
@@ -209,7 +209,7 @@ def test_bake_cli_runs_the_rendered_unit(tmp_path, monkeypatch):
     program.chmod(program.stat().st_mode | stat.S_IXUSR)
     port = _free_port()
     text = (
-        BASE.replace("runtime: {venv: /opt/vllm-0.26}", f"runtime: {{venv: {venv}}}")
+        BASE.replace("runtime: {venv: /opt/vllm-0.26,", f"runtime: {{venv: {venv},")
         .replace("port: 8100", f"port: {port}")
         .replace("max_model_len: 204800", "max_model_len: 2048")
         .replace("{input: 4096, output: 128", "{input: 1024, output: 128")
