@@ -127,10 +127,12 @@ def _weight_bytes(config: dict[str, Any], dtype_bytes: int) -> float:
 def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
     """ModelFacts from a Hugging Face config.json (DeepSeek V3/V3.2 MLA MoE, or a dense model).
 
+    A dense float32 model of 2 layers: 2 x (4 x 128^2 + 3 x 128 x 256) parameters x 4 bytes.
+
     >>> facts_from_config({"hidden_size": 128, "intermediate_size": 256,
     ...     "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2,
     ...     "vocab_size": 512, "torch_dtype": "float32"}).dense_bytes
-    786432.0
+    1310720.0
     """
     dtype_bytes = _DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
     fit = config.get("hgxserve_fit") or {}
