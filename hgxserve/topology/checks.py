@@ -577,10 +577,10 @@ def _heads_advice(topo: Topology, engine: Engine, heads: int, granule: int) -> s
     except fit.ConfigError:
         facts = None
     estimate = fit.engine_fit(topo, engine, facts) if facts else None
+    if not sizes:
+        return "no tp divides the heads into whole multiples; keep the padding"
     if facts is None or estimate is None:
-        if not sizes:
-            return "no tp divides the heads into whole multiples; keep the padding"
-        return "use tp in {" + ", ".join(map(str, sizes)) + "} with dp for more GPUs"
+        return _heads_advice_by_size(topo, engine, sizes)
     plain, with_ep = [], []
     for t in sizes:
         if fit.weights_per_gpu(facts, engine, tp=t, ep=engine.ep) <= estimate.budget:
@@ -597,6 +597,32 @@ def _heads_advice(topo: Topology, engine: Engine, heads: int, granule: int) -> s
     return (
         "no tp with whole multiples holds the weights on these GPUs "
         f"(tried {', '.join(map(str, sizes)) or 'none'}); keep tp {engine.tp} and the padding"
+    )
+
+
+def _heads_advice_by_size(topo: Topology, engine: Engine, sizes: list[int]) -> str:
+    """Advice without a model config: the model's size over tp must fit a GPU's budget."""
+    from hgxserve.topology import fit
+
+    listed = "{" + ", ".join(map(str, sizes)) + "}"
+    gpu = topo.hosts[engine.head].gpu if engine.head in topo.hosts else None
+    size = topo.model.size
+    if size is None or gpu not in fit.GPU_MEMORY_MIB:
+        return (
+            f"use tp in {listed} with dp for more GPUs if the weights fit at that tp (set "
+            "model.config or model.size to have that checked)"
+        )
+    budget = (
+        fit.GPU_MEMORY_MIB[gpu]
+        * fit.MIB
+        * float(engine.args.get("gpu_memory_utilization", fit.DEFAULT_UTILIZATION))
+    )
+    fitting = [t for t in sizes if size / t <= budget]
+    if fitting:
+        return "use tp in {" + ", ".join(map(str, fitting)) + "} with dp for more GPUs"
+    return (
+        f"no tp in {listed} holds the model's {fit.gib(size)} GiB on one {gpu}; keep tp "
+        f"{engine.tp} and the padding (or set model.config to check tp with ep: true)"
     )
 
 
