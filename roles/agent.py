@@ -3,6 +3,8 @@ wheelhouse built on the controller (the host-side commands units and deploys cal
 
 from __future__ import annotations
 
+import shlex
+
 from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.facts.server import Command
@@ -29,7 +31,8 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
     _HANDLED.add(key)
     tarball, digest = wheelhouse()
     marker = f"{prefix}/.agent-digest"
-    installed = host.get_fact(Command, command=f"cat {marker} 2>/dev/null || true")
+    q = shlex.quote
+    installed = host.get_fact(Command, command=f"cat {q(marker)} 2>/dev/null || true")
     if (installed or "").strip() == digest:
         host.noop(f"hgxserve agent {digest} is already installed")
         return
@@ -43,12 +46,13 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
     server.shell(
         name=f"Install the hgxserve agent {digest} into {prefix}",
         commands=[
-            f"rm -rf {staging} && mkdir -p {staging} && tar -xf {staging}.tar -C {staging}",
-            f"test -x {prefix}/bin/pip || {python} -m venv {prefix}",
-            f"{prefix}/bin/pip install -q --no-index --find-links {staging} hgxserve",
-            f"{prefix}/bin/pip install -q --no-index --find-links {staging} --no-deps "
-            f"--force-reinstall hgxserve",
-            f"echo {digest} > {marker}",
-            f"rm -rf {staging} {staging}.tar",
+            f"rm -rf {q(staging)} && mkdir -p {q(staging)} && "
+            f"tar -xf {q(staging + '.tar')} -C {q(staging)}",
+            f"test -x {q(prefix + '/bin/pip')} || {q(python)} -m venv {q(prefix)}",
+            f"{q(prefix + '/bin/pip')} install -q --no-index --find-links {q(staging)} hgxserve",
+            f"{q(prefix + '/bin/pip')} install -q --no-index --find-links {q(staging)} "
+            "--no-deps --force-reinstall hgxserve",
+            f"echo {q(digest)} > {q(marker)}",
+            f"rm -rf {q(staging)} {q(staging + '.tar')}",
         ],
     )

@@ -19,11 +19,20 @@ from typing import Any
 
 from pyinfra import host
 from pyinfra.api import FactBase, FunctionCommand, OperationError, StringCommand, operation
-from pyinfra.api.command import FileUploadCommand
+from pyinfra.api.command import FileUploadCommand, QuoteString
 
 from hgxserve.caches.hostfacts import normalize_host_facts, probe_command
 from hgxserve.caches.layout import DEFAULT_ROOT, RESTORE_MARKER
 from hgxserve.paths import AGENT
+
+
+def shell_words(*words: str) -> StringCommand:
+    """One shell command with every word quoted: cache.root and keys come from the topology.
+
+    >>> str(shell_words("mkdir", "-p", "/x;touch /var/p;#"))
+    "mkdir -p '/x;touch /var/p;#'"
+    """
+    return StringCommand(*(QuoteString(w) for w in words))
 
 
 class CacheState(FactBase):
@@ -127,9 +136,9 @@ def _restore_commands(
 ) -> list[Any]:
     remote = f"{root}/.archives/{sha256}.tar.zst"
     return [
-        StringCommand("mkdir", "-p", f"{root}/.archives"),
+        shell_words("mkdir", "-p", f"{root}/.archives"),
         FileUploadCommand(archive, remote),
-        StringCommand(
+        shell_words(
             agent,
             "cache",
             "restore",
@@ -142,7 +151,7 @@ def _restore_commands(
             "--key",
             full_key,
         ),  # fmt: skip
-        StringCommand("rm", "-f", remote),
+        shell_words("rm", "-f", remote),
     ]
 
 
@@ -206,7 +215,7 @@ def restored(
 
 def _fetch_baked(state: Any, host: Any, key: str, full_key: str, root: str, store: str) -> None:
     marker_path = f"{root}/{key}/{RESTORE_MARKER}"
-    ok, output = host.run_shell_command(StringCommand("cat", marker_path))
+    ok, output = host.run_shell_command(shell_words("cat", marker_path))
     if not ok:
         raise OperationError(f"{host.name}: bake left no marker at {marker_path}")
     marker = json.loads("\n".join(output.stdout_lines))
@@ -262,10 +271,10 @@ def baked(
     remote_facts = f"{work}/{full_key}.facts.json"
     from io import BytesIO
 
-    yield StringCommand("mkdir", "-p", work, f"{root}/.archives")
+    yield shell_words("mkdir", "-p", work, f"{root}/.archives")
     yield FileUploadCommand(topology, remote_topology)
     yield FileUploadCommand(BytesIO(json.dumps(facts, sort_keys=True).encode()), remote_facts)
-    yield StringCommand(
+    yield shell_words(
         agent, "cache", "bake", "--topology", remote_topology, "--engine", engine,
         "--host", host.name, "--facts", remote_facts, "--pack-to", f"{root}/.archives/",
     )  # fmt: skip

@@ -33,7 +33,15 @@ from hgxserve.render.engines import (
     engine_program,
     node_plan,
 )
-from hgxserve.render.systemd import environment_value, exec_line, path_value
+from hgxserve.render.systemd import (
+    UnitText,
+    UnitValueError,
+    environment_value,
+    exec_line,
+    finalize,
+    path_list,
+    path_value,
+)
 from hgxserve.topology.model import Engine, SecretRef, Topology
 
 __all__ = [
@@ -137,6 +145,8 @@ def _templates() -> jinja2.Environment:
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
         autoescape=False,
+        # every printed value is unit text: escaped once, control characters refused
+        finalize=finalize,
     )
 
 
@@ -147,6 +157,14 @@ def render_topology(topo: Topology) -> dict[str, HostRender]:
 
 def render_host(topo: Topology, host: str) -> HostRender:
     """Render one host: its engine units, then the proxy unit and config when it runs there."""
+    try:
+        return _render_host(topo, host)
+    except UnitValueError as exc:
+        # the loader refuses control characters; this is the last line, for values built here
+        raise RenderError(f"host {host}: {exc}") from None
+
+
+def _render_host(topo: Topology, host: str) -> HostRender:
     if host not in topo.hosts:
         known = ", ".join(topo.hosts)
         raise RenderError(f"host {host!r} is not in topology {topo.name} (hosts: {known})")
@@ -309,9 +327,9 @@ def _engine_unit(
             if tool_name == "podman"
             else [tool, "rm", "--force", container]
         )
-        exec_start_pre.append("-" + exec_line(remove))
+        exec_start_pre.append(UnitText("-" + exec_line(remove)))
         exec_stop.append(exec_line([tool, "stop", "--time", "60", container]))
-        exec_stop_post.append("-" + exec_line(remove))
+        exec_stop_post.append(UnitText("-" + exec_line(remove)))
         plan.notes.append(f"container {runtime.image} with CDI GPUs {gpus} via {tool_name}")
     else:
         argv = [*program, *args]
@@ -357,8 +375,8 @@ def _engine_unit(
             exec_start=exec_line([*wrapper, *argv]),
             exec_stop=exec_stop,
             exec_stop_post=exec_stop_post,
-            read_only_paths=["-" + path_value(topo.model.path)],
-            read_write_paths=["-" + path_value(key_dir), "-" + path_value(rundir)],
+            read_only_paths=path_list([topo.model.path], optional=True),
+            read_write_paths=path_list([key_dir, rundir], optional=True),
         )
     )
     return RenderedUnit(

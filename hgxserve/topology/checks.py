@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from hgxserve.caches.layout import ENV_SUBDIRS
 from hgxserve.paths import CONFIG_DIR
 from hgxserve.topology.model import Engine, Topology, is_loopback
 from hgxserve.topology.ports import (
@@ -214,6 +215,66 @@ def port_clash(topo: Topology) -> Iterator[Finding]:
                 f"port {listener.port} on {host_name} is used by both {other.label()} and "
                 f"{listener.label()}; give each listener its own port",
             )
+
+
+MAX_PORT = 65535
+
+
+@rule(
+    "port-range",
+    "error",
+    "Every listener's port, derived ones included (side channel base + DP rank), is <= 65535.",
+)
+def port_range(topo: Topology) -> Iterator[Finding]:
+    for host_name, listeners in listeners_by_host(topo).items():
+        for listener in listeners:
+            if not 0 < listener.port <= MAX_PORT:
+                yield (
+                    listener.path,
+                    f"{listener.label()} on {host_name} would listen on port {listener.port}; "
+                    f"ports end at {MAX_PORT}: lower the base port",
+                )
+
+
+# Environment the renderer derives from the topology: an `env:` entry would silently replace it
+# and defeat the rules that checked the topology's own value (GPU overlap, loopback side
+# channels, port clashes, offline hosts, cache keys).
+TOPOLOGY_OWNED_ENV = {
+    "CUDA_VISIBLE_DEVICES": "the engine's place (GPU indices)",
+    "VLLM_PORT": "internal_port",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "kv.side_channel.host",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT": "kv.side_channel.port",
+    "UCX_NET_DEVICES": "kv.ucx_devices",
+    "UCX_TLS": "kv.ucx_tls",
+    "VLLM_RPC_BASE_PATH": "the engine's run directory",
+    "TMPDIR": "the engine's run directory",
+    "XDG_CACHE_HOME": "the engine's run directory",
+    "HF_HOME": "the engine's run directory",
+    "HF_HUB_OFFLINE": "hgxserve (hosts never download)",
+    "TRANSFORMERS_OFFLINE": "hgxserve (hosts never download)",
+    "VLLM_HOST_IP": "the host's address",
+    **{var: "cache.root and the cache key" for var in ENV_SUBDIRS},
+}
+
+
+@rule(
+    "env-owned",
+    "error",
+    "env and secret_env do not set what the topology owns (GPUs, ports, side channel, caches).",
+)
+def env_owned(topo: Topology) -> Iterator[Finding]:
+    places: list[tuple[tuple[str, ...], Any]] = [(("defaults",), topo.raw.get("defaults", {}))]
+    places += [(("engines", n), d) for n, d in topo.raw.get("engines", {}).items()]
+    for base, data in places:
+        for section in ("env", "secret_env"):
+            for key in (data or {}).get(section, {}) or {}:
+                owner = TOPOLOGY_OWNED_ENV.get(key)
+                if owner is not None:
+                    yield (
+                        (*base, section, key),
+                        f"{key} is rendered from {owner}; remove this {section} entry (it "
+                        "would replace the value the rules checked) and set that instead",
+                    )
 
 
 # -- 3. P/D --------------------------------------------------------------------------------------

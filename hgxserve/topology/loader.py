@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,63 @@ _INT = re.compile(r"^[-+]?(0|[1-9][0-9_]*)$")
 _INT_OTHER = re.compile(r"^[-+]?0(x[0-9a-fA-F_]+|o[0-7_]+|b[01_]+)$")
 _FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$")
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+# A topology is a few hundred values; these bounds stop hostile files (nested aliases, the YAML
+# "billion laughs", or deep nesting) long before they cost memory or time.
+MAX_FILE_BYTES = 1 << 20
+MAX_VALUES = 20_000
+MAX_DEPTH = 32
+
+
+class _Refused(Exception):
+    """A bound was crossed while building the document: one problem, nothing else is checked."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.message)
+        self.problem = problem
+
+
+def control_character(text: str) -> str | None:
+    """The first control character in `text` (newline, CR, tab, NUL, DEL, C1...), described.
+
+    Topology strings end up in root-run systemd units and shell commands, where a newline
+    starts a new directive: no string value or key may hold one.
+
+    >>> control_character("/models/x\\nExecStartPre=/bin/sh")
+    'U+000A (line feed)'
+    >>> control_character("/models/x") is None
+    True
+    """
+    for ch in text:
+        if unicodedata.category(ch) == "Cc" or ch in "\u2028\u2029":
+            name = unicodedata.name(ch, "") or _CONTROL_NAMES.get(ch, "control character")
+            return f"U+{ord(ch):04X} ({name.lower()})"
+    return None
+
+
+# `<BUCKET>`, `<S3_ENDPOINT>`, `<CEPH_SECRET>`: the seeds' placeholders, copied but never filled in
+_PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>|\A<[^<>]+>\Z")
+
+
+def placeholder(text: str) -> str | None:
+    """A seed-style placeholder left in `text`, or None.
+
+    >>> placeholder("https://<S3_ENDPOINT>")
+    '<S3_ENDPOINT>'
+    >>> placeholder('{"reasoning_start_str":"<think>"}') is None
+    True
+    """
+    match = _PLACEHOLDER.search(text)
+    return match.group(0) if match else None
+
+
+_CONTROL_NAMES = {
+    "\n": "line feed",
+    "\r": "carriage return",
+    "\t": "tab",
+    "\0": "null",
+    "\x1b": "escape",
+    "\x7f": "delete",
+}
 
 
 @dataclass
@@ -93,18 +151,73 @@ class _Builder:
     def __init__(self, doc: Document) -> None:
         self.doc = doc
         self.problems: list[Problem] = []
+        self.values = 0
+        self.open: set[int] = set()  # nodes being built: an alias to one of them is a cycle
 
     def _pos(self, node: Node) -> tuple[int, int]:
         return node.start_mark.line + 1, node.start_mark.column + 1
 
+    def _refuse(self, node: Node, path: JsonPath, message: str) -> _Refused:
+        line, col = self._pos(node)
+        return _Refused(Problem(self.doc.file, line, col, path, message, "parse"))
+
     def build(self, node: Node, path: JsonPath) -> Any:
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise self._refuse(
+                node,
+                path,
+                f"the document expands to more than {MAX_VALUES} values (aliases of aliases?); "
+                "a topology needs a few hundred: write the values out or use fewer aliases",
+            )
+        if len(path) > MAX_DEPTH:
+            raise self._refuse(node, path, f"nested deeper than {MAX_DEPTH} levels")
+        if id(node) in self.open:
+            raise self._refuse(node, path, "an alias refers to a value that contains it")
         self.doc.value_pos.setdefault(path, self._pos(node))
-        if isinstance(node, MappingNode):
-            return self._mapping(node, path)
-        if isinstance(node, SequenceNode):
-            return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+        if isinstance(node, MappingNode | SequenceNode):
+            self.open.add(id(node))
+            try:
+                if isinstance(node, MappingNode):
+                    return self._mapping(node, path)
+                return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+            finally:
+                self.open.discard(id(node))
         assert isinstance(node, ScalarNode)
-        return _scalar(node)
+        value = _scalar(node)
+        if isinstance(value, str):
+            self._check_text(node, path, value, "value")
+            hole = placeholder(value)
+            if hole is not None:
+                line, col = self._pos(node)
+                self.problems.append(
+                    Problem(
+                        self.doc.file,
+                        line,
+                        col,
+                        path,
+                        f"placeholder {hole} was never filled in; write the real value",
+                        "placeholder",
+                    )
+                )
+        return value
+
+    def _check_text(self, node: Node, path: JsonPath, text: str, what: str) -> None:
+        bad = control_character(text)
+        if bad is not None:
+            line, col = self._pos(node)
+            self.problems.append(
+                Problem(
+                    self.doc.file,
+                    line,
+                    col,
+                    path,
+                    f"control character {bad} in a string {what}; topology strings end up in "
+                    "systemd units and shell commands: write it on one line without control "
+                    "characters",
+                    "control-character",
+                )
+            )
 
     def _mapping(self, node: MappingNode, path: JsonPath) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -123,6 +236,7 @@ class _Builder:
                 continue
             key = str(_scalar(key_node))
             child = path + (key,)
+            self._check_text(key_node, child, key, "key")
             if key in out:
                 first = self.doc.key_pos[child]
                 line, col = self._pos(key_node)
@@ -161,6 +275,21 @@ def load_document(path: str | Path) -> Document:
     """
     name = str(path)
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise TopologyError(
+                [
+                    Problem(
+                        name,
+                        1,
+                        1,
+                        (),
+                        f"file is {size} bytes; a topology is at most {MAX_FILE_BYTES} bytes",
+                        "read",
+                    )
+                ],
+                unreadable=True,
+            )
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -172,18 +301,39 @@ def load_document(path: str | Path) -> Document:
     try:
         root = yaml.compose(text)
     except MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        line, col = _mistake_start(exc, text)
         msg = " ".join(x for x in (exc.context, exc.problem) if x) or "invalid YAML"
         raise TopologyError([Problem(name, line, col, (), msg, "parse")], unreadable=True) from None
     except YAMLError as exc:
         raise TopologyError(
             [Problem(name, 1, 1, (), f"invalid YAML: {exc}", "parse")], unreadable=True
         ) from None
+    except RecursionError:
+        raise TopologyError(
+            [Problem(name, 1, 1, (), f"nested deeper than {MAX_DEPTH} levels", "parse")],
+            unreadable=True,
+        ) from None
     doc = Document(name, None)
     if root is None:
         raise TopologyError([Problem(name, 1, 1, (), "file is empty", "parse")], unreadable=True)
     builder = _Builder(doc)
-    doc.data = builder.build(root, ())
+    try:
+        doc.data = builder.build(root, ())
+    except _Refused as exc:
+        raise TopologyError([exc.problem], unreadable=True) from None
     doc.problems = builder.problems
     return doc
+
+
+def _mistake_start(exc: MarkedYAMLError, text: str) -> tuple[int, int]:
+    """Where to report a YAML syntax error: where the scanner noticed it, unless that is the
+    end of the file (an unclosed quote or bracket, a key without ':'), then where the unclosed
+    construct starts."""
+    problem, context = exc.problem_mark, exc.context_mark
+    mark = problem or context
+    if problem is not None and context is not None:
+        end = len(text.rstrip())
+        at_end = problem.index >= end or "end of stream" in (exc.problem or "")
+        if at_end or "<stream end>" in (exc.problem or ""):
+            mark = context
+    return (mark.line + 1, mark.column + 1) if mark else (1, 1)

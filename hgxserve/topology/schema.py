@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
+from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 
 from hgxserve.defaults import topology_schema
@@ -16,8 +18,29 @@ from hgxserve.topology.problems import JsonPath, Problem
 
 
 @cache
+def _anchored(pattern: str) -> re.Pattern[str]:
+    # JSON Schema patterns are ECMA-262, where `$` is the end of the input; Python's `$` also
+    # matches before a final newline, so "/x\n" would pass "^/[a-z]+$". Use \A and \Z.
+    if pattern.startswith("^"):
+        pattern = r"\A" + pattern[1:]
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1] + r"\Z"
+    return re.compile(pattern)
+
+
+def _pattern(
+    validator: Any, pattern: str, instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "string") and not _anchored(pattern).search(instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_StrictValidator = validators.extend(Draft202012Validator, {"pattern": _pattern})
+
+
+@cache
 def _validator() -> Draft202012Validator:
-    return Draft202012Validator(topology_schema())
+    return _StrictValidator(topology_schema())  # type: ignore[no-any-return]
 
 
 def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +109,7 @@ def _problems_for(doc: Document, error: ValidationError) -> list[Problem]:
                 if a.get("required") and set(a["required"]) <= set(value)
             ]
             if len(matching) == 1:
-                sub = Draft202012Validator(matching[0], registry=_validator()._registry)  # noqa: SLF001
+                sub = _StrictValidator(matching[0], registry=_validator()._registry)  # noqa: SLF001
                 found = []
                 for suberr in sub.iter_errors(value):
                     suberr.path.extendleft(reversed(path))  # make paths absolute
