@@ -42,6 +42,7 @@ if isinstance(source, S3Source):
         part_size=str(source.part_size),
         manifest_name=model.manifest,
         digest=digest,
+        require_sha256=model.integrity == "sha256",
         agent=agent_bin,
     )
 elif isinstance(source, CephfsSource):
@@ -66,6 +67,7 @@ elif isinstance(source, CephfsSource):
         stage=source.stage,
         manifest_name=model.manifest,
         digest=digest,
+        require_sha256=model.integrity == "sha256",
         agent=agent_bin,
     )
 else:
@@ -76,5 +78,6 @@ else:
         local_path=source.path,
         manifest_name=model.manifest,
         digest=digest,
+        require_sha256=model.integrity == "sha256",
         agent=agent_bin,
     )

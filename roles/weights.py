@@ -54,6 +54,7 @@ def weights(
     cephfs_secret_env: str | None = None,
     cephfs_mount: str = CEPHFS_MOUNT,
     stage: bool = False,
+    require_sha256: bool = True,
     agent: str = AGENT,
 ) -> None:
     """Sync (S3, local) or mount + verify/stage (CephFS) the model; no-op when verified.
@@ -71,6 +72,8 @@ def weights(
     + cephfs_secret_env: controller env var holding the CephX key; pushed to cephfs_secret_file
       (0600) so the key never appears in the unit or on a command line
     + stage: copy a CephFS tree to model_path instead of verifying it in place
+    + require_sha256: False is the explicit opt-out (model.integrity: size-etag): files without
+      a manifest entry or S3 checksum are then accepted on size + ETag, and the log says so
     """
     manifest = None
     if source == "s3":
@@ -92,6 +95,7 @@ def weights(
             part_size=part_size,
             manifest=manifest,
             digest=digest,
+            require_sha256=require_sha256,
         )
         return
     if source == "local":
@@ -108,6 +112,7 @@ def weights(
                 concurrency=concurrency,
                 part_size=part_size,
                 digest=digest,
+                require_sha256=require_sha256,
                 manifest=None
                 if manifest_name == MANIFEST_NAME
                 else f"{local_path.rstrip('/')}/{manifest_name}",
@@ -174,6 +179,7 @@ def weights(
             concurrency=concurrency,
             part_size=part_size,
             digest=digest,
+            require_sha256=require_sha256,
             manifest=None
             if manifest_name == MANIFEST_NAME
             else f"{cephfs_mount.rstrip('/')}/{manifest_name}",

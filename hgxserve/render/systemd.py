@@ -4,9 +4,9 @@ systemd expands `%` specifiers in almost every setting and `$VAR` on command lin
 `%` is `%%` and a literal `$` on a command line is `$$`. A newline (or CR) ends a directive and a
 trailing backslash continues it onto the next line, so neither may reach a unit: `unit_value`
 refuses them. Words with spaces, quotes or backslashes are double-quoted with C-style escapes
-(systemd.syntax(7), systemd.service(5) "Command lines"). Every value the unit templates print goes
-through `unit_value` (the template environment's finalize), unless one of the functions here
-already made it unit text.
+(systemd.syntax(7), systemd.service(5) "Command lines"), control characters inside them as C
+escapes. Every value the unit templates print goes through `unit_value` (the template
+environment's finalize) unless a function here already made it unit text (`UnitText`).
 
 >>> exec_line(["/opt/v/bin/vllm", "serve", '{"a":1}'])
 '/opt/v/bin/vllm serve "{\\\\"a\\\\":1}"'
@@ -54,12 +54,26 @@ def unit_value(text: str) -> UnitText:
 
 
 def quote_word(word: str) -> UnitText:
-    """One command-line word (or list item) as systemd reads it back unchanged."""
-    unit_value(word.rstrip("\\"))  # refuses control characters; a trailing \ is quoted below
+    """One command-line word (or list item) as systemd reads it back unchanged; inside the
+    quotes, control characters are C escapes (`\\n`, `\\x1b`), never a raw line break."""
     if word and _PLAIN.match(word) and word != ";":
         return UnitText(unit_value(word).replace("$", "$$"))
-    escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
-    return UnitText(f'"{escaped}"')
+    return UnitText(f'"{_c_escape(word).replace("$", "$$")}"')
+
+
+def _c_escape(text: str) -> str:
+    out = []
+    for ch in text.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%"):
+        if ch in _C_ESCAPES:
+            out.append(_C_ESCAPES[ch])
+        elif unicodedata.category(ch) == "Cc" or ch in "\u2028\u2029":
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) > 0xFF else f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+_C_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
 def exec_line(argv: Iterable[str]) -> UnitText:
@@ -69,9 +83,7 @@ def exec_line(argv: Iterable[str]) -> UnitText:
 
 def environment_value(name: str, value: str) -> UnitText:
     """The value of one `Environment=` line: `"NAME=value"` (no $ expansion there)."""
-    unit_value(value.rstrip("\\"))
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
-    return UnitText(f'"{unit_value(name)}={escaped}"')
+    return UnitText(f'"{unit_value(name)}={_c_escape(value)}"')
 
 
 def path_value(path: str) -> UnitText:

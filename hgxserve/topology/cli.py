@@ -227,6 +227,7 @@ def build_plan(topo: Topology) -> dict[str, Any]:
             "served_name": topo.model.served_name,
             "path": topo.model.path,
             "source": _model_source(topo),
+            "integrity": topo.model.integrity,
         },
         "hosts": hosts,
         "units_note": units_note,
@@ -344,6 +345,13 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
         f"digest {plan['digest'][:16]}",
         f"model {plan['model']['name']} served as {plan['model']['served_name']} at "
         f"{plan['model']['path']} from {plan['model']['source']}",
+        "weights integrity: "
+        + (
+            "sha256 required (published manifest or S3 object checksums)"
+            if plan["model"]["integrity"] == "sha256"
+            else "OPT-OUT: files without a sha256 are accepted on size + ETag "
+            "(model.integrity: size-etag)"
+        ),
     ]
     for name, host in plan["hosts"].items():
         lines += ["", f"host {name} ({host['address']}, {host['gpu_count']} x {host['gpu']})"]

@@ -104,6 +104,7 @@ class Model:
     source: ModelSource
     manifest: str
     config: str | None = None  # config.json for the fit estimate (hgxserve.topology.fit)
+    integrity: str = "sha256"  # sha256 | size-etag (explicit opt-out)
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,7 @@ def _model(data: dict[str, Any]) -> Model:
         source=_source(data["source"]),
         manifest=_get(data, "model", "manifest"),
         config=data.get("config"),
+        integrity=_get(data, "model", "integrity"),
     )
 
 

@@ -171,9 +171,11 @@ def manifest(
     help="Where state.json and the marker live (default DEST/.hgxserve).",
 )
 @click.option(
-    "--require-sha256",
-    is_flag=True,
-    help="Fail unless every file is checked against a sha256 (manifest or S3 checksum).",
+    "--require-sha256/--allow-size-etag",
+    default=True,
+    show_default=True,
+    help="Every file must match a sha256 (a published manifest or the S3 object checksum); "
+    "--allow-size-etag is the explicit opt-out that accepts size + ETag and says so in the log.",
 )
 @click.option("--no-fsync", is_flag=True, help="Skip fsync before renaming files into place.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")

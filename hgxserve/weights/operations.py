@@ -104,6 +104,7 @@ def sync_command(
     part_size: str = S3_PART_SIZE,
     manifest: str | None = None,
     digest: str | None = None,
+    require_sha256: bool = True,
 ) -> str:
     """The agent command line: paths and options only, never a secret (those stay in env_file).
 
@@ -136,6 +137,8 @@ def sync_command(
         sync += ["--manifest", q(manifest)]
     if state_dir:
         sync += ["--state-dir", q(state_dir)]
+    if not require_sha256:
+        sync.append("--allow-size-etag")
     verify = [q(agent), "weights", "verify", q(dest), "-q"]
     if state_dir:
         verify += ["--state-dir", q(state_dir)]
@@ -159,6 +162,7 @@ def synced(
     part_size: str = S3_PART_SIZE,
     manifest: str | None = None,
     digest: str | None = None,
+    require_sha256: bool = True,
 ):
     """Sync SRC into DEST and verify it, unless DEST's marker already says so.
 
@@ -166,6 +170,7 @@ def synced(
     + dest: model directory on the host
     + env_file: 0600 file on the host with AWS_* credentials (never on the command line)
     + digest: required manifest digest (sha256:...); without it any verified sync of SRC counts
+    + require_sha256: False is the explicit opt-out (model.integrity: size-etag)
     + other arguments: see `hgxserve weights sync --help`
 
     **Example:**
@@ -194,6 +199,7 @@ def synced(
             part_size=part_size,
             manifest=manifest,
             digest=digest,
+            require_sha256=require_sha256,
         )
     )
 

@@ -50,7 +50,8 @@ class SyncOptions:
     state_dir: str | None = None
     s3: S3Options = field(default_factory=S3Options)
     fsync: bool = True
-    require_sha256: bool = False
+    # sha256 required unless explicitly opted out (--allow-size-etag / model.integrity)
+    require_sha256: bool = True
     quiet: bool = False
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
 
@@ -237,6 +238,20 @@ def sync(src: str, dest: str, opts: SyncOptions) -> SyncReport:
         rehash_unknown = [f for f in rehash if f.expected_sha256 is None]
         rehash = [f for f in rehash if f.expected_sha256 is not None]
         fetch.extend(rehash_unknown)
+        no_sha = sorted(f.path for f in fetch if f.expected_sha256 is None)
+        if opts.require_sha256 and no_sha:
+            # refuse before a byte is written: nothing could tell a tampered file from a good one
+            raise VerifyError(
+                f"{len(no_sha)} file(s) have no sha256 to check against (no published manifest, "
+                f"no S3 object checksum): {', '.join(no_sha[:5])}; nothing was downloaded",
+                hint="publish a manifest with `hgxserve weights manifest SRC --publish`, or opt "
+                "out explicitly with --allow-size-etag (model.integrity: size-etag)",
+            )
+        if no_sha:
+            opts.log(
+                f"warning: integrity opt-out: {len(no_sha)} file(s) will be accepted on size + "
+                "ETag only, without sha256 (--allow-size-etag)"
+            )
         changing = bool(rehash or fetch)
         if changing or (marker is not None and state.manifest_digest != marker):
             # The tree is about to change: no engine may start on it until the marker is back.
@@ -303,7 +318,8 @@ def sync(src: str, dest: str, opts: SyncOptions) -> SyncReport:
             raise VerifyError(
                 f"{len(unverified)} file(s) have no sha256 to check against (no manifest, no S3 "
                 f"checksum): {', '.join(unverified[:5])}",
-                hint="publish a manifest with `hgxserve weights manifest SRC --publish`",
+                hint="publish a manifest with `hgxserve weights manifest SRC --publish`, or opt "
+                "out explicitly with --allow-size-etag (model.integrity: size-etag)",
             )
         if read_marker(directory) != effective.digest:
             write_marker(directory, effective.digest)

@@ -128,3 +128,15 @@ def test_diagram_bad_suffix_is_a_message_not_a_traceback(tmp_path: Path) -> None
     result = CliRunner().invoke(plan, [PD, "--diagram", str(tmp_path / "x.jpg")])
     assert result.exit_code == 2
     assert "diagram file must end in .dot, .svg or .png" in result.output
+
+
+def test_plan_shows_the_weights_integrity_and_an_opt_out(tmp_path: Path) -> None:
+    result = CliRunner().invoke(plan, [PD])
+    assert "weights integrity: sha256 required" in result.output
+    text = (REPO / PD).read_text().replace("\nmodel:\n", "\nmodel:\n  integrity: size-etag\n", 1)
+    opted = tmp_path / "opted.yml"
+    opted.write_text(text)
+    result = CliRunner().invoke(plan, [str(opted)])
+    assert result.exit_code == 0, result.output
+    assert "weights integrity: OPT-OUT" in result.output
+    assert "size + ETag" in result.output

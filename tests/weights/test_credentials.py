@@ -78,6 +78,7 @@ def test_valid_signature_accepted(auth_moto, aws_env, tmp_path: Path) -> None:  
         "--part-size",
         "1MiB",
         "-q",
+        "--allow-size-etag",
     )
     assert run.rc == 0, run.text
     assert tree(tmp_path / "m") == {"a.bin": b"A" * 1_500_000, "dir/b.json": b'{"b": 1}'}
@@ -115,7 +116,14 @@ def test_env_file_reference(auth_moto, aws_env, tmp_path: Path) -> None:  # type
     assert loose.rc == 4 and "chmod 600" in loose.err
     os.chmod(env_file, 0o600)
     run = hgx(
-        env, "sync", "s3://secured/m/", str(tmp_path / "m"), "--env-file", str(env_file), "-q"
+        env,
+        "sync",
+        "s3://secured/m/",
+        str(tmp_path / "m"),
+        "--env-file",
+        str(env_file),
+        "-q",
+        "--allow-size-etag",
     )
     assert run.rc == 0, run.text
     assert secret not in run.text

@@ -23,7 +23,9 @@ from weights_helpers import (
 )
 from weights_s3proxy import ProxyState
 
-PART = ["--part-size", "1MiB", "--concurrency", "4", "-q"]
+# these objects carry no S3 checksum and most cases publish no manifest: they test the transfer,
+# so they opt out of the sha256 requirement explicitly (test_sha256_required_by_default checks it)
+PART = ["--part-size", "1MiB", "--concurrency", "4", "-q", "--allow-size-etag"]
 
 
 def endpoint(port: int) -> list[str]:
@@ -133,7 +135,7 @@ def test_kill_mid_download_then_resume(
     bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
 ) -> None:
     data = os.urandom(8 * 1024 * 1024)
-    bucket.put("big/shard.safetensors", data)
+    bucket.put("big/shard.safetensors", data, ChecksumAlgorithm="SHA256")  # sha256 by default
     port, seen = proxy
     seen.faults.get_delay = 0.4
     dest = tmp_path / "big"
@@ -402,3 +404,23 @@ def test_marker_check_digest_mismatch(
     run = hgx(aws_env, "check-marker", str(dest), "--digest", other)
     assert run.rc == 1 and "is required" in run.err
     assert hgx(aws_env, "check-marker", str(tmp_path / "nothing")).rc == 1
+
+
+def test_sha256_required_by_default(
+    bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Without a manifest or an S3 checksum nothing is downloaded unless the user opts out."""
+    bucket.put("u/with.bin", os.urandom(50_000), ChecksumAlgorithm="SHA256")
+    bucket.put("u/without.bin", os.urandom(50_000))
+    src, dest = f"s3://{bucket.name}/u/", tmp_path / "u"
+    base = [*endpoint(bucket.port), "--part-size", "1MiB"]
+    refused = hgx(aws_env, "sync", src, str(dest), *base)
+    assert refused.rc == 1, refused.text
+    assert "without.bin" in refused.err and "nothing was downloaded" in refused.err
+    assert "--allow-size-etag" in refused.err and "Traceback" not in refused.text
+    assert not (dest / "with.bin").exists() and not (dest / "without.bin").exists()
+    assert not (dest / ".hgxserve" / "verified").exists()
+    opted = hgx(aws_env, "sync", src, str(dest), *base, "--allow-size-etag")
+    assert opted.rc == 0, opted.text
+    assert "integrity opt-out: 1 file(s)" in opted.err
+    assert "1 by size + ETag only" in opted.err
