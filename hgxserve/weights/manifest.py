@@ -67,6 +67,7 @@ class Manifest:
             if f.path in seen:
                 raise VerifyError(f"manifest lists {f.path} twice")
             seen.add(f.path)
+            check_size(f.size, f"manifest entry {f.path}")
             if len(f.sha256) != 64 or any(c not in "0123456789abcdef" for c in f.sha256):
                 raise VerifyError(
                     f"manifest entry {f.path}: sha256 must be 64 lowercase hex digits"
@@ -148,14 +149,31 @@ class Manifest:
         atomic_write(path, self.dumps())
 
 
+# S3's own limit on one object; a listed or manifest size outside [0, this] is a hostile or
+# broken source, refused before anything is reserved or fetched
+MAX_OBJECT_BYTES = 5 << 40
+
+
+def check_size(size: object, what: str) -> int:
+    """A file size from a listing or a manifest: an int in [0, 5 TiB].
+
+    check_size(1234, "config.json")
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_OBJECT_BYTES:
+        raise VerifyError(f"{what}: size {size!r} is outside 0..{MAX_OBJECT_BYTES} bytes")
+    return size
+
+
 def check_relative_path(path: str) -> None:
-    """Refuse paths that would escape the destination directory.
+    """Refuse paths that would escape the destination directory or hold control characters.
 
     check_relative_path("model-00001-of-00048.safetensors")
     """
     parts = path.split("/")
     if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise VerifyError(f"unsafe path in model tree: {path!r}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F or c == "\\" for c in path):
+        raise VerifyError(f"unsafe path in model tree: {path!r} (control character or backslash)")
 
 
 def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from hgxserve.weights.credentials import Credentials, scrub
-from hgxserve.weights.errors import CredentialsError, SourceError, WeightsError
+from hgxserve.weights.errors import CredentialsError, SourceError, VerifyError, WeightsError
+from hgxserve.weights.manifest import check_size
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 RETRYABLE_STATUS = {500, 502, 503, 504}
@@ -494,20 +495,33 @@ class S3Client:
     # ---- operations -------------------------------------------------------------------------
 
     def list_objects(self, prefix: str) -> Iterator[S3Object]:
-        """ListObjectsV2 over `prefix`, following continuation tokens."""
+        """ListObjectsV2 over `prefix`, following continuation tokens.
+
+        A listing is untrusted input: XML that does not parse, a size that is not an integer in
+        0..5 TiB, or a continuation token seen before (a store that would loop forever) is a
+        SourceError naming the page, never a traceback or a hang.
+        """
         token: str | None = None
+        seen: set[str] = set()
+        pages = 0
+        what = f"listing of s3://{self.bucket}/{prefix}"
         while True:
             query = {"list-type": "2", "prefix": prefix}
             if token:
                 query["continuation-token"] = token
             _, _, body = self.request("GET", None, query=query)
-            root = ET.fromstring(body)
+            pages += 1
+            try:
+                root = ET.fromstring(body)
+            except ET.ParseError as exc:
+                raise SourceError(f"{what}: page {pages} is not valid XML ({exc})") from None
             ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
             for item in root.findall(f"{ns}Contents"):
+                key = item.findtext(f"{ns}Key") or ""
                 algorithms = [a.text for a in item.findall(f"{ns}ChecksumAlgorithm") if a.text]
                 yield S3Object(
-                    key=item.findtext(f"{ns}Key") or "",
-                    size=int(item.findtext(f"{ns}Size") or 0),
+                    key=key,
+                    size=_listed_size(item.findtext(f"{ns}Size"), f"{what}: {key}"),
                     etag=(item.findtext(f"{ns}ETag") or "").strip('"'),
                     checksum_algorithm=",".join(algorithms) or None,
                     checksum_type=item.findtext(f"{ns}ChecksumType"),
@@ -517,6 +531,14 @@ class S3Client:
             token = root.findtext(f"{ns}NextContinuationToken")
             if not token:
                 return
+            if token in seen or pages >= MAX_LIST_PAGES:
+                raise SourceError(
+                    f"{what}: the store sent continuation token {token[:40]!r} again "
+                    f"(page {pages}); a listing that repeats itself would never end"
+                    if token in seen
+                    else f"{what}: more than {MAX_LIST_PAGES} pages; is the prefix right?"
+                )
+            seen.add(token)
 
     def head_checksum(self, key: str) -> ObjectChecksum:
         """HeadObject with x-amz-checksum-mode: ENABLED."""
@@ -605,6 +627,21 @@ class S3Options:
             or os.environ.get("AWS_ENDPOINT_URL")
             or profile_setting(self.profile or os.environ.get("AWS_PROFILE"), "endpoint_url")
         )
+
+
+# 1000 keys a page: a model tree is a few thousand objects at most
+MAX_LIST_PAGES = 10_000
+
+
+def _listed_size(text: str | None, what: str) -> int:
+    try:
+        size = int(text or "")
+    except ValueError:
+        raise SourceError(f"{what}: listed size {text!r} is not an integer") from None
+    try:
+        return check_size(size, what)
+    except VerifyError as exc:
+        raise SourceError(str(exc)) from None
 
 
 def make_client(

@@ -11,6 +11,7 @@ exist without a record, fetch the rest with the parallel engine (sha256 inline),
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import threading
 import time
@@ -208,12 +209,16 @@ def sync(src: str, dest: str, opts: SyncOptions) -> SyncReport:
         for f in files:
             entry = state.files.get(f.path)
             try:
-                st = os.stat(os.path.join(dest, f.path))
-            except FileNotFoundError:
+                st = os.lstat(os.path.join(dest, f.path))
+            except (FileNotFoundError, NotADirectoryError):
                 fetch.append(f)
                 continue
             except OSError as exc:
                 raise io_error(exc, os.path.join(dest, f.path), dest) from None
+            if not stat.S_ISREG(st.st_mode):
+                # a link (or anything but a file) at this name is replaced, never read through
+                fetch.append(f)
+                continue
             if (
                 entry is not None
                 and entry.matches_stat(st)

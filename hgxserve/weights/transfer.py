@@ -35,6 +35,7 @@ from typing import Protocol
 from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
 from hgxserve.weights.errors import LocalIOError, SourceError, VerifyError, WeightsError
 from hgxserve.weights.progress import Progress
+from hgxserve.weights.safefs import READ, READ_WRITE, WRITE_NEW, open_in, open_parent
 
 PARTIAL_SUFFIX = ".partial"
 PARTS_SUFFIX = ".partial.parts"
@@ -182,9 +183,15 @@ class _Job:
 
     def __init__(self, f: SourceFile, dest: str, part_size: int) -> None:
         self.f = f
+        self.dest = dest
         self.final = os.path.join(dest, f.path)
         self.partial = self.final + PARTIAL_SUFFIX
         self.parts_log = self.final + PARTS_SUFFIX
+        # names inside the parent directory, used with dir_fd: no link in the tree is followed
+        self.name = os.path.basename(f.path)
+        self.partial_name = self.name + PARTIAL_SUFFIX
+        self.parts_name = self.name + PARTS_SUFFIX
+        self.dir_fd: int | None = None
         self.part_size = part_size
         self.fd: int | None = None
         self.log_fd: int | None = None
@@ -203,31 +210,48 @@ class _Job:
 
     def open(self, dest: str) -> None:
         """Open or resume the .partial; fills done_parts from a matching parts log."""
-        os.makedirs(os.path.dirname(self.final), exist_ok=True)
-        self.done_parts = self._read_parts_log()
         try:
-            if self.done_parts and os.path.exists(self.partial):
-                self.fd = os.open(self.partial, os.O_RDWR)
-                if os.fstat(self.fd).st_size != self.f.size:
+            self.dir_fd = open_parent(dest, self.f.path, create=True)
+            self.done_parts = self._read_parts_log()
+            fd: int | None = None
+            if self.done_parts:
+                with contextlib.suppress(FileNotFoundError):
+                    fd = open_in(self.dir_fd, self.partial_name, READ_WRITE, dest, self.f.path)
+            if fd is not None:
+                self.fd = fd
+                if os.fstat(fd).st_size != self.f.size:
                     self.done_parts = set()
             else:
                 self.done_parts = set()
-                self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                self.fd = open_in(self.dir_fd, self.partial_name, WRITE_NEW, dest, self.f.path)
             if not self.done_parts:
                 _reserve(self.fd, self.f.size)
-                with open(self.parts_log, "w", encoding="utf-8") as fh:
-                    fh.write(json.dumps(self.header(), sort_keys=True) + "\n")
-            self.log_fd = os.open(self.parts_log, os.O_WRONLY | os.O_APPEND)
+                log = open_in(self.dir_fd, self.parts_name, WRITE_NEW, dest, self.f.path)
+                try:
+                    os.write(log, (json.dumps(self.header(), sort_keys=True) + "\n").encode())
+                finally:
+                    os.close(log)
+            self.log_fd = open_in(
+                self.dir_fd, self.parts_name, os.O_WRONLY | os.O_APPEND, dest, self.f.path
+            )
         except OSError as exc:
             self.close_fds()
             raise io_error(exc, self.partial, dest) from None
+        except LocalIOError:
+            self.close_fds()
+            raise
 
     def _read_parts_log(self) -> set[int]:
+        assert self.dir_fd is not None
         try:
-            with open(self.parts_log, encoding="utf-8") as fh:
-                lines = fh.read().split("\n")
+            fd = open_in(self.dir_fd, self.parts_name, READ, self.dest, self.f.path)
         except OSError:
             return set()
+        with os.fdopen(fd, encoding="utf-8") as fh:
+            try:
+                lines = fh.read().split("\n")
+            except (OSError, ValueError):
+                return set()
         try:
             if json.loads(lines[0]) != json.loads(json.dumps(self.header())):
                 return set()
@@ -240,13 +264,28 @@ class _Job:
                 done.add(int(line))
         return done
 
+    def unlink_partial(self) -> None:
+        for name in (self.partial_name, self.parts_name):
+            with contextlib.suppress(OSError):
+                if self.dir_fd is not None:
+                    os.unlink(name, dir_fd=self.dir_fd)
+
+    def place(self) -> int:
+        """Rename the .partial over the final name (a link there is replaced, never followed);
+        return the new file's mtime_ns."""
+        assert self.dir_fd is not None
+        d = self.dir_fd
+        os.replace(self.partial_name, self.name, src_dir_fd=d, dst_dir_fd=d)
+        os.unlink(self.parts_name, dir_fd=d)
+        return os.stat(self.name, dir_fd=d, follow_symlinks=False).st_mtime_ns
+
     def record_part(self, offset: int) -> None:
         assert self.log_fd is not None
         os.write(self.log_fd, f"{offset}\n".encode())
 
-    def close_fds(self) -> None:
+    def close_fds(self, *, keep_dir: bool = False) -> None:
         self.closed = True
-        for name in ("fd", "log_fd"):
+        for name in ("fd", "log_fd") if keep_dir else ("fd", "log_fd", "dir_fd"):
             fd = getattr(self, name)
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -498,11 +537,10 @@ class Transfer:
         job.result.sha256 = digest
         expected = job.f.expected_sha256
         if expected is not None and digest != expected:
-            job.close_fds()
+            job.close_fds(keep_dir=True)
             # Never keep content known to be wrong: the next run starts this file afresh.
-            for path in (job.partial, job.parts_log):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            job.unlink_partial()
+            job.close_fds()
             what = "the manifest" if job.f.verified_by == "manifest" else "its S3 checksum"
             job.result.error = VerifyError(
                 f"{job.f.path}: sha256 {digest} does not match {what} ({expected}); "
@@ -514,13 +552,13 @@ class Transfer:
             assert job.fd is not None
             if self.fsync:
                 os.fsync(job.fd)
-            job.close_fds()
-            os.replace(job.partial, job.final)
-            os.unlink(job.parts_log)
-            job.result.mtime_ns = os.stat(job.final).st_mtime_ns
+            job.close_fds(keep_dir=True)
+            job.result.mtime_ns = job.place()
         except OSError as exc:
+            job.close_fds()
             self._set_fatal(io_error(exc, job.final, self.dest))
             return
+        job.close_fds()
         self._job_done(job)
 
     def _job_done(self, job: _Job) -> None:
