@@ -32,7 +32,13 @@ from typing import Any, BinaryIO, cast
 
 import zstandard
 
-from hgxserve.caches.layout import MANIFEST_NAME, RESTORE_MARKER, read_marker
+from hgxserve.caches.layout import (
+    MANIFEST_NAME,
+    MAX_RESTORE_BYTES,
+    MAX_RESTORE_ENTRIES,
+    RESTORE_MARKER,
+    read_marker,
+)
 
 FORMAT = "hgxserve-cache/1"
 ZSTD_LEVEL = 3
@@ -163,7 +169,7 @@ def _walk(src: str) -> tuple[list[str], list[str], list[tuple[str, str]]]:
             st = os.lstat(full)
             if stat.S_ISLNK(st.st_mode):
                 target = os.readlink(full)
-                if not _link_stays_inside(rel, target):
+                if not _link_stays_inside(rel, target) or not _resolves_inside(src, rel):
                     raise ArchiveError(
                         f"{full}: symlink to {target!r} points outside the cache dir"
                     )
@@ -175,6 +181,14 @@ def _walk(src: str) -> tuple[list[str], list[str], list[tuple[str, str]]]:
             else:
                 raise ArchiveError(f"{full}: not a file, directory or symlink; refusing to pack it")
     return sorted(dirs), sorted(files), sorted(links)
+
+
+def _resolves_inside(root: str, rel: str) -> bool:
+    """True when `root/rel`, with every link on the way resolved (chains included), stays in
+    `root`: `a -> b/..` next to `b -> ..` passes a per-link check but leaves the tree."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, rel))
+    return real == real_root or real.startswith(real_root + os.sep)
 
 
 def _link_stays_inside(rel: str, target: str) -> bool:
@@ -316,8 +330,16 @@ def _safe_member_name(name: str) -> str:
     return clean
 
 
-def _unpack(archive: str, tmp: str) -> tuple[dict[str, Any], bytes]:
-    """Unpack into tmp, hashing each file; return (manifest, manifest bytes)."""
+def _unpack(
+    archive: str, tmp: str, max_bytes: int = MAX_RESTORE_BYTES
+) -> tuple[dict[str, Any], bytes]:
+    """Unpack into tmp, hashing each file; return (manifest, manifest bytes).
+
+    Each member's size (from its tar header) is checked against `max_bytes` still left and the
+    free space before a byte of it is written; every link chain must resolve inside tmp.
+    """
+    budget = max_bytes
+    entries = 0
     seen: dict[str, tuple[int, str]] = {}
     seen_dirs: set[str] = set()
     seen_links: dict[str, str] = {}
@@ -331,6 +353,20 @@ def _unpack(archive: str, tmp: str) -> tuple[dict[str, Any], bytes]:
         for member in tar:
             if manifest_body is not None:
                 raise ArchiveError(f"{archive}: entries after the manifest; not a cache archive")
+            entries += 1
+            if entries > MAX_RESTORE_ENTRIES:
+                raise ArchiveError(f"{archive}: more than {MAX_RESTORE_ENTRIES} entries")
+            if member.size > budget:
+                raise ArchiveError(
+                    f"{archive}: {member.name!r} ({member.size} bytes) would take the restore past "
+                    f"its cap of {max_bytes} bytes; nothing more written"
+                )
+            budget -= member.size
+            if member.isfile() and member.size > _free_bytes(tmp):
+                raise ArchiveError(
+                    f"{archive}: {member.name!r} needs {member.size} bytes, more than is free "
+                    f"on {tmp}"
+                )
             name = _safe_member_name(member.name)
             if name in seen or name in seen_dirs or name in seen_links:
                 raise ArchiveError(f"{archive}: {name!r} appears twice")
@@ -377,6 +413,12 @@ def _unpack(archive: str, tmp: str) -> tuple[dict[str, Any], bytes]:
                 raise ArchiveError(
                     f"{archive}: {name!r} is a device, fifo or hard link; refusing it"
                 )
+    for name in seen_links:
+        if not _resolves_inside(tmp, name):
+            raise ArchiveError(
+                f"unsafe symlink in archive: {name!r} -> {seen_links[name]!r} resolves outside "
+                "the cache through a chain of links; refusing it"
+            )
     if manifest_body is None:
         raise ArchiveError(f"{archive}: no manifest at the end: truncated or not a cache archive")
     try:
@@ -387,6 +429,11 @@ def _unpack(archive: str, tmp: str) -> tuple[dict[str, Any], bytes]:
         raise ArchiveError(f"{archive}: manifest format is not {FORMAT}")
     _check_against_manifest(archive, manifest, seen, seen_dirs, seen_links)
     return manifest, manifest_body
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _check_against_manifest(
@@ -439,8 +486,12 @@ def restore_archive(
     sha256: str | None = None,
     force: bool = False,
     full_key: str | None = None,
+    max_bytes: int = MAX_RESTORE_BYTES,
 ) -> RestoreResult:
     """Restore an archive into `dest`, atomically and verified; a no-op if already restored.
+
+    Nothing is written when the archive is over `max_bytes` or its digest is not `sha256`;
+    while unpacking, each entry is checked against what is left of `max_bytes` first.
 
     >>> restore_archive("/srv/c0ffee.tar.zst", "/var/cache/hgxserve/3f2a")  # doctest: +SKIP
     """
@@ -456,6 +507,11 @@ def restore_archive(
             dest, want, marker.get("manifest_sha256", ""), int(marker.get("files", 0)),
             int(marker.get("bytes", 0)), changed=False, seconds=time.monotonic() - started,
         )  # fmt: skip
+    size = os.path.getsize(archive)
+    if size > max_bytes:
+        raise ArchiveError(
+            f"{archive}: {size} bytes, over the restore cap of {max_bytes}; {dest} left untouched"
+        )
     if want:
         got = sha256_of(archive)
         if got != want:
@@ -470,7 +526,7 @@ def restore_archive(
     )
     try:
         try:
-            manifest, body = _unpack(archive, tmp)
+            manifest, body = _unpack(archive, tmp, max_bytes)
         except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
             raise ArchiveError(
                 f"{archive}: corrupt or truncated archive ({exc}); {dest} left untouched"

@@ -39,6 +39,11 @@ RESTORE_MARKER = ".hgxserve-cache.json"
 BAKE_RECORD = ".hgxserve-bake.json"
 MANIFEST_NAME = ".hgxserve-manifest.json"
 
+# Bounds on what one cache archive may put on a host, checked before anything is written: a JIT
+# cache of one engine is a few GiB (vLLM + DeepGEMM + Triton + inductor); these leave room.
+MAX_RESTORE_BYTES = 64 << 30
+MAX_RESTORE_ENTRIES = 500_000
+
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 

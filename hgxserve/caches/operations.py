@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 from typing import Any
 
@@ -21,6 +22,7 @@ from pyinfra import host
 from pyinfra.api import FactBase, FunctionCommand, OperationError, StringCommand, operation
 from pyinfra.api.command import FileUploadCommand, QuoteString
 
+from hgxserve.caches.archive import sha256_of
 from hgxserve.caches.hostfacts import normalize_host_facts, probe_command
 from hgxserve.caches.layout import DEFAULT_ROOT, RESTORE_MARKER
 from hgxserve.paths import AGENT
@@ -128,7 +130,9 @@ def store_index(store: str, full_key: str) -> dict[str, Any] | None:
             value = json.load(fh)
     except (OSError, ValueError):
         return None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(value.get("sha256"))):
+        return None
+    return value
 
 
 def _restore_commands(
@@ -218,15 +222,35 @@ def _fetch_baked(state: Any, host: Any, key: str, full_key: str, root: str, stor
     ok, output = host.run_shell_command(shell_words("cat", marker_path))
     if not ok:
         raise OperationError(f"{host.name}: bake left no marker at {marker_path}")
-    marker = json.loads("\n".join(output.stdout_lines))
-    sha = marker["archive_sha256"]
+    try:
+        marker = json.loads("\n".join(output.stdout_lines))
+        claimed = str(marker["archive_sha256"])
+    except (ValueError, KeyError, TypeError):
+        raise OperationError(f"{host.name}: bake marker {marker_path} is not readable") from None
+    if not re.fullmatch(r"[0-9a-f]{64}", claimed):
+        # the name goes into paths here and on every host: only a digest is accepted
+        raise OperationError(f"{host.name}: bake marker names archive {claimed[:80]!r}")
     os.makedirs(os.path.join(store, full_key), exist_ok=True)
+    part = os.path.join(store, full_key, f".{claimed}.tar.zst.part")
+    if not host.get_file(f"{root}/.archives/{claimed}.tar.zst", part):
+        raise OperationError(f"{host.name}: cannot fetch {root}/.archives/{claimed}.tar.zst")
+    # The digest every other host checks comes from the controller's own hash of what it
+    # received, never from what the baking host says about its archive.
+    sha = sha256_of(part)
+    if sha != claimed:
+        os.unlink(part)
+        raise OperationError(
+            f"{host.name}: fetched archive hashes to {sha}, but its bake marker says {claimed}; "
+            "not stored"
+        )
     local = os.path.join(store, full_key, f"{sha}.tar.zst")
-    if not host.get_file(f"{root}/.archives/{sha}.tar.zst", local + ".part"):
-        raise OperationError(f"{host.name}: cannot fetch {root}/.archives/{sha}.tar.zst")
-    os.replace(local + ".part", local)
+    os.replace(part, local)
     with open(os.path.join(store, f"{full_key}.json.part"), "w") as fh:
-        json.dump({"sha256": sha, "key": key, "baked_on": host.name}, fh, indent=1)
+        json.dump(
+            {"sha256": sha, "key": key, "baked_on": host.name, "hashed_by": "controller"},
+            fh,
+            indent=1,
+        )
     os.replace(
         os.path.join(store, f"{full_key}.json.part"), os.path.join(store, f"{full_key}.json")
     )
