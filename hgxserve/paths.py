@@ -41,8 +41,9 @@ def weights_state_dir(model_name: str) -> str:
 
 
 def cephfs_secret_file(user: str) -> str:
-    """The default CephFS secret file for a client user."""
-    return f"{CONFIG_DIR}/cephfs-{user}.secret"
+    """The default CephFS secret file for a client user (with the other pushed secrets, in the
+    0700 credentials directory)."""
+    return f"{CREDENTIALS_DIR}/cephfs-{user}.secret"
 
 
 def unit_credentials_dir(unit: str) -> str:

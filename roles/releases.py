@@ -9,6 +9,7 @@ from pathlib import Path
 from pyinfra.api import deploy
 from pyinfra.operations import files, python, systemd
 
+from hgxserve.credfiles import secret_file
 from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release.ops import Coordination, run_gate, settle, switched
 from hgxserve.release.plan import HostRelease
@@ -74,12 +75,10 @@ def release(
         create_remote_dir=True,
     )
     for path in sorted(secret_values):
-        files.put(
-            name=f"Install credential {path} (0600)",
-            src=io.StringIO(secret_values[path]),
+        secret_file(
+            name=f"Install credential {path} (0600 in a 0700 directory)",
             dest=path,
-            mode="600",
-            create_remote_dir=True,
+            content=secret_values[path],
         )
     switch_to(
         release_id=plan.id,

@@ -23,6 +23,7 @@ from pyinfra.api import DeployError, deploy
 from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
 
+from hgxserve.credfiles import secret_file
 from hgxserve.defaults import CEPHFS_MOUNT, S3_CONCURRENCY, S3_PART_SIZE
 from hgxserve.paths import AGENT, weights_state_dir
 from hgxserve.weights.cephfs import mount_unit, unit_name
@@ -126,14 +127,10 @@ def weights(
         key = os.environ.get(cephfs_secret_env)
         if not key:
             raise DeployError(f"weights: controller env var {cephfs_secret_env} is not set")
-        files.put(
-            name=f"Write the CephX secret file {cephfs_secret_file}",
-            src=StringIO(key.strip() + "\n"),
+        secret_file(
+            name=f"Write the CephX secret file {cephfs_secret_file} (0600 in a 0700 directory)",
             dest=cephfs_secret_file,
-            mode="600",
-            user="root",
-            group="root",
-            create_remote_dir=True,
+            content=key.strip() + "\n",
         )
     else:  # a secret file already on the host: it must exist and be 0600
         secret = host.get_fact(File, path=cephfs_secret_file)
@@ -145,12 +142,16 @@ def weights(
                 "it must be 0600"
             )
     unit = unit_name(cephfs_mount)
+    try:
+        text = mount_unit(
+            cephfs_monitors, cephfs_path, cephfs_user, cephfs_secret_file, cephfs_mount
+        )
+    except ValueError as exc:
+        raise DeployError(f"weights: {exc}") from None
     files.directory(name=f"Create the mount point {cephfs_mount}", path=cephfs_mount)
     written = files.put(
         name=f"Write the read-only CephFS mount unit {unit}",
-        src=StringIO(
-            mount_unit(cephfs_monitors, cephfs_path, cephfs_user, cephfs_secret_file, cephfs_mount)
-        ),
+        src=StringIO(text),
         dest=f"/etc/systemd/system/{unit}",
         mode="644",
     )

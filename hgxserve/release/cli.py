@@ -10,7 +10,7 @@ import click
 
 from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release.gate import GateError, GateSpec, run_gate
-from hgxserve.release.store import ReleaseError, Store
+from hgxserve.release.store import ReleaseError, Store, check_release_id
 from hgxserve.release.switch import confirm, reconcile, revert, rollback_target, switch
 
 
@@ -45,6 +45,13 @@ def release() -> None:
     """
 
 
+def _checked_id(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return check_release_id(value)
+    except ReleaseError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @release.command()
 @root_option
 def status(root: str) -> None:
@@ -53,7 +60,7 @@ def status(root: str) -> None:
 
 
 @release.command("switch")
-@click.argument("release_id")
+@click.argument("release_id", callback=_checked_id)
 @click.option(
     "--confirm-within",
     type=int,
@@ -80,7 +87,7 @@ def switch_cmd(release_id: str, confirm_within: int, gpu_timeout: float, root: s
 
 
 @release.command("confirm")
-@click.argument("release_id")
+@click.argument("release_id", callback=_checked_id)
 @root_option
 def confirm_cmd(release_id: str, root: str) -> None:
     """Make a pending switch current."""
@@ -91,7 +98,7 @@ def confirm_cmd(release_id: str, root: str) -> None:
 
 
 @release.command("revert")
-@click.argument("release_id")
+@click.argument("release_id", callback=_checked_id)
 @root_option
 def revert_cmd(release_id: str, root: str) -> None:
     """Undo a pending switch to RELEASE_ID (the dead-man timer calls this too)."""
@@ -114,7 +121,7 @@ def rollback_cmd(to: str, root: str) -> None:
 
 
 @release.command("gate")
-@click.argument("release_id")
+@click.argument("release_id", callback=_checked_id)
 @root_option
 def gate_cmd(release_id: str, root: str) -> None:
     """Run the topology's health gate described in RELEASE_ID's release.json."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,29 @@ from typing import Any
 from hgxserve.paths import RELEASE_ROOT
 
 LINKS = ("current", "previous", "baseline")
+# Release ids are the first 12 hex digits of the release digest (plan.py); anything that could
+# name another directory (`..`, `/`, a newline) is refused before it is used in a path.
+_RELEASE_ID = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
+
+
+def check_release_id(release_id: object) -> str:
+    """`release_id` if it is a plain release name, else ReleaseError.
+
+    >>> check_release_id("3f1c9a2b7d10")
+    '3f1c9a2b7d10'
+    """
+    if not isinstance(release_id, str) or not _RELEASE_ID.match(release_id):
+        raise ReleaseError(f"not a release id: {str(release_id)[:80]!r}")
+    return release_id
+
+
+def _check_file_path(path: str) -> str:
+    parts = path.split("/")
+    if not path.startswith("/") or any(p in (".", "..") for p in parts[1:]) or any(
+        ord(c) < 0x20 or ord(c) == 0x7F for c in path
+    ):
+        raise ReleaseError(f"release file path {path[:120]!r} is not a plain absolute path")
+    return path
 
 
 @dataclass
@@ -47,6 +71,9 @@ class ReleaseSpec:
     def from_json(cls, text: str) -> ReleaseSpec:
         data = json.loads(text)
         data["units"] = [UnitSpec(**u) for u in data["units"]]
+        check_release_id(data.get("id"))
+        for path in data.get("files", {}):
+            _check_file_path(path)
         return cls(**data)
 
     @property
@@ -72,7 +99,7 @@ class Store:
 
     # -- reading ------------------------------------------------------------------------------
     def release_dir(self, release_id: str) -> Path:
-        return self.root / "releases" / release_id
+        return self.root / "releases" / check_release_id(release_id)
 
     def load(self, release_id: str) -> ReleaseSpec:
         path = self.release_dir(release_id) / "release.json"
@@ -94,7 +121,7 @@ class Store:
             return
         tmp = self.root / f".{name}.tmp"
         tmp.unlink(missing_ok=True)
-        tmp.symlink_to(Path("releases") / release_id)
+        tmp.symlink_to(Path("releases") / check_release_id(release_id))
         tmp.replace(path)  # atomic: readers see the old or the new link, never none
 
     def pending(self) -> dict[str, Any] | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import string
 
+from hgxserve.render.systemd import unit_value
+
 _SAFE = set(string.ascii_letters + string.digits + ":_.")
 
 
@@ -38,8 +40,13 @@ def mount_unit(
 
     mount_unit(["10.0.0.1:6789"], "/models", "models-ro", "/etc/ceph/s", "/mnt/m")
     """
-    what = ",".join(monitors) + ":" + path
-    options = f"name={user},secretfile={secret_file},ro,noatime,_netdev"
+    for value in (user, secret_file, *monitors):
+        # a comma would add a mount option of its own (`x,rw` would drop `ro`)
+        if "," in value or "=" in value or not value.strip():
+            raise ValueError(f"CephFS mount value {value!r} may not hold ',' or '='")
+    what = unit_value(",".join(monitors) + ":" + path)
+    where = unit_value(where)
+    options = unit_value(f"name={user},secretfile={secret_file},ro,noatime,_netdev")
     return (
         "# Managed by hgxserve: read-only CephFS model store (kernel client).\n"
         "[Unit]\n"
