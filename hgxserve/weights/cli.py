@@ -177,6 +177,12 @@ def manifest(
     help="Every file must match a sha256 (a published manifest or the S3 object checksum); "
     "--allow-size-etag is the explicit opt-out that accepts size + ETag and says so in the log.",
 )
+@click.option(
+    "--allow-incomplete",
+    is_flag=True,
+    help="Mark the tree verified even without config.json, a tokenizer or every shard its "
+    "safetensors index names (checked by default).",
+)
 @click.option("--no-fsync", is_flag=True, help="Skip fsync before renaming files into place.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
@@ -190,6 +196,7 @@ def sync(
     manifest_ref: str | None,
     state_dir: str | None,
     require_sha256: bool,
+    allow_incomplete: bool,
     no_fsync: bool,
     quiet: bool,
     as_json: bool,
@@ -212,6 +219,7 @@ def sync(
         s3=_make_s3_options(kwargs),
         fsync=not no_fsync,
         require_sha256=require_sha256,
+        require_complete=not allow_incomplete,
         quiet=quiet,
     )
     report = run_sync(src, dest, opts)
@@ -237,6 +245,12 @@ def sync(
 )
 @click.option("--digest", help="Require this manifest digest (sha256:...).")
 @click.option(
+    "--allow-incomplete",
+    is_flag=True,
+    help="Mark the tree verified even without config.json, a tokenizer or every shard its "
+    "safetensors index names (checked by default).",
+)
+@click.option(
     "--workers",
     type=click.IntRange(0, 256),
     default=0,
@@ -251,6 +265,7 @@ def verify(
     manifest_path: str | None,
     state_dir: str | None,
     digest: str | None,
+    allow_incomplete: bool,
     workers: int,
     quiet: bool,
     as_json: bool,
@@ -272,6 +287,7 @@ def verify(
             full=full,
             workers=workers,
             digest=digest,
+            require_complete=not allow_incomplete,
             quiet=quiet,
         ),
     )

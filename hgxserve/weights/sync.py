@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
+from hgxserve.weights.complete import check_complete
 from hgxserve.weights.errors import LocalIOError, SourceError, UsageError, VerifyError, WeightsError
 from hgxserve.weights.hashing import sha256_file
 from hgxserve.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile
@@ -53,6 +54,8 @@ class SyncOptions:
     fsync: bool = True
     # sha256 required unless explicitly opted out (--allow-size-etag / model.integrity)
     require_sha256: bool = True
+    # config, tokenizer and every indexed shard present before the marker (--allow-incomplete)
+    require_complete: bool = True
     quiet: bool = False
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
 
@@ -326,6 +329,8 @@ def sync(src: str, dest: str, opts: SyncOptions) -> SyncReport:
                 hint="publish a manifest with `hgxserve weights manifest SRC --publish`, or opt "
                 "out explicitly with --allow-size-etag (model.integrity: size-etag)",
             )
+        if opts.require_complete:
+            check_complete(dest, [f.path for f in effective.files], directory)
         if read_marker(directory) != effective.digest:
             write_marker(directory, effective.digest)
         report.marker = True

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from hgxserve.weights.complete import check_complete
 from hgxserve.weights.errors import UsageError, VerifyError
 from hgxserve.weights.hashing import sha256_file
 from hgxserve.weights.manifest import MANIFEST_NAME, Manifest
@@ -39,6 +40,8 @@ class VerifyOptions:
     full: bool = False
     workers: int = 0  # 0: one per CPU
     digest: str | None = None  # required manifest digest, if pinned
+    # config, tokenizer and every indexed shard present before the marker (--allow-incomplete)
+    require_complete: bool = True
     quiet: bool = False
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
 
@@ -179,6 +182,8 @@ def verify(dest: str, opts: VerifyOptions) -> VerifyReport:
             _safe_remove_marker(directory, dest)
             new_state.save(directory)
             return report
+        if opts.require_complete:
+            check_complete(dest, [f.path for f in manifest.files], directory)
         new_state.manifest_digest = manifest.digest
         save_manifest_copy(directory, manifest)
         if new_state.to_json() != state.to_json():

@@ -79,6 +79,7 @@ def test_valid_signature_accepted(auth_moto, aws_env, tmp_path: Path) -> None:  
         "1MiB",
         "-q",
         "--allow-size-etag",
+        "--allow-incomplete",
     )
     assert run.rc == 0, run.text
     assert tree(tmp_path / "m") == {"a.bin": b"A" * 1_500_000, "dir/b.json": b'{"b": 1}'}
@@ -124,6 +125,7 @@ def test_env_file_reference(auth_moto, aws_env, tmp_path: Path) -> None:  # type
         str(env_file),
         "-q",
         "--allow-size-etag",
+        "--allow-incomplete",
     )
     assert run.rc == 0, run.text
     assert secret not in run.text

@@ -21,7 +21,9 @@ def _source(tmp_path: Path) -> Path:
 
 def _opts() -> SyncOptions:
     # a local tree with no manifest: the transfer is what is tested here
-    return SyncOptions(require_sha256=False, quiet=True, log=lambda line: None)
+    return SyncOptions(
+        require_sha256=False, require_complete=False, quiet=True, log=lambda line: None
+    )
 
 
 def test_a_linked_file_is_replaced_not_written_through(tmp_path: Path) -> None:

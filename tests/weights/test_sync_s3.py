@@ -25,7 +25,12 @@ from weights_s3proxy import ProxyState
 
 # these objects carry no S3 checksum and most cases publish no manifest: they test the transfer,
 # so they opt out of the sha256 requirement explicitly (test_sha256_required_by_default checks it)
-PART = ["--part-size", "1MiB", "--concurrency", "4", "-q", "--allow-size-etag"]
+# (and are not whole checkpoints: test_incomplete_model_is_not_marked checks completeness)
+PART = [
+    *("--part-size", "1MiB", "--concurrency", "4", "-q"),
+    *("--allow-size-etag", "--allow-incomplete"),
+]
+PARTIAL_TREE = ["--allow-incomplete"]
 
 
 def endpoint(port: int) -> list[str]:
@@ -154,6 +159,7 @@ def test_kill_mid_download_then_resume(
             "--concurrency",
             "2",
             "-q",
+            "--allow-incomplete",
         ],
         env=aws_env,
         stdout=subprocess.DEVNULL,
@@ -182,6 +188,7 @@ def test_kill_mid_download_then_resume(
         "--concurrency",
         "2",
         "-q",
+        "--allow-incomplete",
         "--json",
     )
     assert resumed.rc == 0, resumed.text
@@ -190,7 +197,7 @@ def test_kill_mid_download_then_resume(
     assert len(seen.object_gets()) <= 8 - done_before
     assert (dest / "shard.safetensors").read_bytes() == data
     assert not partial.exists() and not parts_log.exists()
-    full = hgx(aws_env, "verify", str(dest), "--full", "-q")
+    full = hgx(aws_env, "verify", str(dest), "--full", "-q", *PARTIAL_TREE)
     assert full.rc == 0, full.text
 
 
@@ -229,7 +236,7 @@ def test_truncated_local_file_caught_by_check_marker_and_verify_then_repaired(
     os.truncate(shard, 1000)
     check = hgx(aws_env, "check-marker", str(dest))
     assert check.rc == 1 and "model-00001-of-00002.safetensors" in check.err
-    ver = hgx(aws_env, "verify", str(dest), "-q")
+    ver = hgx(aws_env, "verify", str(dest), "-q", *PARTIAL_TREE)
     assert ver.rc == 1
     assert "model-00001-of-00002.safetensors: truncated: 1000 bytes" in ver.err
     assert not (dest / ".hgxserve" / "verified").exists()
@@ -258,8 +265,9 @@ def test_flipped_byte_in_local_file_verify_full(
         fh.write(bytes([byte[0] ^ 0x80]))
     # Hide the change from the stat check: only a full rehash can find it.
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert hgx(aws_env, "verify", str(dest), "-q").rc == 0  # unchanged by stat: skipped
-    full = hgx(aws_env, "verify", str(dest), "--full", "-q")
+    # unchanged by stat: skipped
+    assert hgx(aws_env, "verify", str(dest), "-q", *PARTIAL_TREE).rc == 0
+    full = hgx(aws_env, "verify", str(dest), "--full", "-q", *PARTIAL_TREE)
     assert full.rc == 1 and "model-00002-of-00002.safetensors: sha256" in full.err
     assert hgx(aws_env, "check-marker", str(dest)).rc == 1
 
@@ -413,7 +421,7 @@ def test_sha256_required_by_default(
     bucket.put("u/with.bin", os.urandom(50_000), ChecksumAlgorithm="SHA256")
     bucket.put("u/without.bin", os.urandom(50_000))
     src, dest = f"s3://{bucket.name}/u/", tmp_path / "u"
-    base = [*endpoint(bucket.port), "--part-size", "1MiB"]
+    base = [*endpoint(bucket.port), "--part-size", "1MiB", *PARTIAL_TREE]
     refused = hgx(aws_env, "sync", src, str(dest), *base)
     assert refused.rc == 1, refused.text
     assert "without.bin" in refused.err and "nothing was downloaded" in refused.err
@@ -424,3 +432,23 @@ def test_sha256_required_by_default(
     assert opted.rc == 0, opted.text
     assert "integrity opt-out: 1 file(s)" in opted.err
     assert "1 by size + ETag only" in opted.err
+
+
+def test_incomplete_model_is_not_marked(
+    bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Every file matches its sha256, but the index names a shard the tree lacks: no marker."""
+    files = model_files()
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-03.safetensors"}}
+    files["model.safetensors.index.json"] = json.dumps(index).encode()
+    upload(bucket, "inc/", files)
+    src, dest = f"s3://{bucket.name}/inc/", tmp_path / "inc"
+    assert hgx(aws_env, "manifest", src, *endpoint(bucket.port), "--publish").rc == 0
+    run = hgx(aws_env, "sync", src, str(dest), *endpoint(bucket.port), "-q")
+    assert run.rc == 1, run.text
+    assert "incomplete" in run.err and "model-03.safetensors" in run.err
+    assert not (dest / ".hgxserve" / "verified").exists()
+    ver = hgx(aws_env, "verify", str(dest), "-q")
+    assert ver.rc == 1 and "incomplete" in ver.err
+    check = hgx(aws_env, "check-marker", str(dest))
+    assert check.rc != 0
