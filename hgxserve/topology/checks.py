@@ -277,6 +277,24 @@ def env_owned(topo: Topology) -> Iterator[Finding]:
                     )
 
 
+@rule(
+    "remote-code-integrity",
+    "error",
+    "trust_remote_code runs Python from the model tree: only with sha256-verified weights.",
+)
+def remote_code_integrity(topo: Topology) -> Iterator[Finding]:
+    if topo.model.integrity == "sha256":
+        return
+    for engine in topo.engines.values():
+        if engine.args.get("trust_remote_code"):
+            yield (
+                setting_path(topo, engine.name, "args", "trust_remote_code"),
+                "trust_remote_code runs Python from the model tree inside the engine; "
+                "with model.integrity: size-etag nothing proves those files are the published "
+                "ones: publish a manifest and drop the opt-out, or turn trust_remote_code off",
+            )
+
+
 # -- 3. P/D --------------------------------------------------------------------------------------
 
 

@@ -100,3 +100,15 @@ def test_manifest_sizes_are_bounded(size: int) -> None:
 def test_unsafe_paths_are_refused(path: str) -> None:
     with pytest.raises(VerifyError, match="unsafe path"):
         Manifest(files=[ManifestFile(path, 1, "0" * 64)])
+
+
+@pytest.mark.parametrize(
+    "user, secret", [("models,rw", "/etc/s"), ("models", "/etc/s,rw"), ("m=x", "/etc/s")]
+)
+def test_cephfs_mount_values_cannot_add_options(user: str, secret: str) -> None:
+    from hgxserve.weights.cephfs import mount_unit
+
+    with pytest.raises(ValueError, match="may not hold"):
+        mount_unit(["10.0.0.1:6789"], "/models", user, secret, "/mnt/m")
+    with pytest.raises(ValueError, match="control character"):
+        mount_unit(["10.0.0.1:6789"], "/models\nExecStartPre=/bin/sh", "m", "/etc/s", "/mnt/m")
