@@ -385,6 +385,12 @@ def _kv_memory_override(engine: Engine) -> int | None:
             return int(value)
         except ValueError:
             return None
+    space = engine.env.get("VLLM_CPU_KVCACHE_SPACE")  # vLLM's CPU backend: KV size in GiB
+    if space:
+        try:
+            return int(float(space) * GIB)
+        except ValueError:
+            return None
     return None
 
 

@@ -129,3 +129,19 @@ def test_heads_advice_never_names_a_tp_that_cannot_hold_the_weights(tmp_path: Pa
         "use tp in {1, 2} with dp and ep: true (at those sizes only expert parallelism makes "
         "the weights fit)"
     )
+
+
+def test_cpu_kv_space_variable_sizes_the_cache(tmp_path: Path) -> None:
+    """vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB) when no
+    --kv-cache-memory-bytes is given."""
+    text = (REPO / "topologies" / "demo" / "demo-vllm-cpu.yml").read_text()
+    text = text.replace('extra_args: ["--kv-cache-memory-bytes", "67108864"]', "extra_args: []")
+    text = text.replace(
+        'VLLM_ENABLE_V1_MULTIPROCESSING: "0"',
+        'VLLM_ENABLE_V1_MULTIPROCESSING: "0"\n    VLLM_CPU_KVCACHE_SPACE: "1"',
+    )
+    text = text.replace("config: ../models/", f"config: {MODELS}/")
+    path = tmp_path / "t.yml"
+    path.write_text(text)
+    est = fit.topology_fit(load_topology(path))[1]["combined-0"]
+    assert est.kv_fixed and est.kv_tokens == (1 << 30) // 2048
