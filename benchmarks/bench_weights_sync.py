@@ -17,6 +17,7 @@ To compare with an earlier version of hgxserve in the same run (same server, sam
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -41,7 +42,7 @@ def free_port() -> int:
 
 def make_tree(root: Path, shards: int, shard_mib: int, small: int) -> int:
     model = root / BUCKET / PREFIX
-    stamp = model / f".tree-{shards}x{shard_mib}-{small}"
+    stamp = model / f".tree-v2-{shards}x{shard_mib}-{small}"
     if not stamp.exists():
         shutil.rmtree(root, ignore_errors=True)
         model.mkdir(parents=True)
@@ -49,6 +50,12 @@ def make_tree(root: Path, shards: int, shard_mib: int, small: int) -> int:
             with open(model / f"model-{i + 1:05d}-of-{shards:05d}.safetensors", "wb") as fh:
                 for _ in range(shard_mib):
                     fh.write(os.urandom(1 << 20))
+        # a whole checkpoint (config, tokenizer, indexed shards): sync marks only those verified
+        names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+        (model / "config.json").write_text('{"architectures": ["BenchForCausalLM"]}\n')
+        (model / "tokenizer.json").write_bytes(os.urandom(64 << 10))
+        index = {"weight_map": {f"layer.{i}": name for i, name in enumerate(names)}}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
         for i in range(small):
             (model / "extra").mkdir(exist_ok=True)
             (model / "extra" / f"small-{i:03d}.bin").write_bytes(os.urandom(64 << 10))
