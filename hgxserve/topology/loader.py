@@ -253,6 +253,11 @@ class _Builder:
                 )
                 continue
             self.doc.key_pos[child] = self._pos(key_node)
+            empty = isinstance(value_node, ScalarNode) and value_node.value == ""
+            if empty and not value_node.style:
+                # `key:` with nothing after it: the parser marks the next token (often lines
+                # later, or the end of the file); the mistake is at the key
+                self.doc.value_pos.setdefault(child, self.doc.key_pos[child])
             out[key] = self.build(value_node, child)
         for source in merged:
             if not isinstance(source, MappingNode):

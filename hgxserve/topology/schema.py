@@ -120,6 +120,8 @@ def _problems_for(doc: Document, error: ValidationError) -> list[Problem]:
     if keyword == "type":
         want = error.validator_value
         want_text = " or ".join(want) if isinstance(want, list) else want
+        if value is None:
+            return [doc.problem(path, f"expected {want_text}, got an empty value")]
         return [doc.problem(path, f"expected {want_text}, got {_kind(value)} {_show(value)}")]
     if keyword == "enum":
         opts = ", ".join(str(o) for o in error.validator_value)
