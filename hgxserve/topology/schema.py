@@ -116,6 +116,18 @@ def _problems_for(doc: Document, error: ValidationError) -> list[Problem]:
                     found.extend(_problems_for(doc, suberr))
                 if found:
                     return found
+        else:
+            # a scalar: explain the one alternative of its own type (maxLength, pattern, ...)
+            kind = _kind(value)
+            same = [a for a in map(_resolve, alts) if a.get("type") == kind]
+            if len(same) == 1:
+                sub = _StrictValidator(same[0], registry=_validator()._registry)  # noqa: SLF001
+                found = []
+                for suberr in sub.iter_errors(value):
+                    suberr.path.extendleft(reversed(path))
+                    found.extend(_problems_for(doc, suberr))
+                if found:
+                    return found
         return [doc.problem(path, f"must be {_alternatives(alts)}; got {_show(value)}")]
     if keyword == "type":
         want = error.validator_value
@@ -136,6 +148,8 @@ def _problems_for(doc: Document, error: ValidationError) -> list[Problem]:
         return [doc.problem(path, f"exactly one of {', '.join(value)} may be given")]
     if keyword == "minProperties":
         return [doc.problem(path, "must not be empty")]
+    if keyword == "maxLength":
+        return [doc.problem(path, f"longer than {error.validator_value} characters")]
     return [doc.problem(path, error.message)]
 
 
