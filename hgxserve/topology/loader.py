@@ -189,34 +189,26 @@ class _Builder:
             self._check_text(node, path, value, "value")
             hole = placeholder(value)
             if hole is not None:
-                line, col = self._pos(node)
-                self.problems.append(
-                    Problem(
-                        self.doc.file,
-                        line,
-                        col,
-                        path,
-                        f"placeholder {hole} was never filled in; write the real value",
-                        "placeholder",
-                    )
-                )
+                self._report(
+                    node, path, f"placeholder {hole} was never filled in; write the real value",
+                    "placeholder",
+                )  # fmt: skip
         return value
+
+    def _report(self, node: Node, path: JsonPath, message: str, rule: str) -> None:
+        line, col = self._pos(node)
+        self.problems.append(Problem(self.doc.file, line, col, path, message, rule))
 
     def _check_text(self, node: Node, path: JsonPath, text: str, what: str) -> None:
         bad = control_character(text)
         if bad is not None:
-            line, col = self._pos(node)
-            self.problems.append(
-                Problem(
-                    self.doc.file,
-                    line,
-                    col,
-                    path,
-                    f"control character {bad} in a string {what}; topology strings end up in "
-                    "systemd units and shell commands: write it on one line without control "
-                    "characters",
-                    "control-character",
-                )
+            self._report(
+                node,
+                path,
+                f"control character {bad} in a string {what}; topology strings end up in "
+                "systemd units and shell commands: write it on one line without control "
+                "characters",
+                "control-character",
             )
 
     def _mapping(self, node: MappingNode, path: JsonPath) -> dict[str, Any]:
