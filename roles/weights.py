@@ -77,13 +77,15 @@ def weights(
       a manifest entry or S3 checksum are then accepted on size + ETag, and the log says so
     """
     manifest = None
+    # the pyinfra log says so on every run that accepts files without a sha256
+    opt_out = "" if require_sha256 else " (integrity OPT-OUT: size + ETag accepted)"
     if source == "s3":
         if not s3_url:
             raise DeployError("weights: source s3 needs s3_url")
         if manifest_name != MANIFEST_NAME:
             manifest = s3_url.rstrip("/") + "/" + manifest_name
         synced(
-            name=f"Sync {model_name} from {s3_url} into {model_path}",
+            name=f"Sync {model_name} from {s3_url} into {model_path}{opt_out}",
             src=s3_url,
             dest=model_path,
             agent=agent,
@@ -106,7 +108,7 @@ def weights(
             _verify_in_place(model_name, model_path, manifest_name, digest, agent)
         else:
             synced(
-                name=f"Stage {model_name} from {local_path} into {model_path}",
+                name=f"Stage {model_name} from {local_path} into {model_path}{opt_out}",
                 src=local_path,
                 dest=model_path,
                 agent=agent,
@@ -173,7 +175,7 @@ def weights(
     )
     if stage:
         synced(
-            name=f"Stage {model_name} from CephFS into {model_path}",
+            name=f"Stage {model_name} from CephFS into {model_path}{opt_out}",
             src=cephfs_mount,
             dest=model_path,
             agent=agent,
