@@ -69,7 +69,9 @@ def check_topology(path: str | Path) -> CheckResult:
         doc: Document = load_document(path)
     except TopologyError as exc:
         return CheckResult(str(path), None, sort_problems(exc.problems), exc.unreadable)
-    problems = doc.problems + schema_problems(doc)
+    # a value with a control character is reported once, by the loader, not again per pattern
+    refused = {p.path for p in doc.problems if p.rule == "control-character"}
+    problems = doc.problems + [p for p in schema_problems(doc) if p.path not in refused]
     if problems:
         return CheckResult(doc.file, None, sort_problems(problems))
     topo = build_topology(doc.data, doc.file)

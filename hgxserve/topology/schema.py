@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 
 from hgxserve.defaults import topology_schema
-from hgxserve.topology.loader import Document
+from hgxserve.topology.loader import Document, control_character
 from hgxserve.topology.problems import JsonPath, Problem
 
 
@@ -31,7 +31,11 @@ def _anchored(pattern: str) -> re.Pattern[str]:
 def _pattern(
     validator: Any, pattern: str, instance: Any, schema: dict[str, Any]
 ) -> Iterator[ValidationError]:
-    if validator.is_type(instance, "string") and not _anchored(pattern).search(instance):
+    if not validator.is_type(instance, "string"):
+        return
+    # a prefix pattern such as "^/" says nothing about the rest: a control character (a line
+    # break in a unit) never matches a pattern here, whatever the pattern
+    if not _anchored(pattern).search(instance) or control_character(instance):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
 

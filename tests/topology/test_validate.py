@@ -185,3 +185,17 @@ def test_installed_command_runs_for_real() -> None:
         [str(exe), "validate", BROKEN], capture_output=True, text=True, cwd=REPO
     )
     assert broken.returncode == 2 and "Traceback" not in broken.stderr
+
+
+def test_schema_alone_refuses_a_trailing_newline_after_a_prefix_pattern() -> None:
+    """`^/` (a prefix pattern) must not let "/x\\n" through, even without the loader's check."""
+    from hgxserve.topology.loader import Document
+    from hgxserve.topology.schema import schema_problems
+
+    model = {"name": "m", "served_name": "m", "path": "/x\n", "source": {"local": {"path": "/m"}}}
+    doc = Document("t.yml", {"name": "t", "hosts": {}, "model": model, "engines": {}})
+    assert any(p.path == ("model", "path") for p in schema_problems(doc))
+    model["path"] = "/x"
+    assert not any(p.path == ("model", "path") for p in schema_problems(doc))
+    doc.data["name"] = "t\n"  # an anchored pattern (`^[a-z0-9]...$`): \Z, not Python's `$`
+    assert any(p.path == ("name",) for p in schema_problems(doc))
