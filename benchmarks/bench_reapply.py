@@ -2,7 +2,7 @@
 
 Brings the test hosts up (reusing running ones), deploys the demo baseline once (weights +
 engines), then times N no-op re-applies of `deploys/engines.py` and of `deploys/site.py
---data stages=weights,engines`, next to the floor of any pyinfra run on the same hosts
+--data stages=runtime,weights,engines`, next to the floor of any pyinfra run on the same hosts
 (`pyinfra inventory/testhosts.py exec -- true`: connect, one command, disconnect), alternating
 rounds. Needs root. Prints a table; asserts nothing about the time.
 
@@ -56,7 +56,7 @@ def main() -> None:
             "--data",
             f"topology={TOPOLOGY}",
             "--data",
-            "stages=weights,engines",
+            "stages=runtime,weights,engines",
         ]
         subprocess.run([*PYINFRA, *site], cwd=REPO, check=True, capture_output=True)
         cases = {
@@ -66,7 +66,7 @@ def main() -> None:
                 "--data",
                 f"topology={TOPOLOGY}",
             ],
-            "hgxserve site.py weights,engines": site,
+            "hgxserve site.py runtime,weights,engines": site,
         }
         times: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.rounds):

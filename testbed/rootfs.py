@@ -25,7 +25,8 @@ from testbed.util import TestbedError, say
 SUITE = "bookworm"
 VARIANT = "minbase"
 # What a test host needs: systemd as PID 1, sshd, a Python for pyinfra facts and the simulated
-# engine, venv/pip for roles that build runtime venvs, and the basic tools facts run.
+# engine, venv/pip for roles that build runtime venvs, the basic tools facts run, and Debian's
+# UCX library (libucp), which the runtime preflight looks for beside NIXL on P/D hosts.
 PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -40,6 +41,7 @@ PACKAGES = (
     "util-linux",
     "ca-certificates",
     "curl",
+    "libucx0",
 )
 # Bump when the post-install recipe below changes, so caches built by an older recipe are rebuilt.
 RECIPE_VERSION = 1

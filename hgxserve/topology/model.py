@@ -113,6 +113,7 @@ class Runtime:
     image: str | None = None
     tool: str | None = None
     cuda: str | None = None  # CUDA version the runtime was built for
+    packages: tuple[str, ...] = ()
 
     @property
     def is_container(self) -> bool:
@@ -275,7 +276,11 @@ def _runtime(data: dict[str, Any] | None) -> Runtime | None:
     if data is None:
         return None
     if "venv" in data:
-        return Runtime(venv=data["venv"], cuda=data.get("cuda"))
+        return Runtime(
+            venv=data["venv"],
+            cuda=data.get("cuda"),
+            packages=tuple(data.get("packages", ())),
+        )
     return Runtime(
         image=data["image"], tool=_get(data, "imageRuntime", "tool"), cuda=data.get("cuda")
     )

@@ -35,6 +35,9 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
     for name in testbed.names:  # a fresh start: hosts that never ran an hgxserve release
         testbed.ssh(name, demo.FORGET_RELEASES, check=True)
     demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
+    # the engine itself, on every host the P/D topology uses (the baseline's venv is a subset)
+    runtime = testbed.pyinfra("deploys/runtime.py", "--data", f"topology={PD}")
+    assert runtime.returncode == 0, (runtime.stdout + runtime.stderr)[-3000:]
     yield testbed
     demo.stop_s3()
     for name in testbed.names:  # leave the hosts as other tests expect them: no engines
@@ -117,7 +120,7 @@ def variant(tmp_path: Path, source: Path, name: str, replace: dict[str, str]) ->
 
 
 def test_fresh_apply_of_the_baseline(lab: testbed_hosts.Testbed) -> None:
-    proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=weights,engines")
+    proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=runtime,weights,engines")
     assert proc.returncode == 0, output(proc)[-4000:]
     assert "GATE-OK" in output(proc)
     answer = complete("10.77.0.11")
@@ -133,7 +136,7 @@ def test_fresh_apply_of_the_baseline(lab: testbed_hosts.Testbed) -> None:
 def test_reapply_changes_nothing_and_restarts_nothing(lab: testbed_hosts.Testbed) -> None:
     before = units(lab, "hgx-a")
     started = time.monotonic()
-    proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=weights,engines")
+    proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=runtime,weights,engines")
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, output(proc)[-4000:]
     total, success, error, _ = grand_total(proc)

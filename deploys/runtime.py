@@ -1,0 +1,75 @@
+"""Runtime stage: the engine itself on each host — a pinned vLLM / SGLang venv with the extras its
+P/D transfer needs (NIXL, Mooncake), from a wheelhouse the controller builds and pushes, or from
+an index / mirror the inventory names. Hosts never reach the internet.
+
+    pyinfra inventory/lab.py deploys/runtime.py --data topology=topologies/h20-v4flash-4p4d.yml
+
+Optional `--data` keys (also inventory host data):
+`runtime_index_url=URL` where the controller downloads wheels from (default: its own pip
+configuration); `runtime_find_links=DIR[,DIR]` local wheel directories the controller also uses;
+`runtime_no_index=true` only those directories; `runtime_source=index` makes each host install
+from `runtime_index_url` itself (a mirror the hosts can reach) instead of a pushed wheelhouse.
+"""
+
+from functools import partial
+
+from pyinfra import host
+from pyinfra.api import DeployError
+
+from hgxserve.facts.runtime import HostPython
+from hgxserve.release.deploying import topology_from_data
+from hgxserve.runtime.spec import RuntimeSpecError, venv_runtimes
+from hgxserve.runtime.wheelhouse import (
+    HostPlatform,
+    IndexOptions,
+    WheelhouseError,
+    build_wheelhouse,
+)
+from roles.runtime import runtime_venv
+
+
+def _flag(name: str) -> bool:
+    value = host.data.get(name, False)
+    return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+
+
+def _wheelhouse(requirements: tuple[str, ...], platform: HostPlatform, index: IndexOptions):
+    try:
+        return build_wheelhouse(requirements, platform, index)
+    except WheelhouseError as exc:
+        raise DeployError(f"runtime wheelhouse: {exc}") from None
+
+
+topology = topology_from_data(host)
+if host.name not in topology.hosts:
+    raise DeployError(f"{host.name}: not a host of topology {topology.name}")
+try:
+    specs = venv_runtimes(topology, host.name)
+except RuntimeSpecError as exc:
+    detail = str(exc).replace("\n", "\n  ")
+    raise DeployError(f"runtime: topology {topology.name}:\n  {detail}") from None
+
+source = str(host.data.get("runtime_source", "wheelhouse"))
+if source not in ("wheelhouse", "index"):
+    raise DeployError(f"runtime_source={source!r}: use wheelhouse or index")
+index_url = host.data.get("runtime_index_url")
+if source == "index" and not index_url:
+    raise DeployError("runtime_source=index needs runtime_index_url (a mirror the hosts reach)")
+links = host.data.get("runtime_find_links") or ()
+index = IndexOptions(
+    index_url=str(index_url) if index_url else None,
+    find_links=tuple(links.split(",") if isinstance(links, str) else links),
+    no_index=_flag("runtime_no_index"),
+)
+
+if specs:
+    python = host.get_fact(HostPython)
+    if not python.get("version"):
+        raise DeployError(f"{host.name}: runtime: the host has no python3 to create a venv with")
+    platform = HostPlatform(python["version"], python["machine"], python["glibc"])
+    for spec in specs:
+        runtime_venv(
+            spec=spec,
+            wheelhouse=partial(_wheelhouse, spec.requirements, platform, index),
+            index_url=str(index_url) if source == "index" else None,
+        )

@@ -1,0 +1,178 @@
+"""pyinfra facts about engine runtimes: what a venv holds, the driver's CUDA, the host's Python.
+
+`VenvRuntimeState` runs the venv's own Python (so versions are the ones the engine imports):
+the engine distribution's version, torch and the CUDA it was built for (read from
+`torch/version.py`, without importing torch), every module that must import (NIXL, Mooncake),
+whether UCX's `libucp` is there (in the venv, e.g. bundled by the nixl wheels, or on the
+system), and the runtime stage's marker. `DriverCuda` reads the driver's highest supported CUDA
+version from nvidia-smi's header line (`... Driver Version: 570.158.01  CUDA Version: 12.8`).
+
+Example:
+    >>> host.get_fact(VenvRuntimeState, venv="/opt/vllm-0.26", dist="vllm",
+    ...               imports=("nixl._api",))["engine_version"]  # doctest: +SKIP
+    '0.26.0'
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from pyinfra.api import FactBase
+
+from hgxserve.facts import parsers
+
+# Runs inside the venv's Python; prints one JSON line. Standard library only.
+PROBE = r"""
+import importlib, importlib.metadata as md, importlib.util, json, os, re, sys, ctypes.util
+dist, imports, marker = sys.argv[1], [m for m in sys.argv[2].split(",") if m], sys.argv[3]
+out = {"python": "%d.%d.%d" % sys.version_info[:3], "imports": {}}
+try:
+    out["engine_version"] = md.version(dist)
+    out["engine_summary"] = md.metadata(dist).get("Summary") or ""
+except md.PackageNotFoundError:
+    out["engine_version"] = None
+try:
+    out["torch_version"] = md.version("torch")
+    spec = importlib.util.find_spec("torch")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    found = re.search(r"^cuda\s*(?::\s*\S+\s*)?=\s*['\"]([0-9.]+)['\"]", open(path).read(), re.M)
+    out["torch_cuda"] = found.group(1) if found else None
+except Exception:
+    out["torch_version"] = None
+for module in imports:
+    try:
+        importlib.import_module(module)
+        out["imports"][module] = "ok"
+    except BaseException as exc:
+        out["imports"][module] = ("%s: %s" % (type(exc).__name__, exc)).splitlines()[0][:300]
+ucp = None
+for top in sys.path:
+    if not top.endswith("site-packages") or not os.path.isdir(top):
+        continue
+    for root, dirs, files in os.walk(top):
+        hit = [f for f in files if f.startswith("libucp.so") or f.startswith("libucp-")]
+        if hit:
+            ucp = os.path.join(root, hit[0]); break
+    if ucp:
+        break
+out["ucx"] = ucp or ctypes.util.find_library("ucp")
+try:
+    out["marker"] = json.load(open(marker))
+except Exception:
+    out["marker"] = None
+print("##json " + json.dumps(out))
+"""
+
+
+class VenvRuntimeState(FactBase):
+    """A runtime venv as its own Python sees it (`present: False` when it has no Python).
+
+    Example:
+        >>> host.get_fact(VenvRuntimeState, venv="/opt/vllm-sim", dist="vllm", imports=())
+        ... # doctest: +SKIP
+        {'present': True, 'engine_version': '0.26.0+sim', 'torch_version': None, ...}
+    """
+
+    def command(self, venv: str, dist: str, imports: tuple[str, ...] = ()) -> str:
+        python = f"{venv.rstrip('/')}/bin/python"
+        marker = f"{venv.rstrip('/')}/.hgxserve-runtime"
+        run = shlex.join([python, "-c", PROBE, dist, ",".join(imports), marker])
+        return (
+            f'if [ -x {shlex.quote(python)} ]; then {run} 2>&1; echo "##rc $?"; '
+            "else echo '##absent'; fi"
+        )
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"present": False}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        return venv_state_from_lines(output)
+
+
+def venv_state_from_lines(lines: list[str]) -> dict[str, Any]:
+    """Parse VenvRuntimeState output.
+
+    >>> venv_state_from_lines(["##absent"])
+    {'present': False}
+    >>> venv_state_from_lines(['##json {"engine_version": "0.26.0"}', "##rc 0"])
+    {'present': True, 'engine_version': '0.26.0'}
+    """
+    if any(line.strip() == "##absent" for line in lines):
+        return {"present": False}
+    for line in lines:
+        if line.startswith("##json "):
+            return {"present": True, **json.loads(line[len("##json ") :])}
+    text = "\n".join(line for line in lines if not line.startswith("##rc"))
+    return {"present": True, "error": text.strip()[-500:] or "the venv's python failed"}
+
+
+class DriverCuda(FactBase):
+    """The driver version and the highest CUDA version it supports, from nvidia-smi's header.
+
+    `status` is `ok`, `absent` (no nvidia-smi) or `error` (it ran and failed).
+
+    Example:
+        >>> host.get_fact(DriverCuda)  # doctest: +SKIP
+        {'status': 'ok', 'driver_version': '570.158.01', 'cuda_version': '12.8'}
+    """
+
+    def command(self) -> str:
+        return (
+            "if command -v nvidia-smi >/dev/null 2>&1; then out=$(nvidia-smi 2>&1); rc=$?; "
+            "printf '%s\\n' \"$out\" | head -n 8; echo \"##rc $rc\"; else echo '##absent'; fi"
+        )
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"status": "absent", "driver_version": None, "cuda_version": None}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        return driver_cuda_from_lines(output)
+
+
+def driver_cuda_from_lines(lines: list[str]) -> dict[str, Any]:
+    """Parse DriverCuda output (nvidia-smi's first lines and its exit status)."""
+    result = DriverCuda.default()
+    if any(line.strip() == "##absent" for line in lines):
+        return result
+    text = "\n".join(line for line in lines if not line.startswith("##rc"))
+    parsed = parsers.parse_smi_table(text) if "NVIDIA-SMI" in text else {}
+    if parsed.get("driver_version"):
+        result.update(
+            status="ok",
+            driver_version=parsed["driver_version"],
+            cuda_version=parsed.get("cuda_version"),
+        )
+    else:
+        result.update(status="error", error=text.strip()[-300:])
+    return result
+
+
+class HostPython(FactBase):
+    """The host's python3 as pip sees platforms: version, machine, glibc (for wheel tags).
+
+    Example:
+        >>> host.get_fact(HostPython)  # doctest: +SKIP
+        {'version': '3.11', 'machine': 'x86_64', 'glibc': '2.36'}
+    """
+
+    def command(self) -> str:
+        return (
+            "python3 -c 'import platform, sys; "
+            'print("%d.%d" % sys.version_info[:2], platform.machine(), '
+            'platform.libc_ver()[1] or "-")\' 2>/dev/null || echo absent'
+        )
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"version": None, "machine": None, "glibc": None}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        words = " ".join(output).split()
+        if len(words) != 3:
+            return self.default()
+        version, machine, glibc = words
+        return {"version": version, "machine": machine, "glibc": None if glibc == "-" else glibc}

@@ -1,0 +1,122 @@
+"""Preflight of engine runtimes: one `HOST: FACT: expected X, found Y` line per mismatch.
+
+Pure: takes what `VenvRuntimeState` and `DriverCuda` read (hgxserve.facts.runtime) and the
+`VenvRuntime`s the topology asks for. With `will_install` (the runtime stage runs later in the
+same deploy) a missing venv, engine or extra is not a problem — that stage installs it — but a
+venv holding another engine version still is: a venv is never changed in place, because the
+release that runs now (and the one rollback returns to) starts from it.
+
+Example:
+    >>> spec = VenvRuntime("/opt/vllm-sim", "vllm", "0.27.0")
+    >>> runtime_problems("hgx-a", [spec], {"/opt/vllm-sim": {"present": True,
+    ...     "engine_version": "0.26.0+sim", "imports": {}}}, None)[0]  # doctest: +ELLIPSIS
+    'hgx-a: engine.version: expected vllm 0.27.0 in /opt/vllm-sim, found 0.26.0+sim (...)'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hgxserve.runtime.spec import VenvRuntime, version_matches
+from hgxserve.topology.cuda import cuda_driver_problem, max_cuda_of_driver
+
+
+def runtime_problems(
+    host: str,
+    specs: list[VenvRuntime],
+    states: dict[str, dict[str, Any]],
+    driver: dict[str, Any] | None,
+    *,
+    will_install: bool = False,
+    planned_driver: str | None = None,
+) -> list[str]:
+    """Every runtime mismatch on `host` (see the module docstring).
+
+    + specs: the venv runtimes the topology needs on this host
+    + states: venv path -> VenvRuntimeState value
+    + driver: DriverCuda value (None: not read)
+    + will_install: the runtime stage runs later in this deploy
+    + planned_driver: the driver version the provision stage of this deploy installs
+    """
+    problems: list[str] = []
+
+    def problem(fact: str, expected: str, found: str) -> None:
+        problems.append(f"{host}: {fact}: expected {expected}, found {found}")
+
+    for spec in specs:
+        state = states.get(spec.venv) or {"present": False}
+        wanted = f"{spec.engine} {spec.version}" if spec.version else spec.engine
+        if not state.get("present"):
+            if not will_install:
+                problem(
+                    f"runtime {spec.venv}",
+                    f"{wanted} installed",
+                    "no venv (install it with deploys/runtime.py)",
+                )
+            continue
+        if state.get("error"):
+            problem(f"runtime {spec.venv}", "a working Python", state["error"].splitlines()[-1])
+            continue
+        found = state.get("engine_version")
+        if found is None:
+            if not will_install:
+                problem("engine.version", f"{wanted} in {spec.venv}", "not installed")
+        elif spec.version and not version_matches(spec.version, found):
+            problem(
+                "engine.version",
+                f"{wanted} in {spec.venv}",
+                f"{found} (a runtime venv is not changed in place: releases start from it; "
+                f"install {spec.version} into its own runtime.venv)",
+            )
+        imports = state.get("imports") or {}
+        for module in spec.imports:
+            result = imports.get(module)
+            if result == "ok" or (will_install and result != "ok"):
+                continue
+            why = spec.why.get(module, "")
+            problem(
+                f"runtime.{module.split('.')[0]}",
+                f"{module} importable in {spec.venv}" + (f" ({why})" if why else ""),
+                result or "not checked",
+            )
+        needs_ucx = any(m.startswith("nixl") for m in spec.imports)
+        nixl_there = all(imports.get(m) == "ok" for m in spec.imports if m.startswith("nixl"))
+        if needs_ucx and nixl_there and not state.get("ucx"):
+            problem(
+                "runtime.ucx",
+                f"UCX (libucp) for NIXL in {spec.venv} or on the system",
+                "none",
+            )
+        cuda = state.get("torch_cuda")
+        if cuda:
+            problems.extend(_cuda_problem(host, spec, state, driver, planned_driver, str(cuda)))
+    return problems
+
+
+def _cuda_problem(
+    host: str,
+    spec: VenvRuntime,
+    state: dict[str, Any],
+    driver: dict[str, Any] | None,
+    planned_driver: str | None,
+    cuda: str,
+) -> list[str]:
+    current = driver or {}
+    version: str | None
+    top: str | None
+    if planned_driver and planned_driver != current.get("driver_version"):
+        version, top = planned_driver, max_cuda_of_driver(planned_driver)
+        whose = f"driver {planned_driver}, which this deploy installs"
+    elif current.get("status") == "ok":
+        version, top = current.get("driver_version"), current.get("cuda_version")
+        whose = f"driver {version}"
+    else:
+        return []
+    reason = cuda_driver_problem(cuda, driver_cuda=top, driver_version=version)
+    if reason is None:
+        return []
+    torch = state.get("torch_version") or "torch"
+    return [
+        f"{host}: runtime.cuda: expected CUDA <= {top or '?'} ({whose}) in {spec.venv}, "
+        f"found torch {torch} built for CUDA {cuda}: {reason.split(';')[0]}"
+    ]

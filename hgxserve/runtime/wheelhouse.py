@@ -1,0 +1,146 @@
+"""Controller side of venv runtimes: one wheelhouse per requirement set and host platform.
+
+The controller downloads the engine, its pinned extras and every dependency once (`pip
+download`, binary wheels for the hosts' Python and glibc, not the controller's), packs them as
+one tarball named by its inputs, and the runtime role pushes that tarball to hosts that need
+it; hosts install with `pip install --no-index` and never reach an index. A second run finds
+the tarball in the cache and downloads nothing.
+
+    >>> tarball, key = build_wheelhouse(("vllm==0.26.0", "nixl==1.5.1"),
+    ...     HostPlatform("3.11", "x86_64", "2.36"))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hgxserve.agent_build import CACHE
+
+
+class WheelhouseError(RuntimeError):
+    """pip could not assemble the wheels (message carries pip's own last lines)."""
+
+
+@dataclass(frozen=True)
+class HostPlatform:
+    """What decides which wheels fit a host: its python3 (major.minor), machine and glibc."""
+
+    python: str
+    machine: str
+    glibc: str | None
+
+    def pip_args(self) -> list[str]:
+        """`pip download` arguments selecting wheels for this platform (not the controller's).
+
+        >>> HostPlatform("3.11", "x86_64", "2.36").pip_args()[:6]
+        ['--only-binary=:all:', '--python-version', '3.11', '--implementation', 'cp', '--abi']
+        """
+        abi = "cp" + self.python.replace(".", "")
+        platforms = [f"linux_{self.machine}"]
+        if self.glibc:
+            major, _, minor = self.glibc.partition(".")
+            # pip widens manylinux_2_N to every older manylinux tag
+            platforms.insert(0, f"manylinux_{major}_{minor or 0}_{self.machine}")
+        else:
+            platforms.insert(0, f"manylinux2014_{self.machine}")
+        args = ["--only-binary=:all:", "--python-version", self.python, "--implementation", "cp"]
+        args += ["--abi", abi]
+        for tag in platforms:
+            args += ["--platform", tag]
+        return args
+
+
+@dataclass(frozen=True)
+class IndexOptions:
+    """Where the controller gets wheels: its own pip configuration unless told otherwise.
+
+    + index_url: a package index or mirror (PEP 503 simple URL)
+    + find_links: local directories (or URLs) of wheels to use as well
+    + no_index: only find_links, never an index
+    """
+
+    index_url: str | None = None
+    find_links: tuple[str, ...] = ()
+    no_index: bool = False
+
+    def pip_args(self) -> list[str]:
+        args: list[str] = []
+        if self.no_index:
+            args.append("--no-index")
+        elif self.index_url:
+            args += ["--index-url", self.index_url]
+        for link in self.find_links:
+            args += ["--find-links", link]
+        return args
+
+
+def wheelhouse_key(
+    requirements: tuple[str, ...], platform: HostPlatform, index: IndexOptions
+) -> str:
+    """Names a wheelhouse by everything that decides its content."""
+    local = []
+    for link in index.find_links:
+        folder = Path(link)
+        if folder.is_dir():  # a rebuilt wheel at the same version must give a new wheelhouse
+            for wheel in sorted(folder.glob("*.whl")):
+                stat = wheel.stat()
+                local.append([wheel.name, stat.st_size, stat.st_mtime_ns])
+    inputs = {
+        "requirements": sorted(requirements),
+        "platform": [platform.python, platform.machine, platform.glibc],
+        "index": [index.index_url, list(index.find_links), index.no_index, local],
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_wheelhouse(
+    requirements: tuple[str, ...],
+    platform: HostPlatform,
+    index: IndexOptions | None = None,
+    *,
+    cache: Path | None = None,
+    log: bool = True,
+) -> tuple[Path, str]:
+    """(tarball, key): the wheels for `requirements` on `platform`, downloaded once and cached."""
+    index = index or IndexOptions()
+    root = (cache or CACHE) / "runtime"
+    key = wheelhouse_key(requirements, platform, index)
+    tarball = root / f"runtime-{key}.tar"
+    if tarball.exists():
+        return tarball, key
+    wheels = root / key
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check"]
+    cmd += ["--dest", str(wheels), *platform.pip_args(), *index.pip_args(), *requirements]
+    started = time.monotonic()
+    if log:
+        print(f"runtime wheelhouse: downloading {' '.join(requirements)} for Python "
+              f"{platform.python} {platform.machine}", file=sys.stderr, flush=True)  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
+        raise WheelhouseError(f"pip download {' '.join(requirements)} failed:\n{tail}")
+    files = sorted(p for p in wheels.iterdir() if p.suffix == ".whl")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for wheel in files:
+            info = tar.gettarinfo(str(wheel), arcname=wheel.name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with wheel.open("rb") as fh:
+                tar.addfile(info, fh)
+    partial = tarball.with_suffix(".tmp")
+    partial.write_bytes(buf.getvalue())
+    partial.replace(tarball)
+    if log:
+        size = tarball.stat().st_size / 2**20
+        print(f"runtime wheelhouse {key}: {len(files)} wheels, {size:.1f} MiB in "
+              f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    return tarball, key

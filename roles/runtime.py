@@ -1,0 +1,127 @@
+"""Runtime role: put the engine (pinned vLLM / SGLang plus its P/D extras) into a venv on a host
+with no internet access, from a wheelhouse the controller builds and pushes, or from a package
+index / mirror the inventory names. Nothing happens when the venv already holds it.
+
+Example:
+    from hgxserve.runtime.spec import VenvRuntime
+    from roles.runtime import runtime_venv
+    runtime_venv(spec=VenvRuntime("/opt/vllm-0.26", "vllm", "0.26.0"), wheelhouse=build)
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+
+from pyinfra import host
+from pyinfra.api import DeployError, deploy
+from pyinfra.operations import files, server
+
+from hgxserve.facts.runtime import VenvRuntimeState
+from hgxserve.runtime.spec import VenvRuntime, parse_pin, version_matches
+
+RUNTIME_STAGING = "/var/lib/hgxserve/runtime"
+
+
+def _quote(*words: str) -> str:
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def installed_requirements(state: dict[str, object]) -> set[str]:
+    """The pins the runtime stage recorded in the venv's marker (empty: none recorded)."""
+    marker = state.get("marker")
+    reqs = marker.get("requirements") if isinstance(marker, dict) else None
+    return {str(r) for r in reqs} if isinstance(reqs, list) else set()
+
+
+def runtime_current(spec: VenvRuntime, state: dict[str, object]) -> bool:
+    """Whether the venv already holds `spec`: every pin recorded as installed (a venv shared by
+    a baseline and a P/D topology holds both sets), the engine version, every import."""
+    if not state.get("present") or state.get("error"):
+        return False
+    imports = state.get("imports")
+    return (
+        set(spec.requirements) <= installed_requirements(state)
+        and spec.version is not None
+        and version_matches(spec.version, state.get("engine_version"))  # type: ignore[arg-type]
+        and isinstance(imports, dict)
+        and all(imports.get(m) == "ok" for m in spec.imports)
+    )
+
+
+@deploy("Install the engine runtime")
+def runtime_venv(
+    *,
+    spec: VenvRuntime,
+    wheelhouse: Callable[[], tuple[Path, str]] | None = None,
+    index_url: str | None = None,
+    python: str = "python3",
+    staging: str = RUNTIME_STAGING,
+) -> None:
+    """Install `spec` (engine==version and extras) into its venv; no-op when it is there.
+
+    + spec: the venv, engine, version, extras and modules that must import
+    + wheelhouse: builds (once, on the controller) the wheelhouse tarball and its key; used
+      unless `index_url` is given
+    + index_url: a package index / mirror the host itself installs from (PEP 503 URL)
+    + python: the host's Python used to create the venv
+    + staging: host directory the wheelhouse is unpacked in (removed after installing)
+    """
+    state = host.get_fact(VenvRuntimeState, venv=spec.venv, dist=spec.dist, imports=spec.imports)
+    if runtime_current(spec, state):
+        host.noop(f"runtime {spec.venv} already holds {' '.join(spec.requirements)}")
+        return
+    found = state.get("engine_version")
+    if found and spec.version and not version_matches(spec.version, found):
+        raise DeployError(
+            f"{host.name}: engine.version: expected {spec.engine} {spec.version} in {spec.venv}, "
+            f"found {found} (a runtime venv is not changed in place; give it its own venv)"
+        )
+    venv, py = spec.venv.rstrip("/"), spec.python
+    pip = f"{venv}/bin/pip"
+    commands = [f"test -x {shlex.quote(py)} || {_quote(python, '-m', 'venv', venv)}"]
+    install = [pip, "install", "-q", "--disable-pip-version-check", "--no-cache-dir"]
+    if index_url:
+        source = f"index {index_url}"
+        install += ["--index-url", index_url]
+        cleanup: list[str] = []
+    else:
+        if wheelhouse is None:
+            raise DeployError(
+                f"runtime {spec.venv}: no wheelhouse and no index_url to install from"
+            )
+        tarball, key = wheelhouse()
+        source = f"wheelhouse {key}"
+        unpacked = f"{staging}/{key}"
+        files.put(
+            name=f"Push the runtime wheelhouse {key} ({tarball.stat().st_size >> 20} MiB)",
+            src=str(tarball),
+            dest=f"{unpacked}.tar",
+            create_remote_dir=True,
+        )
+        commands.append(
+            f"rm -rf {shlex.quote(unpacked)} && mkdir -p {shlex.quote(unpacked)} && "
+            f"tar -xf {shlex.quote(unpacked + '.tar')} -C {shlex.quote(unpacked)}"
+        )
+        install += ["--no-index", "--find-links", unpacked]
+        cleanup = [f"rm -rf {shlex.quote(unpacked)} {shlex.quote(unpacked + '.tar')}"]
+    commands.append(_quote(*install, *spec.requirements))
+    if spec.imports:
+        check = "; ".join(f"import {m}" for m in spec.imports)
+        commands.append(_quote(py, "-c", check))
+    # pins installed earlier stay installed (pip only adds) unless this install re-pins them
+    names = {parse_pin(r)[0].lower() for r in spec.requirements}
+    earlier = {r for r in installed_requirements(state) if parse_pin(r)[0].lower() not in names}
+    held = sorted(earlier | set(spec.requirements))
+    marker = json.dumps({"requirements": held, "source": source}, sort_keys=True)
+    commands.append(
+        f"printf '%s\\n' {shlex.quote(marker)} > {shlex.quote(spec.marker + '.tmp')} && "
+        f"mv {shlex.quote(spec.marker + '.tmp')} {shlex.quote(spec.marker)}"
+    )
+    commands += cleanup
+    server.shell(
+        name=f"Install {' '.join(spec.requirements)} into {spec.venv} from {source}",
+        commands=commands,
+    )

@@ -1,0 +1,157 @@
+"""The runtime stage end to end on real test hosts: the simulated engine (testbed/simwheels.py,
+`vllm==0.26.0+sim`, `nixl==1.5.1+sim`) reaches fresh hosts only through deploys/runtime.py, from
+a wheelhouse the controller builds and pushes; a second run changes and downloads nothing;
+preflight refuses, before any change, a topology whose engine version differs from the installed
+one and a P/D topology whose runtime lacks NIXL.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testbed import demo
+from testbed import hosts as testbed_hosts
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+PD = REPO / "topologies/demo/demo-pd.yml"
+BASELINE = REPO / "topologies/demo/demo-baseline.yml"
+VENV = "/opt/vllm-sim"
+PLAIN = "/opt/vllm-sim-plain"  # a runtime installed without the P/D extras
+REMOVE_RUNTIMES = f"rm -rf {VENV} {PLAIN} /opt/sglang-sim /var/lib/hgxserve/runtime"
+
+
+@pytest.fixture(scope="module")
+def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    for name in testbed.names:  # fresh hosts: no releases, no runtimes
+        testbed.ssh(name, f"{demo.FORGET_RELEASES}; {REMOVE_RUNTIMES}", check=True)
+    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
+    yield testbed
+    demo.stop_s3()
+    for name in testbed.names:
+        testbed.ssh(name, f"{demo.FORGET_RELEASES}; rm -rf {PLAIN}")
+
+
+def run(lab: testbed_hosts.Testbed, script: str, *data: str, limit: str | None = None):
+    args = [script, *(["--limit", limit] if limit else [])]
+    for item in data:
+        args += ["--data", item]
+    proc = lab.pyinfra(*args, "--data", "health_timeout=75", "--data", "confirm_within=120")
+    return proc, re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+
+
+def grand_total(text: str) -> tuple[str, ...]:
+    match = re.search(r"Grand total\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", text)
+    assert match, text[-3000:]
+    return match.groups()
+
+
+def variant(tmp_path: Path, source: Path, replace: dict[str, str]) -> Path:
+    text = source.read_text()
+    for old, new in replace.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / source.name
+    path.write_text(text)
+    return path
+
+
+def marker(lab: testbed_hosts.Testbed, host: str, venv: str = VENV) -> str:
+    return lab.ssh(host, f"cat {venv}/.hgxserve-runtime 2>/dev/null").stdout
+
+
+def test_fresh_hosts_get_the_runtime_and_serve(lab: testbed_hosts.Testbed) -> None:
+    for name in lab.names:
+        assert lab.ssh(name, f"test -e {VENV}").returncode != 0
+    proc, text = run(lab, "deploys/site.py", f"topology={PD}", "stages=runtime,weights,engines")
+    assert proc.returncode == 0, text[-4000:]
+    assert "Push the runtime wheelhouse" in text
+    assert "GATE-OK" in text
+    for name in ("hgx-a", "hgx-b"):  # prefill and decode: the engine and NIXL
+        versions = lab.ssh(
+            name,
+            f"{VENV}/bin/python -c 'import importlib.metadata as m, nixl._api; "
+            'print(m.version("vllm"), m.version("nixl"), m.metadata("vllm")["Summary"])\'',
+            check=True,
+        ).stdout
+        assert versions.startswith("0.26.0+sim 1.5.1+sim SIMULATED vllm engine"), versions
+        assert '"vllm==0.26.0"' in marker(lab, name) and '"nixl==1.5.1"' in marker(lab, name)
+    # the combined engine's host needs no NIXL: only the engine is installed there
+    assert lab.ssh("hgx-c", f"{VENV}/bin/python -c 'import nixl'").returncode != 0
+    assert '"vllm==0.26.0"' in marker(lab, "hgx-c")
+    # served: the unit runs the engine from the venv the stage made
+    main = lab.ssh(
+        "hgx-b", "systemctl show -p ExecStart --value hgxserve-decode-0.service", check=True
+    ).stdout
+    assert f"{VENV}/bin/vllm" in main
+    assert lab.ssh("hgx-a", "test -e /var/lib/hgxserve/runtime/").returncode == 0
+    assert lab.ssh("hgx-a", "ls /var/lib/hgxserve/runtime/").stdout.strip() == ""  # cleaned up
+
+
+def test_second_run_changes_and_downloads_nothing(lab: testbed_hosts.Testbed) -> None:
+    before = {name: marker(lab, name) for name in lab.names}
+    proc, text = run(lab, "deploys/site.py", f"topology={PD}", "stages=runtime,weights,engines")
+    assert proc.returncode == 0, text[-4000:]
+    _, success, error, _ = grand_total(text)
+    assert (success, error) == ("-", "-"), text[-3000:]
+    assert "runtime wheelhouse" not in text  # the controller built nothing, pushed nothing
+    assert "Push the runtime wheelhouse" not in text
+    assert f"runtime {VENV} already holds vllm==0.26.0 nixl==1.5.1" in text
+    assert {name: marker(lab, name) for name in lab.names} == before
+
+
+def test_other_engine_version_fails_preflight_before_any_change(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    newer = variant(tmp_path, PD, {"version: 0.26.0": "version: 0.27.0"})
+    units = lab.ssh("hgx-b", "systemctl show -p MainPID --value hgxserve-decode-0").stdout
+    proc, text = run(lab, "deploys/site.py", f"topology={newer}", limit="hgx-b")
+    assert proc.returncode != 0
+    assert (
+        f"hgx-b: engine.version: expected vllm 0.27.0 in {VENV}, found 0.26.0+sim "
+        "(a runtime venv is not changed in place: releases start from it; install 0.27.0 "
+        "into its own runtime.venv)"
+    ) in text, text[-4000:]
+    assert "Install vllm==0.27.0" not in text and "Traceback" not in text
+    assert '"vllm==0.26.0"' in marker(lab, "hgx-b")
+    assert lab.ssh("hgx-b", "systemctl show -p MainPID --value hgxserve-decode-0").stdout == units
+
+
+def test_runtime_without_nixl_fails_preflight_for_pd(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    plain = variant(tmp_path, BASELINE, {f"venv: {VENV}}}": f"venv: {PLAIN}}}"})
+    proc, text = run(lab, "deploys/runtime.py", f"topology={plain}", limit="hgx-a")
+    assert proc.returncode == 0, text[-4000:]
+    assert lab.ssh("hgx-a", f"{PLAIN}/bin/python -c 'import nixl'").returncode != 0
+    pd_dir = tmp_path / "pd"
+    pd_dir.mkdir()
+    pd = variant(pd_dir, PD, {f"venv: {VENV}}}": f"venv: {PLAIN}}}"})
+    proc, text = run(lab, "deploys/preflight.py", f"topology={pd}", limit="hgx-a")
+    assert proc.returncode != 0
+    assert (
+        f"hgx-a: runtime.nixl: expected nixl._api importable in {PLAIN} (vLLM P/D over NIXL), "
+        "found ModuleNotFoundError: No module named 'nixl'"
+    ) in text, text[-4000:]
+    # with the runtime stage in the same run, the stage adds NIXL instead (no preflight failure
+    # for it), and the venv then serves both topologies
+    proc, text = run(lab, "deploys/site.py", f"topology={pd}", "stages=preflight,runtime",
+                     limit="hgx-a")  # fmt: skip
+    assert "runtime.nixl" not in text
+    assert "Install vllm==0.26.0 nixl==1.5.1" in text, text[-4000:]
+    assert lab.ssh("hgx-a", f"{PLAIN}/bin/python -c 'import nixl._api'").returncode == 0
+
+
+def test_wheelhouse_failure_is_a_clear_error(lab: testbed_hosts.Testbed, tmp_path: Path) -> None:
+    missing = variant(tmp_path, BASELINE, {"version: 0.26.0": "version: 0.99.0",
+                                           f"venv: {VENV}}}": f"venv: {PLAIN}-x}}"})  # fmt: skip
+    proc, text = run(lab, "deploys/runtime.py", f"topology={missing}", limit="hgx-a")
+    assert proc.returncode != 0
+    assert "runtime wheelhouse: pip download vllm==0.99.0 failed:" in text, text[-3000:]
+    assert "Traceback" not in text
+    assert lab.ssh("hgx-a", f"test -e {PLAIN}-x").returncode != 0
