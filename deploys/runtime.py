@@ -9,6 +9,9 @@ Optional `--data` keys (also inventory host data):
 configuration); `runtime_find_links=DIR[,DIR]` local wheel directories the controller also uses;
 `runtime_no_index=true` only those directories; `runtime_source=index` makes each host install
 from `runtime_index_url` itself (a mirror the hosts can reach) instead of a pushed wheelhouse.
+
+The topology's `files:` (chat templates, tool-parser plugins, configs) go to
+/etc/hgxserve/files/<name> on every host that runs an engine, checked against their sha256.
 """
 
 from functools import partial
@@ -18,6 +21,7 @@ from pyinfra.api import DeployError
 
 from hgxserve.facts.runtime import HostPython
 from hgxserve.release.deploying import topology_from_data
+from hgxserve.runtime.files import FileSourceError, local_copy
 from hgxserve.runtime.spec import RuntimeSpecError, venv_runtimes
 from hgxserve.runtime.wheelhouse import (
     HostPlatform,
@@ -25,6 +29,7 @@ from hgxserve.runtime.wheelhouse import (
     WheelhouseError,
     build_wheelhouse,
 )
+from roles.engine_files import engine_files
 from roles.runtime import runtime_venv
 
 
@@ -73,3 +78,10 @@ if specs:
             wheelhouse=partial(_wheelhouse, spec.requirements, platform, index),
             index_url=str(index_url) if source == "index" else None,
         )
+
+if topology.files and topology.engines_on(host.name):
+    try:
+        shipped = [(spec, local_copy(spec)) for spec in topology.files.values()]
+    except FileSourceError as exc:
+        raise DeployError(f"runtime: {exc}") from None
+    engine_files(files=shipped)

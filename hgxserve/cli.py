@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("hgxserve.status.cli:status", "What runs where, healthy or not, on every host."),
     "logs": ("hgxserve.status.cli:logs", "An engine's or the proxy's journal on all its hosts."),
     "inspect": ("hgxserve.status.host:inspect", "This host's serving state as JSON (for status)."),
+    "runtime": ("hgxserve.runtime.cli:runtime", "Check the files the runtime stage shipped."),
 }
 
 

@@ -296,6 +296,8 @@ def _engine_unit(
     exec_stop: list[str] = []
     exec_stop_post: list[str] = []
     credential_lines, wrapper = secret_wrapper(engine.secret_env, name, creds)
+    shipped = {f.host_path: f for f in topo.files.values()}
+    used_files = sorted({p for _, _, p in engine.host_paths() if p in shipped})
     runtime = engine.runtime
     if runtime.is_container:
         tool_name = runtime.tool or "podman"
@@ -318,6 +320,8 @@ def _engine_unit(
             argv += ["--device", f"nvidia.com/gpu={gpu}"]
         argv += ["--volume", f"{topo.model.path}:{topo.model.path}:ro"]
         argv += ["--volume", f"{key_dir}:{key_dir}", "--volume", f"{rundir}:{rundir}"]
+        for path in used_files:
+            argv += ["--volume", f"{path}:{path}:ro"]
         for var in [*env, *sorted(engine.secret_env)]:
             # --env NAME passes the value from the unit's environment, never on the command line
             argv += ["--env", var]
@@ -334,6 +338,10 @@ def _engine_unit(
     else:
         argv = [*program, *args]
     exec_start_pre.append(exec_line([AGENT, "weights", "check-marker", topo.model.path]))
+    if used_files:
+        # the files the runtime stage shipped, as the topology pins them
+        checks = [f"{path}={shipped[path].sha256}" for path in used_files]
+        exec_start_pre.append(exec_line([AGENT, "runtime", "check-files", *checks]))
     exec_start_pre.append(exec_line([AGENT, "gpus", "check-free", "--gpus", gpus]))
     exec_stop_post.append(
         exec_line(

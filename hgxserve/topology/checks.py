@@ -7,6 +7,7 @@ the line where the user wrote them (`ports.setting_path`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 
 from hgxserve.caches.layout import ENV_SUBDIRS
 from hgxserve.paths import CONFIG_DIR
-from hgxserve.topology.model import Engine, Topology, is_loopback
+from hgxserve.topology.model import TOPOLOGY_FILES_DIR, Engine, Topology, is_loopback
 from hgxserve.topology.ports import (
     ANY_ADDRESS,
     listeners_by_host,
@@ -970,6 +971,69 @@ def sglang_dp_attention(topo: Topology) -> Iterator[Finding]:
                 f"enable_dp_attention splits tp {engine.tp} into dp attention groups: dp must be "
                 f"> 1 and divide tp, got dp {engine.dp} (seed 002: --tp-size 8 --dp-size 8 "
                 "--enable-dp-attention)",
+            )
+
+
+@rule("file-source", "error", "Every file under files: exists on the controller with its sha256.")
+def file_source(topo: Topology) -> Iterator[Finding]:
+    for name, spec in topo.files.items():
+        if spec.is_url:
+            continue  # fetched by the controller at deploy time and checked against sha256
+        written = topo.raw.get("files", {}).get(name, {}).get("source", spec.source)
+        try:
+            with open(spec.source, "rb") as fh:
+                actual = hashlib.file_digest(fh, "sha256").hexdigest()
+        except OSError as exc:
+            yield (
+                ("files", name, "source"),
+                f"cannot read {written}: {exc.strerror or exc}; the runtime stage ships this "
+                "file to the hosts (a path relative to the topology file, or absolute)",
+            )
+            continue
+        if actual != spec.sha256:
+            yield (
+                ("files", name, "sha256"),
+                f"{written} has sha256 {actual}, not {spec.sha256}: set sha256: {actual} "
+                "if the new content is intended",
+            )
+
+
+def _setting_or_arg_path(topo: Topology, engine: Engine, keys: tuple[str, ...]) -> JsonPath:
+    if keys[0] != "extra_args":
+        return setting_path(topo, engine.name, *keys)
+    index = int(keys[1])  # merged extra_args: the defaults' first, then the engine's own
+    inherited = len(topo.raw.get("defaults", {}).get("extra_args", []))
+    if index < inherited:
+        return ("defaults", "extra_args", index)
+    return ("engines", engine.name, "extra_args", index - inherited)
+
+
+def _under(path: str, root: str) -> bool:
+    root = root.rstrip("/")
+    return path == root or path.startswith(root + "/")
+
+
+@rule(
+    "engine-path-provided",
+    "error",
+    "A host path an engine arg names is provided: a topology file, the model, the runtime.",
+)
+def engine_path_provided(topo: Topology) -> Iterator[Finding]:
+    shipped = {spec.host_path: name for name, spec in topo.files.items()}
+    for engine in topo.engines.values():
+        roots = [topo.model.path, topo.cache.root]
+        if engine.runtime is not None and engine.runtime.venv:
+            roots.append(engine.runtime.venv)
+        for keys, flag, path in engine.host_paths():
+            if path in shipped or any(_under(path, root) for root in roots):
+                continue
+            name = path.rsplit("/", 1)[-1] or "file"
+            yield (
+                _setting_or_arg_path(topo, engine, keys),
+                f"{flag} points at {path}, which nothing provides on the hosts: add it under "
+                f"files: (e.g. files: {{{name}: {{source: ..., sha256: ...}}}}) and point at "
+                f"{TOPOLOGY_FILES_DIR}/{name}, or use a path inside the model "
+                f"({topo.model.path}) or the runtime",
             )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,15 @@ from hgxserve.defaults import schema_default
 from hgxserve.sizes import parse_size
 
 LOOPBACK = ("127.", "localhost", "::1")
+# Engine flags whose value is a file or directory the engine reads on its host.
+PATH_FLAGS = (
+    "--chat-template",
+    "--tool-parser-plugin",
+    "--reasoning-parser-plugin",
+    "--generation-config",
+    "--hf-config-path",
+    "--tokenizer",
+)
 
 
 def is_loopback(address: str) -> bool:
@@ -191,6 +201,23 @@ class Engine:
         """GPUs the engine needs: tp x dp x pp (tp x pp with SGLang DP attention)."""
         return self.gpus_per_dp_rank * self.dp
 
+    def host_paths(self) -> list[tuple[tuple[str, ...], str, str]]:
+        """(setting keys, flag, path) of every absolute host path the engine's args name."""
+        found: list[tuple[tuple[str, ...], str, str]] = []
+        template = self.args.get("chat_template")
+        if isinstance(template, str) and template.startswith("/"):
+            found.append((("args", "chat_template"), "chat_template", template))
+        args = list(self.extra_args)
+        for i, arg in enumerate(args):
+            flag, eq, value = arg.partition("=")
+            if flag not in PATH_FLAGS:
+                continue
+            if not eq:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            if value.startswith("/"):
+                found.append((("extra_args", str(i if eq else i + 1)), flag, value))
+        return found
+
     def dp_ranks_on(self, host: str) -> range:
         """Data-parallel ranks that run on `host` (ranks are laid out in placement order)."""
         per_rank = self.gpus_per_dp_rank
@@ -240,6 +267,27 @@ class CachePolicy:
     s3_prefix: str | None
 
 
+# Where the runtime stage ships a topology's `files:` on each host; engine args point here.
+TOPOLOGY_FILES_DIR = "/etc/hgxserve/files"
+
+
+@dataclass(frozen=True)
+class TopologyFile:
+    """A file the engines need on their hosts, shipped to `host_path` by the runtime stage."""
+
+    name: str
+    source: str  # an https:// URL, or a controller path resolved against the topology's folder
+    sha256: str
+
+    @property
+    def is_url(self) -> bool:
+        return self.source.startswith(("https://", "http://"))
+
+    @property
+    def host_path(self) -> str:
+        return f"{TOPOLOGY_FILES_DIR}/{self.name}"
+
+
 @dataclass(frozen=True)
 class Topology:
     """A validated topology."""
@@ -253,6 +301,7 @@ class Topology:
     proxy: Proxy | None
     warmup: tuple[Warmup, ...]
     cache: CachePolicy
+    files: dict[str, TopologyFile] = field(default_factory=dict)
     source_file: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -454,6 +503,21 @@ def build_topology(data: dict[str, Any], source_file: str = "") -> Topology:
             distribute=_get(cache_data, "cache", "distribute"),
             s3_prefix=cache_data.get("s3_prefix"),
         ),
+        files=_files(data.get("files", {}), source_file),
         source_file=source_file,
         raw=data,
     )
+
+
+def _files(data: dict[str, Any], source_file: str) -> dict[str, TopologyFile]:
+    base = os.path.dirname(os.path.abspath(source_file)) if source_file else os.getcwd()
+    return {
+        name: TopologyFile(
+            name,
+            spec["source"]
+            if spec["source"].startswith(("https://", "http://"))
+            else os.path.join(base, spec["source"]),
+            spec["sha256"],
+        )
+        for name, spec in sorted(data.items())
+    }

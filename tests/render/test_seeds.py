@@ -150,7 +150,7 @@ def test_seed002_sglang_dp_attention():
     assert ours - seed == {
         ("--model-path", "/models/DeepSeek-V3.2"),
         ("--served-model-name", "deepseek-ai/DeepSeek-V3.2"),
-        ("--chat-template", "/etc/hgxserve/templates/tool_chat_template_deepseekv32.jinja"),
+        ("--chat-template", "/etc/hgxserve/files/tool_chat_template_deepseekv32.jinja"),
         ("--max-running-requests", "64"),
     }
 
