@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 SIMENGINE = REPO / "testbed" / "simengine.py"
 
 # dist name -> (version, import package, summary); versions follow the seeds' engines.
-ENGINES = {"vllm": "0.26.0+sim", "sglang": "0.5.17+sim"}
+ENGINES = {"vllm": "0.26.0+sim", "sglang": "0.5.6.post2+sim"}
 EXTRAS = {
     "nixl": ("1.5.1+sim", "nixl", ("_api",)),
     "mooncake-transfer-engine": ("0.3.13.post1+sim", "mooncake", ("engine",)),

@@ -7,7 +7,10 @@ one and a P/D topology whose runtime lacks NIXL.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +26,12 @@ PD = REPO / "topologies/demo/demo-pd.yml"
 BASELINE = REPO / "topologies/demo/demo-baseline.yml"
 VENV = "/opt/vllm-sim"
 PLAIN = "/opt/vllm-sim-plain"  # a runtime installed without the P/D extras
-REMOVE_RUNTIMES = f"rm -rf {VENV} {PLAIN} /opt/sglang-sim /var/lib/hgxserve/runtime"
+SGLANG = REPO / "topologies/h200-dsv32-sglang-dp8.yml"
+SGLANG_VENV = "/opt/sglang-0.5.6"
+TEMPLATE = "/etc/hgxserve/files/tool_chat_template_deepseekv32.jinja"
+REMOVE_RUNTIMES = (
+    f"rm -rf {VENV} {PLAIN} {SGLANG_VENV} /var/lib/hgxserve/runtime /etc/hgxserve/files"
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,7 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
     yield testbed
     demo.stop_s3()
     for name in testbed.names:
-        testbed.ssh(name, f"{demo.FORGET_RELEASES}; rm -rf {PLAIN}")
+        testbed.ssh(name, f"{demo.FORGET_RELEASES}; rm -rf {PLAIN} {SGLANG_VENV}")
 
 
 def run(lab: testbed_hosts.Testbed, script: str, *data: str, limit: str | None = None):
@@ -155,3 +163,64 @@ def test_wheelhouse_failure_is_a_clear_error(lab: testbed_hosts.Testbed, tmp_pat
     assert "runtime wheelhouse: pip download vllm==0.99.0 failed:" in text, text[-3000:]
     assert "Traceback" not in text
     assert lab.ssh("hgx-a", f"test -e {PLAIN}-x").returncode != 0
+
+
+def sglang_on_test_hosts(out: Path) -> tuple[Path, str]:
+    """The shipped SGLang DP8 topology on hgx-a: hosts and model swapped for the demo lab's, the
+    template's source a local file (SGLang's own stays out of this repository)."""
+    text = SGLANG.read_text()
+    demo_text = BASELINE.read_text()
+    hosts = demo_text[demo_text.index("hosts:\n") : demo_text.index("model:\n")]
+    model = demo_text[demo_text.index("model:\n") : demo_text.index("defaults:\n")]
+    text = text[: text.index("hosts:\n")] + hosts + model + text[text.index("engines:\n") :]
+    text = text.replace("h200-a", "hgx-a")
+    template = out / "tool_chat_template_deepseekv32.jinja"
+    template.write_text(
+        "{# test template #}{% for m in messages %}{{ m['content'] }}{% endfor %}\n"
+    )
+    sha = hashlib.sha256(template.read_bytes()).hexdigest()
+    text, count = re.subn(
+        r"    source: https://\S+\n    sha256: [0-9a-f]{64}",
+        f"    source: {template.name}\n    sha256: {sha}",
+        text,
+    )
+    assert count == 1
+    path = out / "sglang-dp8.yml"
+    path.write_text(text)
+    return path, sha
+
+
+def test_sglang_dp8_starts_with_its_template_delivered(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    topology, sha = sglang_on_test_hosts(tmp_path)
+    lab.ssh("hgx-a", f"rm -rf {SGLANG_VENV} /etc/hgxserve/files", check=True)
+    stages = "stages=runtime,weights,engines"
+    proc, text = run(lab, "deploys/site.py", f"topology={topology}", stages)
+    assert proc.returncode == 0, text[-4000:]
+    assert "GATE-OK" in text
+    assert lab.ssh("hgx-a", f"sha256sum {TEMPLATE}", check=True).stdout.split()[0] == sha
+    version = lab.ssh(
+        "hgx-a", f"{SGLANG_VENV}/bin/python -c 'import importlib.metadata as m; "
+        "print(m.version(\"sglang\"))'", check=True,
+    ).stdout.strip()  # fmt: skip
+    assert version == "0.5.6.post2+sim"
+    unit = lab.ssh("hgx-a", "systemctl cat hgxserve-sglang-0.service", check=True).stdout
+    assert f"runtime check-files {TEMPLATE}={sha}" in unit
+    assert f"--chat-template {TEMPLATE}" in unit
+    body = json.dumps({"model": "tiny", "prompt": "Only answer: SGL", "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        "http://10.77.0.11:8000/v1/completions", data=body,
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert json.loads(resp.read())["choices"][0]["text"]
+    # again: nothing changes (venv, template, release)
+    proc, text = run(lab, "deploys/site.py", f"topology={topology}", stages)
+    assert proc.returncode == 0, text[-4000:]
+    assert grand_total(text)[1:3] == ("-", "-"), text[-3000:]
+    # a unit never starts on a template other than the pinned one
+    lab.ssh("hgx-a", f"cp {TEMPLATE} /tmp/t.keep && echo changed >> {TEMPLATE}", check=True)
+    check = lab.ssh("hgx-a", f"/opt/hgxserve/bin/hgxserve runtime check-files {TEMPLATE}={sha}")
+    lab.ssh("hgx-a", f"mv /tmp/t.keep {TEMPLATE}", check=True)
+    assert check.returncode == 1 and f"expected {sha} (run the runtime stage)" in check.stderr

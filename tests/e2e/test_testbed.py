@@ -305,7 +305,7 @@ def test_simulated_engine_comes_as_wheels_not_preplaced(testbed):
     assert sorted(wheels) == [
         "mooncake_transfer_engine-0.3.13.post1+sim-py3-none-any.whl",
         "nixl-1.5.1+sim-py3-none-any.whl",
-        "sglang-0.5.17+sim-py3-none-any.whl",
+        "sglang-0.5.6.post2+sim-py3-none-any.whl",
         "vllm-0.26.0+sim-py3-none-any.whl",
     ]
     with zipfile.ZipFile(wheels["vllm-0.26.0+sim-py3-none-any.whl"]) as whl:
