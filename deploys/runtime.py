@@ -10,6 +10,11 @@ configuration); `runtime_find_links=DIR[,DIR]` local wheel directories the contr
 `runtime_no_index=true` only those directories; `runtime_source=index` makes each host install
 from `runtime_index_url` itself (a mirror the hosts can reach) instead of a pushed wheelhouse.
 
+Container runtimes (`runtime.image`): `image_mirror=HOST:PORT` pulls the image through a registry
+mirror; `image_archive_prefix=s3://bucket/prefix/` loads `<prefix>/sha256-<hex>.oci.tar`
+(an OCI archive, verified against the digest) from the weights' S3 (`image_s3_endpoint`,
+`image_s3_env_file`, `image_s3_addressing` override it). See docs/runtime.md.
+
 The topology's `files:` (chat templates, tool-parser plugins, configs) go to
 /etc/hgxserve/files/<name> on every host that runs an engine, checked against their sha256.
 """
@@ -22,6 +27,7 @@ from pyinfra.api import DeployError
 from hgxserve.facts.runtime import HostPython
 from hgxserve.release.deploying import topology_from_data
 from hgxserve.runtime.files import FileSourceError, local_copy
+from hgxserve.runtime.images import archive_name, image_digest
 from hgxserve.runtime.spec import RuntimeSpecError, venv_runtimes
 from hgxserve.runtime.wheelhouse import (
     HostPlatform,
@@ -29,6 +35,8 @@ from hgxserve.runtime.wheelhouse import (
     WheelhouseError,
     build_wheelhouse,
 )
+from hgxserve.topology.model import S3Source
+from roles.container_runtime import container_runtime
 from roles.engine_files import engine_files
 from roles.runtime import runtime_venv
 
@@ -78,6 +86,31 @@ if specs:
             wheelhouse=partial(_wheelhouse, spec.requirements, platform, index),
             index_url=str(index_url) if source == "index" else None,
         )
+
+runtimes = [e.runtime for e in topology.engines_on(host.name)]
+if topology.proxy is not None and topology.proxy.host == host.name:
+    runtimes.append(topology.proxy.runtime)
+images = sorted({(r.image, r.tool or "podman") for r in runtimes if r is not None and r.image})
+prefix = host.data.get("image_archive_prefix")
+# archives come from the same S3 as the weights unless told otherwise
+weights_s3 = topology.model.source if isinstance(topology.model.source, S3Source) else None
+s3_creds = weights_s3.credentials if weights_s3 else None
+s3_endpoint = host.data.get("image_s3_endpoint") or (weights_s3.endpoint if weights_s3 else None)
+s3_addressing = host.data.get("image_s3_addressing") or (
+    weights_s3.addressing if weights_s3 else "auto"
+)
+for image, tool in images:
+    digest = image_digest(image)
+    container_runtime(
+        image=image,
+        tool=tool,
+        mirror=host.data.get("image_mirror"),
+        archive_url=f"{str(prefix).rstrip('/')}/{archive_name(digest)}" if prefix else None,
+        s3_env_file=host.data.get("image_s3_env_file")
+        or (s3_creds[1] if s3_creds and s3_creds[0] == "env_file" else None),
+        s3_endpoint=s3_endpoint,
+        s3_addressing=str(s3_addressing),
+    )
 
 if topology.files and topology.engines_on(host.name):
     try:

@@ -176,3 +176,60 @@ class HostPython(FactBase):
             return self.default()
         version, machine, glibc = words
         return {"version": version, "machine": machine, "glibc": None if glibc == "-" else glibc}
+
+
+class CdiSpecState(FactBase):
+    """Whether the CDI spec exists and which driver version it was generated for (its stamp).
+
+    Example:
+        >>> host.get_fact(CdiSpecState, spec="/etc/cdi/nvidia.yaml",
+        ...               stamp="/etc/cdi/.hgxserve-driver")  # doctest: +SKIP
+        {'present': True, 'driver': '570.158.01'}
+    """
+
+    def command(self, spec: str, stamp: str) -> str:
+        return (
+            f"if [ -s {shlex.quote(spec)} ]; then echo present; else echo absent; fi; "
+            f"cat {shlex.quote(stamp)} 2>/dev/null || true"
+        )
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"present": False, "driver": None}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        lines = [line.strip() for line in output if line.strip()]
+        return {
+            "present": bool(lines) and lines[0] == "present",
+            "driver": lines[1] if len(lines) > 1 else None,
+        }
+
+
+class ContainerImage(FactBase):
+    """An image as the container tool knows it: its manifest digest, or absent.
+
+    `tool` is None when the container tool itself is not installed.
+
+    Example:
+        >>> host.get_fact(ContainerImage, tool="/usr/bin/podman",
+        ...               image="docker.io/vllm/vllm-openai@sha256:...")  # doctest: +SKIP
+        {'tool': True, 'digest': 'sha256:...'}
+    """
+
+    def command(self, tool: str, image: str) -> str:
+        inspect = shlex.join([tool, "image", "inspect", "--format", "{{.Digest}}", image])
+        return (
+            f"if [ -x {shlex.quote(tool)} ]; then echo tool; {inspect} 2>/dev/null || true; "
+            "else echo notool; fi"
+        )
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"tool": False, "digest": None}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        lines = [line.strip() for line in output if line.strip()]
+        if not lines or lines[0] != "tool":
+            return self.default()
+        digest = next((line for line in lines[1:] if line.startswith("sha256:")), None)
+        return {"tool": True, "digest": digest}

@@ -306,6 +306,8 @@ def _engine_unit(
         argv = [
             tool,
             "run",
+            # the runtime stage loaded the image by digest; a switch never waits on a pull
+            "--pull=never",
             "--rm",
             "--name",
             container,

@@ -200,6 +200,7 @@ def render_proxy(
         argv = [
             tool,
             "run",
+            "--pull=never",  # loaded by digest in the runtime stage, never during a switch
             "--rm",
             "--name",
             name,

@@ -41,3 +41,72 @@ def check_files(pairs: tuple[str, ...]) -> None:
     if problems:
         raise SystemExit(1)
     click.echo(f"{len(pairs)} file(s) as the topology pins them")
+
+
+@runtime.command("fetch-image")
+@click.argument("url")
+@click.argument("digest")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Archive path.")
+@click.option("--env-file", help="KEY=VALUE file with the S3 credentials (0600).")
+@click.option("--endpoint-url", help="S3 endpoint (default: the AWS settings).")
+@click.option("--region", help="S3 region (default: the AWS settings).")
+@click.option("--addressing", default="auto", type=click.Choice(["auto", "path", "virtual"]))
+def fetch_image(
+    url: str,
+    digest: str,
+    out: str,
+    env_file: str | None,
+    endpoint_url: str | None,
+    region: str | None,
+    addressing: str,
+) -> None:
+    """Download an OCI image archive from S3 and verify it holds manifest DIGEST.
+
+    Nothing is left at --out unless the archive is the pinned image; an archive already there
+    and verified is not downloaded again.
+
+    \b
+    hgxserve runtime fetch-image s3://models/images/sha256-ab12....oci.tar sha256:ab12... \\
+        --out /var/lib/hgxserve/images/sha256-ab12....oci.tar --env-file /etc/hgxserve/s3.env
+    """
+    from pathlib import Path
+
+    from hgxserve.runtime.images import ImageArchiveError, fetch_archive, verify_archive
+    from hgxserve.weights.credentials import apply_env_file
+    from hgxserve.weights.errors import WeightsError
+
+    dest = Path(out)
+    try:
+        if dest.is_file():
+            try:
+                verify_archive(dest, digest)
+                click.echo(f"{dest}: already holds {digest}")
+                return
+            except ImageArchiveError:
+                dest.unlink()
+        apply_env_file(env_file)
+        size = fetch_archive(
+            url, dest, endpoint_url=endpoint_url, region=region, addressing=addressing
+        )
+        try:
+            verify_archive(dest, digest)
+        except ImageArchiveError:
+            dest.unlink(missing_ok=True)
+            raise
+    except (ImageArchiveError, WeightsError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{dest}: {size} bytes from {url}, holds {digest}")
+
+
+@runtime.command("verify-image")
+@click.argument("archive", type=click.Path(exists=True, dir_okay=False))
+@click.argument("digest")
+def verify_image(archive: str, digest: str) -> None:
+    """Exit 1 unless the OCI archive holds image manifest DIGEST with every blob intact."""
+    from hgxserve.runtime.images import ImageArchiveError, verify_archive
+
+    try:
+        verify_archive(archive, digest)
+    except ImageArchiveError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{archive}: holds {digest}")

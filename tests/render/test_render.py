@@ -156,7 +156,10 @@ def test_container_runtime_podman_cdi_and_env_by_name():
     topo = topology("sglang-pd-image.yml")
     prefill = render_host(topo, "h20-a").units[0]
     argv = prefill.argv
-    assert argv[:5] == ["/usr/bin/podman", "run", "--rm", "--name", "hgxserve-prefill-0"]
+    # --pull=never: the runtime stage loaded the image; a switch never pulls
+    assert argv[:6] == [
+        "/usr/bin/podman", "run", "--pull=never", "--rm", "--name", "hgxserve-prefill-0"
+    ]  # fmt: skip
     pairs = flag_pairs(argv)
     assert [v for f, v in pairs if f == "--device"] == [f"nvidia.com/gpu={i}" for i in range(8)]
     assert ("--network", "host") in pairs and ("--ipc", "host") in pairs

@@ -1,0 +1,139 @@
+"""Container images for engines, pinned by digest: fetch an image archive from S3 and prove,
+before `podman load`, that it holds exactly the pinned manifest.
+
+An OCI image archive (`podman save --format oci-archive`, `skopeo copy docker://repo@sha256:X
+oci-archive:x.tar`) keeps the manifest digest: `index.json` names it, and the manifest blob
+under `blobs/sha256/` must hash to it. `verify_archive` checks both, plus the config and layer
+blobs the manifest lists (their sizes and sha256), streaming the tar once. A docker-archive
+(`docker save`) has no manifest digest and is refused.
+
+    >>> verify_archive("/var/lib/hgxserve/images/abc.tar", "sha256:abc...")  # doctest: +SKIP
+    'sha256:abc...'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tarfile
+from pathlib import Path
+from typing import Any
+
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+CHUNK = 8 << 20
+
+
+class ImageArchiveError(ValueError):
+    """An archive that is not the pinned image (or not an OCI archive at all)."""
+
+
+def image_digest(image: str) -> str:
+    """The `sha256:...` part of `repo@sha256:...`.
+
+    >>> image_digest("docker.io/lmsysorg/sglang@sha256:" + "a" * 64)[:12]
+    'sha256:aaaaa'
+    """
+    _, _, digest = image.rpartition("@")
+    if not DIGEST.match(digest):
+        raise ImageArchiveError(f"{image}: not pinned by digest (repo@sha256:<64 hex>)")
+    return digest
+
+
+def archive_name(digest: str) -> str:
+    """The archive's object name under the S3 prefix: named by the digest it must hold."""
+    return digest.replace(":", "-") + ".oci.tar"
+
+
+def _blob_name(digest: str) -> str:
+    return "blobs/" + digest.replace(":", "/", 1)
+
+
+def verify_archive(path: str | os.PathLike[str], digest: str) -> str:
+    """Check that the OCI archive at `path` holds the image manifest `digest`; return it."""
+    if not DIGEST.match(digest):
+        raise ImageArchiveError(f"{digest}: not a sha256 digest")
+    hashes: dict[str, tuple[str, int]] = {}
+    index: dict[str, Any] | None = None
+    try:
+        with tarfile.open(path, mode="r|*") as tar:
+            for member in tar:
+                name = member.name.removeprefix("./")
+                if not member.isfile():
+                    continue
+                fh = tar.extractfile(member)
+                if fh is None:
+                    continue
+                if name == "index.json":
+                    index = json.loads(fh.read(1 << 20))
+                    continue
+                if name.startswith("blobs/sha256/"):
+                    h = hashlib.sha256()
+                    size = 0
+                    while chunk := fh.read(CHUNK):
+                        h.update(chunk)
+                        size += len(chunk)
+                    hashes[name] = (h.hexdigest(), size)
+    except (OSError, tarfile.TarError, ValueError) as exc:
+        raise ImageArchiveError(f"{path}: not a readable image archive: {exc}") from None
+    if index is None:
+        raise ImageArchiveError(
+            f"{path}: no index.json: not an OCI archive (save it with "
+            "`podman save --format oci-archive` or `skopeo copy ... oci-archive:`)"
+        )
+    listed = [m.get("digest") for m in index.get("manifests", []) if isinstance(m, dict)]
+    if digest not in listed:
+        raise ImageArchiveError(
+            f"{path}: holds manifest(s) {', '.join(map(str, listed)) or 'none'}, not {digest}"
+        )
+    blob = _blob_name(digest)
+    if blob not in hashes or "sha256:" + hashes[blob][0] != digest:
+        raise ImageArchiveError(f"{path}: the manifest blob {blob} is missing or altered")
+    with tarfile.open(path, mode="r|*") as tar:
+        manifest = _read_member(tar, blob)
+    for part in [manifest.get("config", {}), *manifest.get("layers", [])]:
+        want, size = part.get("digest", ""), part.get("size")
+        got = hashes.get(_blob_name(want)) if DIGEST.match(str(want)) else None
+        if got is None or "sha256:" + got[0] != want or (size is not None and got[1] != size):
+            raise ImageArchiveError(f"{path}: blob {want} is missing or altered")
+    return digest
+
+
+def _read_member(tar: tarfile.TarFile, name: str) -> dict[str, Any]:
+    for member in tar:
+        if member.name.removeprefix("./") == name:
+            fh = tar.extractfile(member)
+            if fh is not None:
+                return dict(json.loads(fh.read(16 << 20)))
+    raise ImageArchiveError(f"{name}: missing")
+
+
+def fetch_archive(
+    url: str, dest: Path, *, endpoint_url: str | None, region: str | None, addressing: str
+) -> int:
+    """Download `s3://bucket/key` to `dest` (through a .part file); return the byte count."""
+    from hgxserve.weights.s3 import S3Options, S3Url, make_client
+
+    where = S3Url.parse(url)
+    client = make_client(
+        where.bucket, S3Options(endpoint_url=endpoint_url, region=region, addressing=addressing)
+    )
+    key = where.prefix
+    try:
+        size = next(o.size for o in client.list_objects(key) if o.key == key)
+    except StopIteration:
+        raise ImageArchiveError(f"{url}: no such object") from None
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".part")
+    buf = bytearray(min(CHUNK * 4, max(size, 1)))
+    with partial.open("wb") as out:
+        offset = 0
+        while offset < size:
+            view = memoryview(buf)[: min(len(buf), size - offset)]
+            client.get_range_into(key, offset, view, None)
+            out.write(view)
+            offset += len(view)
+    partial.replace(dest)
+    client.close()
+    return size

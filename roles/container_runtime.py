@@ -1,0 +1,158 @@
+"""Container runtime role: podman (or docker) with the NVIDIA Container Toolkit, a CDI spec that
+follows the driver, and the engine image loaded by digest before any release switch.
+
+- packages: `podman` / `docker.io` and `nvidia-container-toolkit` at a pinned version (from the
+  apt source provision configured: NVIDIA's repository or the lab mirror);
+- CDI: `nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml`, again whenever the driver
+  version differs from the one the spec was generated for (a stamp beside it);
+- image: present with the pinned digest, or pulled through a registry mirror
+  (registries.conf drop-in), or loaded from an OCI archive fetched from S3 by the agent and
+  verified against the digest before `podman load`; the digest is checked after loading.
+  Units run with `--pull=never`, so nothing is pulled inside the switch window.
+
+Example:
+    container_runtime(image="docker.io/vllm/vllm-openai@sha256:...", tool="podman",
+                      archive_url="s3://models/images/sha256-....oci.tar")
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra import host
+from pyinfra.api import DeployError, deploy
+from pyinfra.operations import files, server
+
+from hgxserve.facts.runtime import CdiSpecState, ContainerImage, DriverCuda
+from hgxserve.runtime.images import archive_name, image_digest
+from roles.nvidia_driver import APT_CACHE_SECONDS, pinned_packages
+
+# NVIDIA Container Toolkit release pinned with the 570 driver default (roles.nvidia_driver)
+TOOLKIT_VERSION = "1.17.8"
+TOOL_PACKAGES = {"podman": "podman", "docker": "docker.io"}
+TOOL_BIN = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker"}
+CDI_SPEC = "/etc/cdi/nvidia.yaml"
+CDI_STAMP = "/etc/cdi/.hgxserve-driver"
+IMAGE_STAGING = "/var/lib/hgxserve/images"
+MIRROR_DROPIN = "/etc/containers/registries.conf.d/50-hgxserve-mirror.conf"
+AGENT = "/opt/hgxserve/bin/hgxserve"
+
+
+def mirror_conf(registry: str, mirror: str) -> str:
+    """registries.conf drop-in sending pulls from `registry` to `mirror` (digests unchanged).
+
+    >>> print(mirror_conf("docker.io", "registry.lab:5000"), end="")
+    [[registry]]
+    location = "docker.io"
+    [[registry.mirror]]
+    location = "registry.lab:5000"
+    """
+    return f'[[registry]]\nlocation = "{registry}"\n[[registry.mirror]]\nlocation = "{mirror}"\n'
+
+
+@deploy("Install the container runtime")
+def container_runtime(
+    *,
+    image: str,
+    tool: str = "podman",
+    toolkit_version: str = TOOLKIT_VERSION,
+    mirror: str | None = None,
+    archive_url: str | None = None,
+    s3_env_file: str | None = None,
+    s3_endpoint: str | None = None,
+    s3_addressing: str = "auto",
+    cache_time: int = APT_CACHE_SECONDS,
+) -> None:
+    """Install the tool and toolkit, keep the CDI spec at the driver, load `image` by digest.
+
+    + image: repo@sha256:<64 hex>, as the topology pins it
+    + tool: podman or docker
+    + toolkit_version: nvidia-container-toolkit version
+    + mirror: registry mirror (host[:port]) the image is pulled through
+    + archive_url: s3:// URL of an OCI archive of the image (used when no mirror is given)
+    + s3_env_file, s3_endpoint, s3_addressing: how the agent reaches that S3
+    + cache_time: seconds the apt lists count as fresh
+    """
+    if tool not in TOOL_PACKAGES:
+        raise DeployError(f"{host.name}: container tool {tool!r}: use podman or docker")
+    digest = image_digest(image)
+    pinned_packages(
+        name=f"Install {tool} and the NVIDIA Container Toolkit {toolkit_version}",
+        packages=["nvidia-container-toolkit", "nvidia-container-toolkit-base"],
+        version=toolkit_version,
+        hold=True,
+        cache_time=cache_time,
+    )
+    pinned_packages(
+        name=f"Install {tool}",
+        packages=[TOOL_PACKAGES[tool]],
+        cache_time=cache_time,
+    )
+
+    driver = host.get_fact(DriverCuda)
+    cdi = host.get_fact(CdiSpecState, spec=CDI_SPEC, stamp=CDI_STAMP)
+    version = driver.get("driver_version")
+    if not version:
+        host.noop("no NVIDIA driver answers yet: the CDI spec is generated once it does")
+    elif cdi.get("present") and cdi.get("driver") == version:
+        host.noop(f"CDI spec {CDI_SPEC} already matches driver {version}")
+    else:
+        server.shell(
+            name=f"Generate the CDI spec for driver {version}"
+            + (f" (was {cdi['driver']})" if cdi.get("driver") else ""),
+            commands=[
+                f"nvidia-ctk cdi generate --output={CDI_SPEC}",
+                "nvidia-ctk cdi list | grep -q 'nvidia.com/gpu='",
+                f"echo {shlex.quote(version)} > {CDI_STAMP}",
+            ],
+        )
+
+    state = host.get_fact(ContainerImage, tool=TOOL_BIN[tool], image=image)
+    if state.get("digest") == digest:
+        host.noop(f"image {image} is already loaded")
+        return
+    check = (
+        f"test \"$({TOOL_BIN[tool]} image inspect --format '{{{{.Digest}}}}' "
+        f'{shlex.quote(image)})" = {digest}'
+    )
+    if mirror:
+        registry = image.split("/", 1)[0] if "/" in image.split("@")[0] else "docker.io"
+        files.put(
+            name=f"Pull {registry} images through the mirror {mirror}",
+            src=_text(mirror_conf(registry, mirror)),
+            dest=MIRROR_DROPIN,
+            mode="644",
+            create_remote_dir=True,
+        )
+        server.shell(
+            name=f"Pull {image} through {mirror}",
+            commands=[f"{TOOL_BIN[tool]} pull {shlex.quote(image)}", check],
+        )
+        return
+    if not archive_url:
+        raise DeployError(
+            f"{host.name}: image {image} is not loaded and there is no source: give "
+            "--data image_mirror=HOST:PORT or --data image_archive_prefix=s3://bucket/prefix/"
+        )
+    archive = f"{IMAGE_STAGING}/{archive_name(digest)}"
+    fetch = [AGENT, "runtime", "fetch-image", archive_url, digest, "--out", archive]
+    if s3_env_file:
+        fetch += ["--env-file", s3_env_file]
+    if s3_endpoint:
+        fetch += ["--endpoint-url", s3_endpoint]
+    fetch += ["--addressing", s3_addressing]
+    server.shell(
+        name=f"Load {image} from {archive_url} (digest checked before and after)",
+        commands=[
+            shlex.join(fetch),
+            f"{TOOL_BIN[tool]} load -i {shlex.quote(archive)}",
+            check,
+            f"rm -f {shlex.quote(archive)}",
+        ],
+    )
+
+
+def _text(body: str):  # type: ignore[no-untyped-def]
+    import io
+
+    return io.StringIO(body)
