@@ -14,7 +14,7 @@ from pyinfra.api import DeployError
 
 from hgxserve.facts.preflight import expectation_from_topology
 from hgxserve.release.deploying import topology_from_data
-from hgxserve.runtime.spec import RuntimeSpecError, venv_runtimes
+from hgxserve.runtime.spec import RuntimeSpecError, container_images, venv_runtimes
 from hgxserve.stages import runs_later
 from roles.nvidia_driver import DRIVER_VERSION
 from roles.preflight import preflight
@@ -31,11 +31,13 @@ try:
 except RuntimeSpecError as exc:
     detail = str(exc).replace("\n", "\n  ")
     raise DeployError(f"runtime: topology {topology.name}:\n  {detail}") from None
+images = container_images(topology, host.name)
 preflight(
     expect=expectation_from_topology(topology, host.name),
     after_provision=full,
     runtimes=tuple(runtimes),
     runtime_installs=runs_later("runtime"),
+    images=tuple(images) if full else (),
     planned_driver=str(host.data.get("driver_version", DRIVER_VERSION))
     if runs_later("provision")
     else None,

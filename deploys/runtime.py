@@ -28,7 +28,7 @@ from hgxserve.facts.runtime import HostPython
 from hgxserve.release.deploying import topology_from_data
 from hgxserve.runtime.files import FileSourceError, local_copy
 from hgxserve.runtime.images import archive_name, image_digest
-from hgxserve.runtime.spec import RuntimeSpecError, venv_runtimes
+from hgxserve.runtime.spec import RuntimeSpecError, container_images, venv_runtimes
 from hgxserve.runtime.wheelhouse import (
     HostPlatform,
     IndexOptions,
@@ -87,10 +87,7 @@ if specs:
             index_url=str(index_url) if source == "index" else None,
         )
 
-runtimes = [e.runtime for e in topology.engines_on(host.name)]
-if topology.proxy is not None and topology.proxy.host == host.name:
-    runtimes.append(topology.proxy.runtime)
-images = sorted({(r.image, r.tool or "podman") for r in runtimes if r is not None and r.image})
+images = container_images(topology, host.name)
 prefix = host.data.get("image_archive_prefix")
 # archives come from the same S3 as the weights unless told otherwise
 weights_s3 = topology.model.source if isinstance(topology.model.source, S3Source) else None

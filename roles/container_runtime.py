@@ -31,11 +31,41 @@ from roles.nvidia_driver import APT_CACHE_SECONDS, pinned_packages
 TOOLKIT_VERSION = "1.17.8"
 TOOL_PACKAGES = {"podman": "podman", "docker": "docker.io"}
 TOOL_BIN = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker"}
+TOOLKIT_PACKAGES = (
+    "nvidia-container-toolkit",
+    "nvidia-container-toolkit-base",
+    "libnvidia-container1",
+    "libnvidia-container-tools",
+)
+TOOLKIT_PREFERENCES = "/etc/apt/preferences.d/hgxserve-nvidia-container-toolkit"
 CDI_SPEC = "/etc/cdi/nvidia.yaml"
 CDI_STAMP = "/etc/cdi/.hgxserve-driver"
 IMAGE_STAGING = "/var/lib/hgxserve/images"
 MIRROR_DROPIN = "/etc/containers/registries.conf.d/50-hgxserve-mirror.conf"
 AGENT = "/opt/hgxserve/bin/hgxserve"
+
+
+def toolkit_preferences(version: str) -> str:
+    """apt preferences holding the toolkit and its libraries at one upstream version.
+
+    >>> print(toolkit_preferences("1.17.8"), end="")  # doctest: +ELLIPSIS
+    Package: nvidia-container-toolkit ... libnvidia-container-tools
+    Pin: version 1.17.8-*
+    Pin-Priority: 1001
+    """
+    return f"Package: {' '.join(TOOLKIT_PACKAGES)}\nPin: version {version}-*\nPin-Priority: 1001\n"
+
+
+def image_registry(image: str) -> str:
+    """The registry an image reference pulls from (docker.io when it names none).
+
+    >>> image_registry("lmsysorg/sglang@sha256:ab"), image_registry("nvcr.io/nim/x@sha256:ab")
+    ('docker.io', 'nvcr.io')
+    """
+    first, slash, _ = image.split("@", 1)[0].partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return "docker.io"
 
 
 def mirror_conf(registry: str, mirror: str) -> str:
@@ -76,8 +106,15 @@ def container_runtime(
     if tool not in TOOL_PACKAGES:
         raise DeployError(f"{host.name}: container tool {tool!r}: use podman or docker")
     digest = image_digest(image)
+    # apt installs the pinned toolkit (and its libraries), as the driver role pins the driver
+    files.put(
+        name=f"Pin the NVIDIA Container Toolkit at {toolkit_version}",
+        src=_text(toolkit_preferences(toolkit_version)),
+        dest=TOOLKIT_PREFERENCES,
+        mode="644",
+    )
     pinned_packages(
-        name=f"Install {tool} and the NVIDIA Container Toolkit {toolkit_version}",
+        name=f"Install the NVIDIA Container Toolkit {toolkit_version}",
         packages=["nvidia-container-toolkit", "nvidia-container-toolkit-base"],
         version=toolkit_version,
         hold=True,
@@ -116,7 +153,7 @@ def container_runtime(
         f'{shlex.quote(image)})" = {digest}'
     )
     if mirror:
-        registry = image.split("/", 1)[0] if "/" in image.split("@")[0] else "docker.io"
+        registry = image_registry(image)
         files.put(
             name=f"Pull {registry} images through the mirror {mirror}",
             src=_text(mirror_conf(registry, mirror)),

@@ -18,8 +18,8 @@ from pyinfra.api import DeployError, deploy
 
 from hgxserve.facts import HOST_FACTS
 from hgxserve.facts.preflight import HostExpectation, preflight_problems
-from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
-from hgxserve.runtime.checks import runtime_problems
+from hgxserve.facts.runtime import ContainerImage, DriverCuda, VenvRuntimeState
+from hgxserve.runtime.checks import image_problems, runtime_problems
 from hgxserve.runtime.spec import VenvRuntime
 
 __all__ = ["HostExpectation", "gather_facts", "preflight", "preflight_problems"]
@@ -48,6 +48,7 @@ def preflight(
     runtimes: tuple[VenvRuntime, ...] = (),
     runtime_installs: bool = False,
     planned_driver: str | None = None,
+    images: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Raise DeployError naming host, fact, expected and found for every mismatch.
 
@@ -56,6 +57,7 @@ def preflight(
     + runtimes: engine venvs to check (engine version, extras that must import, UCX, CUDA)
     + runtime_installs: the runtime stage runs later in this deploy (missing parts are fine)
     + planned_driver: the driver version a later provision stage installs (for the CUDA check)
+    + images: (image, tool) container runtimes that must be loaded
 
     Example:
         preflight(expect=HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8))
@@ -77,6 +79,12 @@ def preflight(
             will_install=runtime_installs,
             planned_driver=planned_driver,
         )
+    if images and not runtime_installs:
+        image_states = {
+            image: host.get_fact(ContainerImage, tool=f"/usr/bin/{tool}", image=image)
+            for image, tool in images
+        }
+        problems += image_problems(expect.host, list(images), image_states)
     if problems:
         raise DeployError(
             f"preflight failed on {expect.host} ({len(problems)} problem"

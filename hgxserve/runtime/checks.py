@@ -120,3 +120,34 @@ def _cuda_problem(
         f"{host}: runtime.cuda: expected CUDA <= {top or '?'} ({whose}) in {spec.venv}, "
         f"found torch {torch} built for CUDA {cuda}: {reason.split(';')[0]}"
     ]
+
+
+def image_problems(
+    host: str,
+    images: list[tuple[str, str]],
+    states: dict[str, dict[str, Any]],
+    *,
+    will_install: bool = False,
+) -> list[str]:
+    """Container images (image, tool) that are not loaded with their pinned digest.
+
+    >>> image_problems("h", [("r/x@sha256:" + "a" * 64, "podman")], {})  # doctest: +ELLIPSIS
+    ['h: runtime.podman: expected podman installed (to run r/x@sha256:aaa...), found none']
+    """
+    problems: list[str] = []
+    if will_install:
+        return problems
+    for image, tool in images:
+        state = states.get(image) or {}
+        digest = image.rpartition("@")[2]
+        if not state.get("tool"):
+            problems.append(
+                f"{host}: runtime.{tool}: expected {tool} installed (to run {image}), found none"
+            )
+        elif state.get("digest") != digest:
+            problems.append(
+                f"{host}: runtime.image: expected {image} loaded in {tool}, found "
+                f"{state.get('digest') or 'not present'} (the runtime stage loads it before "
+                "any switch)"
+            )
+    return problems

@@ -173,3 +173,11 @@ def venv_runtimes(topo: Topology, host: str, require_version: bool = True) -> li
             )
         )
     return out
+
+
+def container_images(topo: Topology, host: str) -> list[tuple[str, str]]:
+    """(image, tool) of every container runtime on `host`: its engines' and the proxy's."""
+    runtimes = [engine.runtime for engine in topo.engines_on(host)]
+    if topo.proxy is not None and topo.proxy.host == host:
+        runtimes.append(topo.proxy.runtime)
+    return sorted({(r.image, r.tool or "podman") for r in runtimes if r is not None and r.image})

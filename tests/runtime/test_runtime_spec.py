@@ -9,7 +9,7 @@ import pytest
 
 from hgxserve.runtime import checks, spec
 from hgxserve.runtime.checks import runtime_problems
-from hgxserve.runtime.spec import RuntimeSpecError, VenvRuntime, venv_runtimes
+from hgxserve.runtime.spec import RuntimeSpecError, VenvRuntime, container_images, venv_runtimes
 from hgxserve.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,3 +137,11 @@ def test_cuda_checked_against_the_driver_provision_installs() -> None:
 def test_no_driver_no_cuda_verdict() -> None:
     state = {**OK, "torch_version": "2.9.0+cu130", "torch_cuda": "13.0"}
     assert runtime_problems("h", [SPEC], {"/opt/v": state}, {"status": "absent"}) == []
+
+
+def test_container_images_of_a_host() -> None:
+    topo = load_topology(REPO / "tests/render/topologies/sglang-pd-image.yml")
+    images = {h: container_images(topo, h) for h in topo.hosts}
+    assert any(images.values())
+    assert all(tool in ("podman", "docker") for found in images.values() for _, tool in found)
+    assert all("@sha256:" in image for found in images.values() for image, _ in found)
