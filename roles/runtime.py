@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,6 +87,9 @@ def runtime_venv(
     if index_url:
         source = f"index {index_url}"
         install += ["--index-url", index_url]
+        if index_url.startswith("http://"):
+            # a lab mirror without TLS: pip ignores it unless its host is named trusted
+            install += ["--trusted-host", urllib.parse.urlsplit(index_url).netloc]
         cleanup: list[str] = []
     else:
         if wheelhouse is None:
