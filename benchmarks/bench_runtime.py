@@ -105,8 +105,8 @@ def main() -> None:
         topology.write_text(text)
         base = ["deploys/runtime.py", "--data", f"topology={topology}"]
         push = [*base, "--data", f"runtime_find_links={wheels}", "--data", "runtime_no_index=true"]
-        index = [*base, "--data", "runtime_source=index",
-                 "--data", f"runtime_index_url=http://{testbed_hosts.BRIDGE_ADDRESS}:{port}/simple"]  # fmt: skip
+        url = f"http://{testbed_hosts.BRIDGE_ADDRESS}:{port}/simple"
+        index = [*base, "--data", "runtime_source=index", "--data", f"runtime_index_url={url}"]
         warm = {**os.environ, "HGXSERVE_CONTROLLER_CACHE": str(work / "cache")}
 
         def fresh() -> None:
