@@ -10,6 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
+import subprocess
+import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -224,3 +228,37 @@ def test_sglang_dp8_starts_with_its_template_delivered(
     check = lab.ssh("hgx-a", f"/opt/hgxserve/bin/hgxserve runtime check-files {TEMPLATE}={sha}")
     lab.ssh("hgx-a", f"mv /tmp/t.keep {TEMPLATE}", check=True)
     assert check.returncode == 1 and f"expected {sha} (run the runtime stage)" in check.stderr
+
+
+def test_hosts_install_from_an_inventory_named_index(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    # a PEP 503 index of the simulated wheels, served on the controller bridge as a lab mirror
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_runtime import simple_index
+
+    simple_index(testbed_hosts.WHEELS_DIR, tmp_path / "index")
+    with socket.socket() as sock:
+        sock.bind((testbed_hosts.BRIDGE_ADDRESS, 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", testbed_hosts.BRIDGE_ADDRESS, str(port),
+         "--directory", str(tmp_path / "index")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    venv = f"{PLAIN}-index"
+    try:
+        time.sleep(0.5)
+        topology = variant(tmp_path, BASELINE, {f"venv: {VENV}}}": f"venv: {venv}}}"})
+        url = f"http://{testbed_hosts.BRIDGE_ADDRESS}:{port}/simple"
+        data = [f"topology={topology}", "runtime_source=index", f"runtime_index_url={url}"]
+        proc, text = run(lab, "deploys/runtime.py", *data, limit="hgx-a")
+        assert proc.returncode == 0, text[-4000:]
+        assert "Push the runtime wheelhouse" not in text
+        assert f'"source": "index {url}"' in marker(lab, "hgx-a", venv)
+        again, text = run(lab, "deploys/runtime.py", *data, limit="hgx-a")
+        assert again.returncode == 0 and grand_total(text)[1:3] == ("-", "-"), text[-3000:]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        lab.ssh("hgx-a", f"rm -rf {venv}")
