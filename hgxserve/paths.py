@@ -34,6 +34,20 @@ RUN_CREDENTIALS_DIR = "/run/credentials"
 # JIT/compile caches, one directory per cache key.
 CACHE_ROOT = "/var/cache/hgxserve"
 
+# Engine runtimes (deploys/runtime.py): a wheelhouse while it installs, the pins each runtime
+# venv holds (a file in the venv), the files a topology ships, image archives while they load.
+RUNTIME_STAGING = f"{STATE_ROOT}/runtime"
+RUNTIME_MARKER = ".hgxserve-runtime"
+TOPOLOGY_FILES_DIR = f"{CONFIG_DIR}/files"
+IMAGE_STAGING = f"{STATE_ROOT}/images"
+
+# Containers: the CDI spec and the driver it was generated for, the registry mirror drop-in,
+# the apt pin of the NVIDIA Container Toolkit.
+CDI_SPEC = "/etc/cdi/nvidia.yaml"
+CDI_STAMP = "/etc/cdi/.hgxserve-driver"
+REGISTRY_MIRROR_DROPIN = "/etc/containers/registries.conf.d/50-hgxserve-mirror.conf"
+TOOLKIT_APT_PREFERENCES = "/etc/apt/preferences.d/hgxserve-nvidia-container-toolkit"
+
 
 def weights_state_dir(model_name: str) -> str:
     """Where verify state and the marker live for weights verified in place."""

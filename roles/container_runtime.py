@@ -24,6 +24,14 @@ from pyinfra.api import DeployError, deploy
 from pyinfra.operations import files, server
 
 from hgxserve.facts.runtime import CdiSpecState, ContainerImage, DriverCuda
+from hgxserve.paths import (
+    AGENT,
+    CDI_SPEC,
+    CDI_STAMP,
+    IMAGE_STAGING,
+    TOOLKIT_APT_PREFERENCES,
+)
+from hgxserve.paths import REGISTRY_MIRROR_DROPIN as MIRROR_DROPIN
 from hgxserve.runtime.images import archive_name, image_digest
 from roles.nvidia_driver import APT_CACHE_SECONDS, pinned_packages
 
@@ -37,12 +45,6 @@ TOOLKIT_PACKAGES = (
     "libnvidia-container1",
     "libnvidia-container-tools",
 )
-TOOLKIT_PREFERENCES = "/etc/apt/preferences.d/hgxserve-nvidia-container-toolkit"
-CDI_SPEC = "/etc/cdi/nvidia.yaml"
-CDI_STAMP = "/etc/cdi/.hgxserve-driver"
-IMAGE_STAGING = "/var/lib/hgxserve/images"
-MIRROR_DROPIN = "/etc/containers/registries.conf.d/50-hgxserve-mirror.conf"
-AGENT = "/opt/hgxserve/bin/hgxserve"
 
 
 def toolkit_preferences(version: str) -> str:
@@ -110,7 +112,7 @@ def container_runtime(
     files.put(
         name=f"Pin the NVIDIA Container Toolkit at {toolkit_version}",
         src=_text(toolkit_preferences(toolkit_version)),
-        dest=TOOLKIT_PREFERENCES,
+        dest=TOOLKIT_APT_PREFERENCES,
         mode="644",
     )
     pinned_packages(

@@ -21,9 +21,8 @@ from pyinfra.api import DeployError, deploy
 from pyinfra.operations import files, server
 
 from hgxserve.facts.runtime import VenvRuntimeState
+from hgxserve.paths import RUNTIME_STAGING
 from hgxserve.runtime.spec import VenvRuntime, parse_pin, version_matches
-
-RUNTIME_STAGING = "/var/lib/hgxserve/runtime"
 
 
 def _quote(*words: str) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from pyinfra.api import FactBase
 
 from hgxserve.facts import parsers
+from hgxserve.paths import RUNTIME_MARKER
 
 # Runs inside the venv's Python; prints one JSON line. Standard library only.
 PROBE = r"""
@@ -77,7 +78,7 @@ class VenvRuntimeState(FactBase):
 
     def command(self, venv: str, dist: str, imports: tuple[str, ...] = ()) -> str:
         python = f"{venv.rstrip('/')}/bin/python"
-        marker = f"{venv.rstrip('/')}/.hgxserve-runtime"
+        marker = f"{venv.rstrip('/')}/{RUNTIME_MARKER}"
         run = shlex.join([python, "-c", PROBE, dist, ",".join(imports), marker])
         return (
             f'if [ -x {shlex.quote(python)} ]; then {run} 2>&1; echo "##rc $?"; '

@@ -10,4 +10,3 @@ Host layout (DESIGN.md "Host conventions")::
     /var/lib/hgxserve/baseline -> releases/<id>    last confirmed topology marked `baseline: true`
     /var/lib/hgxserve/pending.json                 switched but not yet confirmed (dead-man timer)
 """
-

@@ -16,6 +16,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
+from hgxserve.paths import RUNTIME_MARKER
 from hgxserve.topology.model import Engine, Topology
 
 # The distribution each engine is installed as.
@@ -75,7 +76,7 @@ class VenvRuntime:
     @property
     def marker(self) -> str:
         """The file recording what the runtime stage installed (its digest and requirements)."""
-        return f"{self.venv.rstrip('/')}/.hgxserve-runtime"
+        return f"{self.venv.rstrip('/')}/{RUNTIME_MARKER}"
 
 
 def parse_pin(text: str) -> tuple[str, str]:

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from hgxserve.caches.layout import ENV_SUBDIRS
-from hgxserve.paths import CONFIG_DIR
-from hgxserve.topology.model import TOPOLOGY_FILES_DIR, Engine, Topology, is_loopback
+from hgxserve.paths import CONFIG_DIR, TOPOLOGY_FILES_DIR
+from hgxserve.topology.model import Engine, Topology, is_loopback
 from hgxserve.topology.ports import (
     ANY_ADDRESS,
     listeners_by_host,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hgxserve.defaults import schema_default
+from hgxserve.paths import TOPOLOGY_FILES_DIR
 from hgxserve.sizes import parse_size
 
 LOOPBACK = ("127.", "localhost", "::1")
@@ -265,10 +266,6 @@ class CachePolicy:
     root: str
     distribute: str
     s3_prefix: str | None
-
-
-# Where the runtime stage ships a topology's `files:` on each host; engine args point here.
-TOPOLOGY_FILES_DIR = "/etc/hgxserve/files"
 
 
 @dataclass(frozen=True)

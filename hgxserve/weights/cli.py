@@ -156,9 +156,7 @@ def manifest(
     show_default=True,
     help="Ranged requests in flight, across and within files.",
 )
-@click.option(
-    "--part-size", default=S3_PART_SIZE, show_default=True, help="Bytes per ranged GET."
-)
+@click.option("--part-size", default=S3_PART_SIZE, show_default=True, help="Bytes per ranged GET.")
 @click.option(
     "--manifest",
     "manifest_ref",
