@@ -55,6 +55,7 @@ model:
   source: {{local: {{path: /models/provision-e2e}}}}
 defaults:
   engine: vllm
+  version: 0.26.0
   runtime: {{venv: /opt/vllm-sim}}
 engines:
   combined-0:
@@ -146,6 +147,9 @@ def bed(testbed, tmp_path_factory):
     )
     topo = work / "topology.yml"
     topo.write_text(TOPOLOGY.format(gpu="H200", shm=SHM))
+    # the engine the topology runs, so preflight's runtime checks find it
+    runtime = testbed.pyinfra("deploys/runtime.py", "--limit", HOST, "--data", f"topology={topo}")
+    assert runtime.returncode == 0, (runtime.stdout + runtime.stderr)[-3000:]
     yield testbed, topo, work
     testbed.ssh(
         HOST,
