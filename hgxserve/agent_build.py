@@ -4,7 +4,6 @@ packed as one tarball named by its content, so hosts without internet can instal
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import shutil
 import subprocess
@@ -86,14 +85,18 @@ def wheelhouse() -> tuple[Path, str]:
                 elif path.exists():
                     shutil.copy2(path, src / name)
             _pip_wheel(["--no-deps", str(src)], own_dir)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            for wheel in sorted([*deps_dir.glob("*.whl"), *own_dir.glob("*.whl")]):
-                info = tar.gettarinfo(str(wheel), arcname=wheel.name)
-                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-                with wheel.open("rb") as fh:
-                    tar.addfile(info, fh)
-        partial = tarball.with_suffix(".tmp")
-        partial.write_bytes(buf.getvalue())
-        partial.replace(tarball)
+        pack_wheels([*deps_dir.glob("*.whl"), *own_dir.glob("*.whl")], tarball)
     return tarball, digest
+
+
+def pack_wheels(wheels: list[Path], tarball: Path) -> None:
+    """One flat, reproducible tar of `wheels` (sorted, no times or owners), written atomically
+    and streamed, so a wheelhouse of several GB never sits in memory."""
+    partial = tarball.with_suffix(".tmp")
+    with tarfile.open(partial, mode="w") as tar:
+        for wheel in sorted(wheels):
+            info = tar.gettarinfo(str(wheel), arcname=wheel.name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with wheel.open("rb") as fh:
+                tar.addfile(info, fh)
+    partial.replace(tarball)

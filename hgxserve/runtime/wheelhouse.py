@@ -13,16 +13,14 @@ the tarball in the cache and downloads nothing.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import subprocess
 import sys
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hgxserve.agent_build import CACHE
+from hgxserve.agent_build import CACHE, pack_wheels
 
 
 class WheelhouseError(RuntimeError):
@@ -129,16 +127,7 @@ def build_wheelhouse(
         tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
         raise WheelhouseError(f"pip download {' '.join(requirements)} failed:\n{tail}")
     files = sorted(p for p in wheels.iterdir() if p.suffix == ".whl")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for wheel in files:
-            info = tar.gettarinfo(str(wheel), arcname=wheel.name)
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            with wheel.open("rb") as fh:
-                tar.addfile(info, fh)
-    partial = tarball.with_suffix(".tmp")
-    partial.write_bytes(buf.getvalue())
-    partial.replace(tarball)
+    pack_wheels(files, tarball)
     if log:
         size = tarball.stat().st_size / 2**20
         print(f"runtime wheelhouse {key}: {len(files)} wheels, {size:.1f} MiB in "

@@ -1,0 +1,66 @@
+"""The controller's runtime wheelhouse: pip download for the hosts' platform, once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from hgxserve.runtime import wheelhouse
+from hgxserve.runtime.wheelhouse import HostPlatform, IndexOptions, WheelhouseError
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from testbed import simwheels  # noqa: E402
+
+HOST = HostPlatform("3.11", "x86_64", "2.36")
+
+
+def test_built_once_then_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    simwheels.build_all(tmp_path / "wheels")
+    index = IndexOptions(find_links=(str(tmp_path / "wheels"),), no_index=True)
+    reqs = ("vllm==0.26.0", "nixl==1.5.1")
+    tarball, key = wheelhouse.build_wheelhouse(reqs, HOST, index, cache=tmp_path, log=False)
+    with tarfile.open(tarball) as tar:
+        assert tar.getnames() == [
+            "nixl-1.5.1+sim-py3-none-any.whl",
+            "vllm-0.26.0+sim-py3-none-any.whl",
+        ]
+        assert {m.mtime for m in tar.getmembers()} == {0}
+
+    def no_pip(*a: object, **k: object) -> None:
+        raise AssertionError("pip ran again")
+
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    assert wheelhouse.build_wheelhouse(reqs, HOST, index, cache=tmp_path, log=False) == (
+        tarball,
+        key,
+    )
+    # a rebuilt wheel at the same version is another wheelhouse
+    monkeypatch.undo()
+    (tmp_path / "wheels" / "nixl-1.5.1+sim-py3-none-any.whl").write_bytes(b"x")
+    assert wheelhouse.wheelhouse_key(reqs, HOST, index) != key
+
+
+def test_missing_version_is_pips_own_message(tmp_path: Path) -> None:
+    simwheels.build_all(tmp_path / "wheels")
+    index = IndexOptions(find_links=(str(tmp_path / "wheels"),), no_index=True)
+    with pytest.raises(
+        WheelhouseError, match=r"pip download vllm==0\.99\.0 failed:\n.*vllm==0\.99"
+    ):
+        wheelhouse.build_wheelhouse(("vllm==0.99.0",), HOST, index, cache=tmp_path, log=False)
+
+
+def test_platform_arguments() -> None:
+    args = HostPlatform("3.12", "aarch64", "2.39").pip_args()
+    assert args == [
+        "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
+        "--abi", "cp312", "--platform", "manylinux_2_39_aarch64", "--platform", "linux_aarch64",
+    ]  # fmt: skip
+    assert "manylinux2014_x86_64" in HostPlatform("3.11", "x86_64", None).pip_args()
+    assert IndexOptions(index_url="https://m/simple", find_links=("d",)).pip_args() == [
+        "--index-url", "https://m/simple", "--find-links", "d",
+    ]  # fmt: skip
