@@ -11,7 +11,8 @@ for the engine's weight in wheels: a real vLLM wheelhouse is GBs):
   serves on the controller bridge (10.77.0.1): the usual way, every host downloading;
 - wheelhouse push with a cold controller cache (pip download on the controller first).
 
-Rounds alternate. Needs root; prints a table, asserts nothing about the time.
+Rounds alternate. Needs root; takes the hosts down afterwards unless another run still uses
+them. Prints a table, asserts nothing about the time.
 
     .venv/bin/python benchmarks/bench_runtime.py [--rounds 3] [--payload-mib 64]
 """
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--payload-mib", type=int, default=64)
     args = parser.parse_args()
+    testbed_hosts.take_lease(os.getpid())
     bed = testbed_hosts.up(3, "h200")
     work = Path(tempfile.mkdtemp(prefix="hgxserve-bench-runtime-"))
     server = None
@@ -144,6 +146,8 @@ def main() -> None:
             server.terminate()
             server.wait(timeout=10)
         shutil.rmtree(work, ignore_errors=True)
+        if not testbed_hosts.drop_lease(os.getpid()):
+            testbed_hosts.down()  # the last user of the hosts takes them down
 
 
 if __name__ == "__main__":
