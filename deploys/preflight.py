@@ -15,7 +15,7 @@ from pyinfra.api import DeployError
 from hgxserve.facts.preflight import expectation_from_topology
 from hgxserve.release.deploying import topology_from_data
 from hgxserve.runtime.spec import RuntimeSpecError, container_images, venv_runtimes
-from hgxserve.stages import runs_later
+from hgxserve.stages import in_site_run
 from roles.nvidia_driver import DRIVER_VERSION
 from roles.preflight import preflight
 
@@ -36,9 +36,9 @@ preflight(
     expect=expectation_from_topology(topology, host.name),
     after_provision=full,
     runtimes=tuple(runtimes),
-    runtime_installs=runs_later("runtime"),
+    runtime_installs=in_site_run("runtime"),
     images=tuple(images) if full else (),
     planned_driver=str(host.data.get("driver_version", DRIVER_VERSION))
-    if runs_later("provision")
+    if in_site_run("provision")
     else None,
 )

@@ -35,9 +35,11 @@ from hgxserve.runtime.wheelhouse import (
     WheelhouseError,
     build_wheelhouse,
 )
+from hgxserve.stages import in_site_run
 from hgxserve.topology.model import S3Source
 from roles.container_runtime import container_runtime
 from roles.engine_files import engine_files
+from roles.nvidia_driver import DRIVER_VERSION
 from roles.runtime import runtime_venv
 
 
@@ -85,6 +87,9 @@ if specs:
             spec=spec,
             wheelhouse=partial(_wheelhouse, spec.requirements, platform, index),
             index_url=str(index_url) if source == "index" else None,
+            planned_driver=str(host.data.get("driver_version", DRIVER_VERSION))
+            if in_site_run("provision")
+            else None,
         )
 
 images = container_images(topology, host.name)

@@ -30,6 +30,8 @@ def set_site_stages(stages: list[str]) -> None:
     _SITE_STAGES = list(stages)
 
 
-def runs_later(stage: str) -> bool:
-    """Whether `stage` runs later in this deploy (only ever true under deploys/site.py)."""
+def in_site_run(stage: str) -> bool:
+    """Whether `stage` is part of this deploy (only ever true under deploys/site.py): for the
+    preflight, the runtime stage will install what is missing; for the runtime stage, the
+    provision stage installs the driver its CUDA check is against."""
     return _SITE_STAGES is not None and stage in _SITE_STAGES

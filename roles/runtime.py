@@ -20,9 +20,11 @@ from pyinfra import host
 from pyinfra.api import DeployError, deploy
 from pyinfra.operations import files, server
 
-from hgxserve.facts.runtime import VenvRuntimeState
+from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
 from hgxserve.paths import RUNTIME_STAGING
+from hgxserve.runtime.checks import cuda_line
 from hgxserve.runtime.spec import VenvRuntime, parse_pin, version_matches
+from hgxserve.runtime.wheelhouse import wheelhouse_torch
 
 
 def _quote(*words: str) -> str:
@@ -59,6 +61,7 @@ def runtime_venv(
     index_url: str | None = None,
     python: str = "python3",
     staging: str = RUNTIME_STAGING,
+    planned_driver: str | None = None,
 ) -> None:
     """Install `spec` (engine==version and extras) into its venv; no-op when it is there.
 
@@ -68,6 +71,7 @@ def runtime_venv(
     + index_url: a package index / mirror the host itself installs from (PEP 503 URL)
     + python: the host's Python used to create the venv
     + staging: host directory the wheelhouse is unpacked in (removed after installing)
+    + planned_driver: the driver a provision stage of this run installs (for the CUDA check)
     """
     state = host.get_fact(VenvRuntimeState, venv=spec.venv, dist=spec.dist, imports=spec.imports)
     if runtime_current(spec, state):
@@ -96,6 +100,13 @@ def runtime_venv(
                 f"runtime {spec.venv}: no wheelhouse and no index_url to install from"
             )
         tarball, key = wheelhouse()
+        torch = wheelhouse_torch(tarball)
+        if torch:  # before anything is pushed: a CUDA this driver cannot run stops here
+            line = cuda_line(
+                host.name, spec.venv, *torch, host.get_fact(DriverCuda), planned_driver
+            )
+            if line:
+                raise DeployError(f"runtime wheelhouse {key}:\n  {line}")
         source = f"wheelhouse {key}"
         unpacked = f"{staging}/{key}"
         files.put(

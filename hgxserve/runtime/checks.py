@@ -89,18 +89,28 @@ def runtime_problems(
             )
         cuda = state.get("torch_cuda")
         if cuda:
-            problems.extend(_cuda_problem(host, spec, state, driver, planned_driver, str(cuda)))
+            line = cuda_line(
+                host, spec.venv, state.get("torch_version"), str(cuda), driver, planned_driver
+            )
+            problems.extend([line] if line else [])
     return problems
 
 
-def _cuda_problem(
+def cuda_line(
     host: str,
-    spec: VenvRuntime,
-    state: dict[str, Any],
-    driver: dict[str, Any] | None,
-    planned_driver: str | None,
+    venv: str,
+    torch_version: str | None,
     cuda: str,
-) -> list[str]:
+    driver: dict[str, Any] | None,
+    planned_driver: str | None = None,
+) -> str | None:
+    """The `HOST: runtime.cuda: ...` line when torch's CUDA is newer than the driver's major
+    (the driver a provision stage of this run installs, else the DriverCuda fact); else None.
+
+    >>> cuda_line("h", "/opt/v", "2.9.0+cu130", "13.0", {"status": "ok",
+    ...     "driver_version": "570.158.01", "cuda_version": "12.8"})  # doctest: +ELLIPSIS
+    'h: runtime.cuda: expected CUDA <= 12.8 (driver 570.158.01) in /opt/v, found torch ...'
+    """
     current = driver or {}
     version: str | None
     top: str | None
@@ -111,15 +121,14 @@ def _cuda_problem(
         version, top = current.get("driver_version"), current.get("cuda_version")
         whose = f"driver {version}"
     else:
-        return []
+        return None
     reason = cuda_driver_problem(cuda, driver_cuda=top, driver_version=version)
     if reason is None:
-        return []
-    torch = state.get("torch_version") or "torch"
-    return [
-        f"{host}: runtime.cuda: expected CUDA <= {top or '?'} ({whose}) in {spec.venv}, "
-        f"found torch {torch} built for CUDA {cuda}: {reason.split(';')[0]}"
-    ]
+        return None
+    return (
+        f"{host}: runtime.cuda: expected CUDA <= {top or '?'} ({whose}) in {venv}, "
+        f"found torch {torch_version or '?'} built for CUDA {cuda}: {reason.split(';')[0]}"
+    )
 
 
 def image_problems(

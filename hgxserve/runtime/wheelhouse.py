@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
+import tarfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,3 +136,30 @@ def build_wheelhouse(
         print(f"runtime wheelhouse {key}: {len(files)} wheels, {size:.1f} MiB in "
               f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
     return tarball, key
+
+
+_TORCH_CUDA = re.compile(rb"^cuda\s*(?::\s*\S+\s*)?=\s*['\"]([0-9.]+)['\"]", re.M)
+
+
+def wheelhouse_torch(tarball: Path) -> tuple[str, str] | None:
+    """(torch version, CUDA it was built for) of the torch wheel in a wheelhouse, read from the
+    wheel's torch/version.py without unpacking it; None without torch (or a CPU build).
+
+    The runtime stage checks this CUDA against the host's driver before pushing anything.
+    """
+    with tarfile.open(tarball) as tar:
+        for member in tar:
+            if not (member.name.startswith("torch-") and member.name.endswith(".whl")):
+                continue
+            fh = tar.extractfile(member)
+            if fh is None:
+                return None
+            with zipfile.ZipFile(fh) as whl:  # the tar is uncompressed: the member seeks
+                try:
+                    text = whl.read("torch/version.py")
+                except KeyError:
+                    return None
+            found = _TORCH_CUDA.search(text)
+            version = member.name.split("-")[1]
+            return (version, found.group(1).decode()) if found else None
+    return None

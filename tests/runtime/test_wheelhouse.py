@@ -64,3 +64,19 @@ def test_platform_arguments() -> None:
     assert IndexOptions(index_url="https://m/simple", find_links=("d",)).pip_args() == [
         "--index-url", "https://m/simple", "--find-links", "d",
     ]  # fmt: skip
+
+
+def test_torch_cuda_read_from_the_wheel(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    version_py = b"__version__ = '2.9.0+cu130'\ndebug = False\ncuda: Optional[str] = '13.0'\n"
+    simwheels.build_wheel(wheels, "torch", "2.9.0", {"torch/version.py": version_py}, "test torch")
+    simwheels.build_wheel(wheels, "vllm", "0.26.0", {"vllm/__init__.py": b""}, "test vllm")
+    tarball = tmp_path / "w.tar"
+    from hgxserve.agent_build import pack_wheels
+
+    pack_wheels(sorted(wheels.glob("*.whl")), tarball)
+    assert wheelhouse.wheelhouse_torch(tarball) == ("2.9.0", "13.0")
+    (wheels / "torch-2.9.0-py3-none-any.whl").unlink()
+    pack_wheels(sorted(wheels.glob("*.whl")), tarball)
+    assert wheelhouse.wheelhouse_torch(tarball) is None
