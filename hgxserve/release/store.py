@@ -33,8 +33,10 @@ def check_release_id(release_id: object) -> str:
 
 def _check_file_path(path: str) -> str:
     parts = path.split("/")
-    if not path.startswith("/") or any(p in (".", "..") for p in parts[1:]) or any(
-        ord(c) < 0x20 or ord(c) == 0x7F for c in path
+    if (
+        not path.startswith("/")
+        or any(p in (".", "..") for p in parts[1:])
+        or any(ord(c) < 0x20 or ord(c) == 0x7F for c in path)
     ):
         raise ReleaseError(f"release file path {path[:120]!r} is not a plain absolute path")
     return path

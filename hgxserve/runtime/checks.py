@@ -87,7 +87,8 @@ def runtime_problems(
                 f"UCX (libucp) for NIXL in {spec.venv} or on the system",
                 "none",
             )
-        cuda = state.get("torch_cuda")
+        # torch's own answer; without torch in the venv, what the topology declares
+        cuda = state.get("torch_cuda") or spec.cuda
         if cuda:
             line = cuda_line(
                 host, spec.venv, state.get("torch_version"), str(cuda), driver, planned_driver
@@ -125,9 +126,10 @@ def cuda_line(
     reason = cuda_driver_problem(cuda, driver_cuda=top, driver_version=version)
     if reason is None:
         return None
+    built = f"torch {torch_version}" if torch_version else "a runtime (runtime.cuda)"
     return (
         f"{host}: runtime.cuda: expected CUDA <= {top or '?'} ({whose}) in {venv}, "
-        f"found torch {torch_version or '?'} built for CUDA {cuda}: {reason.split(';')[0]}"
+        f"found {built} built for CUDA {cuda}: {reason.split(';')[0]}"
     )
 
 

@@ -51,6 +51,7 @@ class VenvRuntime:
     extras: tuple[str, ...] = ()
     imports: tuple[str, ...] = ()
     why: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    cuda: str | None = None  # the topology's runtime.cuda, when it declares one
 
     @property
     def dist(self) -> str:
@@ -134,7 +135,7 @@ def venv_runtimes(topo: Topology, host: str, require_version: bool = True) -> li
         entry = by_venv.setdefault(
             runtime.venv,
             {"engine": engine.engine, "version": engine.version, "by": engine.name,
-             "extras": {}, "why": {}},
+             "extras": {}, "why": {}, "cuda": runtime.cuda},
         )  # fmt: skip
         if (entry["engine"], entry["version"]) != (engine.engine, engine.version):
             problems.append(
@@ -171,6 +172,7 @@ def venv_runtimes(topo: Topology, host: str, require_version: bool = True) -> li
                 extras=tuple(extras[k] for k in sorted(extras)),
                 imports=tuple(sorted(why)),
                 why=dict(why),
+                cuda=str(entry["cuda"]) if entry["cuda"] else None,
             )
         )
     return out

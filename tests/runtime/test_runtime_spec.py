@@ -145,3 +145,13 @@ def test_container_images_of_a_host() -> None:
     assert any(images.values())
     assert all(tool in ("podman", "docker") for found in images.values() for _, tool in found)
     assert all("@sha256:" in image for found in images.values() for image, _ in found)
+
+
+def test_declared_cuda_is_checked_when_the_venv_has_no_torch() -> None:
+    spec = VenvRuntime("/opt/v", "sglang", "0.5.17", cuda="13.0")
+    state = {"present": True, "engine_version": "0.5.17", "imports": {}}
+    assert runtime_problems("h", [spec], {"/opt/v": state}, DRIVER) == [
+        "h: runtime.cuda: expected CUDA <= 12.8 (driver 570.158.01) in /opt/v, found a runtime "
+        "(runtime.cuda) built for CUDA 13.0: CUDA 13.0 needs driver branch 580 or newer "
+        "(>= 580.65.06)"
+    ]
