@@ -1,8 +1,8 @@
 """`hgxserve status` wall time on 3 and 9 test hosts, against the usual way of looking.
 
 Brings up the largest count of test hosts once; for each count, deploys the demo P/D topology
-on the first N of them with an inventory of just those (weights + engines; hosts beyond hgx-c
-are named in the topology and hold an empty release), then times, in alternating rounds:
+on the first N of them with an inventory of just those (runtime, weights, engines; hosts beyond
+hgx-c are named in the topology and hold an empty release), then times, in alternating rounds:
 
 - `hgxserve status T --json`: the whole command as a user runs it (Python start, imports, one
   `hgxserve inspect` per host over parallel SSH, the report);
@@ -128,7 +128,7 @@ def measure(
     deploy = bed.pyinfra(
         "deploys/site.py",
         "--data", f"topology={topology}",
-        "--data", "stages=weights,engines",
+        "--data", "stages=runtime,weights,engines",
         "--data", "health_timeout=75",
         inventory=inventory,
     )  # fmt: skip

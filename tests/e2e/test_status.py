@@ -41,7 +41,7 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
         proc = testbed.pyinfra(
             "deploys/site.py",
             "--data", f"topology={topology}",
-            "--data", "stages=weights,engines",
+            "--data", "stages=runtime,weights,engines",
             "--data", "health_timeout=75",
             "--data", "confirm_within=120",
         )  # fmt: skip
