@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import shlex
 from datetime import UTC, datetime
 from io import StringIO
 from pathlib import Path
@@ -136,9 +137,9 @@ def pinned_packages(
         if not fresh:
             yield f"{APT_ENV} apt-get update"
             yield f"touch {APT_UPDATE_STAMP}"
-        yield f"{APT_ENV} {APT_INSTALL} {' '.join(missing)}"
+        yield f"{APT_ENV} {APT_INSTALL} {shlex.join(missing)}"
     if unheld:
-        yield f"apt-mark hold {' '.join(unheld)}"
+        yield f"apt-mark hold {shlex.join(unheld)}"
     if not missing and not unheld:
         at = f" at {version}" if version else ""
         host.noop(f"{', '.join(packages)} already installed{at}{' and held' if hold else ''}")
