@@ -9,54 +9,21 @@ import os
 
 from pyinfra import host, inventory
 
-from hgxserve.caches.key import cache_key
-from hgxserve.caches.operations import CacheKeyFacts
-from hgxserve.release.deploying import topology_from_data
+from hgxserve.deploying import cache_entries, elect_bakers, topology_file, topology_from_data
 from roles.agent import agent
 from roles.caches import caches
 
 topology = topology_from_data(host)
-topology_file = str(host.data.get("topology") or os.environ.get("HGXSERVE_TOPOLOGY"))
 store = host.data.get("cache_store") or os.path.expanduser("~/.cache/hgxserve/caches")
 
-
-def engine_entries(name: str) -> list[dict]:
-    entries = []
-    for engine in topology.engines_on(name):
-        venv = engine.runtime.venv if engine.runtime else None
-        facts = {}
-        if venv:
-            facts = inventory.get_host(name).get_fact(
-                CacheKeyFacts,
-                python=f"{venv.rstrip('/')}/bin/python",
-                engine=engine.engine,
-                manifest=f"{topology.model.path}/{topology.model.manifest}",
-            )
-        entries.append(
-            {
-                "engine": engine.name,
-                "key": cache_key(topology, engine),
-                "full_key": cache_key(topology, engine, host_facts=facts),
-                "facts": facts,
-            }
-        )
-    return entries
-
-
-# One baker per (GPU kind, full key): the first host in topology order that needs the key.
-bakers: dict[str, str] = {}
 if topology.cache.policy != "off" and topology.engines_on(host.name):
-    active = {h.name for h in inventory.iter_activated_hosts()}
-    for name in topology.hosts:
-        if name in active:
-            for entry in engine_entries(name):
-                bakers.setdefault(entry["full_key"], name)
+    bakers = elect_bakers(topology, list(inventory.iter_activated_hosts()))
 
     agent()  # `hgxserve cache bake|restore` run on the host
 
     caches(
-        engines=engine_entries(host.name),
-        topology=topology_file,
+        engines=cache_entries(topology, host),
+        topology=topology_file(host),
         store=store,
         policy=topology.cache.policy,
         distribute=topology.cache.distribute,

@@ -6,7 +6,7 @@ all hosts together, gate the topology, then confirm everywhere or roll back ever
 
 from pyinfra import host, inventory
 
-from hgxserve.release.deploying import (
+from hgxserve.deploying import (
     plan_switch,
     release_plans,
     require_all_reachable,

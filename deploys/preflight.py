@@ -12,8 +12,8 @@ the driver's. Under deploys/site.py, what a later stage of the same run installs
 from pyinfra import host
 from pyinfra.api import DeployError
 
+from hgxserve.deploying import topology_from_data
 from hgxserve.facts.preflight import expectation_from_topology
-from hgxserve.release.deploying import topology_from_data
 from hgxserve.runtime.spec import RuntimeSpecError, container_images, venv_runtimes
 from hgxserve.stages import in_site_run
 from roles.nvidia_driver import DRIVER_VERSION

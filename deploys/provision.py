@@ -12,8 +12,8 @@ peermem and sysctl but do not load/apply it now), `remount_shm=false`.
 from pyinfra import host
 from pyinfra.api import DeployError
 
+from hgxserve.deploying import topology_from_data
 from hgxserve.facts.preflight import expectation_from_topology
-from hgxserve.release.deploying import topology_from_data
 from roles.fabric_manager import fabric_manager
 from roles.host_tuning import DEFAULT_SHM_SIZE, host_tuning
 from roles.nvidia_driver import DRIVER_VERSION, nvidia_driver

@@ -6,7 +6,7 @@ pyinfra inventory/testhosts.py deploys/rollback.py --data to=baseline
 
 from pyinfra import host, inventory
 
-from hgxserve.release.deploying import plan_switch, require_all_reachable, rollback_targets
+from hgxserve.deploying import plan_switch, require_all_reachable, rollback_targets
 from hgxserve.release.ops import ReleaseState
 from roles.releases import switch_to
 

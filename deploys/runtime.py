@@ -24,8 +24,8 @@ from functools import partial
 from pyinfra import host
 from pyinfra.api import DeployError
 
+from hgxserve.deploying import topology_from_data
 from hgxserve.facts.runtime import HostPython
-from hgxserve.release.deploying import topology_from_data
 from hgxserve.runtime.files import FileSourceError, local_copy
 from hgxserve.runtime.images import archive_name, image_digest
 from hgxserve.runtime.spec import RuntimeSpecError, container_images, venv_runtimes

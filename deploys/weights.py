@@ -10,8 +10,8 @@ installed by `roles.agent` first.
 from pyinfra import host
 from pyinfra.api import DeployError
 
+from hgxserve.deploying import topology_from_data
 from hgxserve.paths import AGENT, cephfs_secret_file
-from hgxserve.release.deploying import topology_from_data
 from hgxserve.topology.model import CephfsSource, S3Source
 from roles.agent import agent
 from roles.weights import weights

@@ -12,10 +12,9 @@ from pyinfra.operations import files, server
 
 from hgxserve.agent_build import wheelhouse
 from hgxserve.paths import AGENT_PREFIX, AGENT_STAGING
+from hgxserve.runstate import per_run
 
 AGENT_DIR = AGENT_PREFIX
-# hosts already handled in this run: site.py's stages each ask for the agent
-_HANDLED: set[tuple[int, str]] = set()
 
 
 @deploy("Install the hgxserve agent")
@@ -25,10 +24,11 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
     + prefix: venv directory on the host
     + python: the host's Python 3.11 used to create the venv
     """
-    key = (id(host.state), host.name)
-    if key in _HANDLED:
+    # site.py's stages each ask for the agent: handle each host once per run
+    handled: set[str] = per_run(host.state, "agent-handled", set)
+    if host.name in handled:
         return
-    _HANDLED.add(key)
+    handled.add(host.name)
     tarball, digest = wheelhouse()
     marker = f"{prefix}/.agent-digest"
     q = shlex.quote

@@ -13,6 +13,7 @@ from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
 from hgxserve.paths import AGENT, RELEASE_ROOT
+from hgxserve.runstate import per_run
 
 
 class ReleaseState(FactBase[dict[str, Any]]):
@@ -101,11 +102,9 @@ class Coordination:
     planned: bool = False
 
 
-RUNS: dict[str, Coordination] = {}
-
-
-def coordination(key: str) -> Coordination:
-    return RUNS.setdefault(key, Coordination())
+def coordination(state: State, key: str) -> Coordination:
+    """The coordination named `key` in this pyinfra run (a new run gets a new one)."""
+    return per_run(state, ("coordination", key), Coordination)
 
 
 def _fail(host: Host, message: str) -> bool:

@@ -6,7 +6,9 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from hgxserve.release.store import ReleaseSpec, UnitSpec, tree_digest
+from hgxserve.digests import tree_digest
+from hgxserve.release.store import ReleaseSpec, UnitSpec
+from hgxserve.render import credential_for, render_host
 from hgxserve.topology import Topology
 from hgxserve.topology.model import SecretRef, is_loopback
 from hgxserve.topology.ports import engine_url
@@ -33,7 +35,6 @@ def _local_url(bind: str | None, port: int, path: str) -> str:
 
 
 def _credential_source(ref: SecretRef) -> str:
-    from hgxserve.render import credential_for
 
     if ref.kind == "credential":
         return f"/etc/credstore/{ref.value}"
@@ -75,14 +76,12 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
 
 def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) -> HostRelease:
     """The release `host` gets for `topo` (an empty one when the topology leaves it unused)."""
-    from hgxserve.render import render_host
-
     files: dict[str, tuple[str, int]] = {}
     units: list[UnitSpec] = []
     secrets: dict[str, SecretRef] = {}
     if host in topo.hosts_in_use():
         rendered = render_host(topo, host)
-        files = {path: (f.content, f.mode) for path, f in rendered.files.items()}
+        files = rendered.tree
         secrets = {c.path: c.ref for c in rendered.credentials if c.path is not None}
         for unit in rendered.units:
             if unit.engine is None:
@@ -98,9 +97,10 @@ def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) 
             else:
                 units.append(UnitSpec(unit.name, "worker", None, list(unit.gpus)))
     gate = gate_spec(topo) if host == gate_host(topo) else None
+    tree = tree_digest(files)
     identity = json.dumps(
         {
-            "tree": tree_digest(files),
+            "tree": tree,
             "units": [u.__dict__ for u in units],
             "gate": gate,
             "topology": topo.digest,
@@ -118,5 +118,6 @@ def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) 
         files={path: mode for path, (_, mode) in files.items()},
         health_timeout_s=health_timeout_s,
         gate=gate,
+        tree_digest=tree,
     )
     return HostRelease(host, spec, files, secrets)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -12,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hgxserve.digests import tree_digest
 from hgxserve.paths import RELEASE_ROOT
 
 LINKS = ("current", "previous", "baseline")
@@ -65,6 +65,8 @@ class ReleaseSpec:
     files: dict[str, int]  # absolute path on the host -> mode
     health_timeout_s: float = 900.0
     gate: dict[str, Any] | None = None  # only on the host that runs the topology's gate
+    # digest of the files (hgxserve.digests.tree_digest): what `hgxserve render` prints
+    tree_digest: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -178,6 +180,18 @@ class Store:
         missing = [p for p in spec.files if not (tree / p.lstrip("/")).is_file()]
         if missing:
             raise ReleaseError(f"release {spec.id} is incomplete, missing: {', '.join(missing)}")
+        if spec.tree_digest is not None and self.tree_digest(spec) != spec.tree_digest:
+            raise ReleaseError(
+                f"release {spec.id}: the staged files do not match the rendered tree "
+                f"{spec.tree_digest[:12]} (changed on the host since they were staged)"
+            )
+
+    def tree_digest(self, spec: ReleaseSpec) -> str:
+        """The digest of the release's staged files, as `hgxserve render` computes it."""
+        tree = self.release_dir(spec.id) / "tree"
+        return tree_digest(
+            {p: ((tree / p.lstrip("/")).read_bytes(), mode) for p, mode in spec.files.items()}
+        )
 
     def prune(self, keep: int = 5) -> list[str]:
         """Delete old releases, never one a link or the pending switch points to."""
@@ -195,16 +209,6 @@ class Store:
                 shutil.rmtree(path)
                 removed.append(path.name)
         return removed
-
-
-def tree_digest(files: dict[str, tuple[str, int]]) -> str:
-    """Content digest of a host tree {path: (content, mode)}; names the release."""
-    h = hashlib.sha256()
-    for path in sorted(files):
-        content, mode = files[path]
-        h.update(f"{path}\0{mode:o}\0{len(content.encode())}\0".encode())
-        h.update(content.encode())
-    return h.hexdigest()
 
 
 def now() -> float:

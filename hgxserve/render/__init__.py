@@ -15,32 +15,30 @@ units (in topology order) and then the proxy unit, each with the argv and enviro
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
-
-import jinja2
-
 from hgxserve import paths
 from hgxserve.caches.key import cache_key
 from hgxserve.caches.layout import ENV_SUBDIRS, cache_env
-from hgxserve.paths import AGENT, CREDENTIALS_DIR, UNIT_DIR
-from hgxserve.render.engines import (
-    NodePlan,
-    RenderError,
-    engine_args,
-    engine_program,
-    node_plan,
-)
+from hgxserve.paths import AGENT, CREDENTIALS_DIR
+from hgxserve.render.engines import NodePlan, engine_args, engine_program, node_plan
+from hgxserve.render.proxy import render_proxy
 from hgxserve.render.systemd import (
     UnitText,
     UnitValueError,
     environment_value,
     exec_line,
-    finalize,
     path_list,
     path_value,
+)
+from hgxserve.render.types import (
+    CONTAINER_TOOLS,
+    CredentialSpec,
+    HostRender,
+    RenderedFile,
+    RenderedUnit,
+    RenderError,
+    add_credential,
+    templates,
+    unit_name,
 )
 from hgxserve.topology.model import Engine, SecretRef, Topology
 
@@ -52,102 +50,11 @@ __all__ = [
     "RenderedUnit",
     "render_host",
     "render_topology",
-    "tree_digest",
     "unit_name",
 ]
 
 MKDIR = "/usr/bin/mkdir"
-CONTAINER_TOOLS = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker"}
 GPU_WAIT_TIMEOUT_S = 120
-
-
-@dataclass(frozen=True)
-class RenderedFile:
-    content: str
-    mode: int = 0o644
-
-
-@dataclass(frozen=True)
-class RenderedUnit:
-    """One systemd unit: what it runs and where."""
-
-    name: str
-    engine: str | None  # None for the proxy
-    role: str  # combined | prefill | decode | proxy
-    argv: list[str]
-    env: dict[str, str]
-    gpus: tuple[int, ...]
-    content: str
-    node_rank: int = 0
-    nnodes: int = 1
-
-    @property
-    def path(self) -> str:
-        return f"{UNIT_DIR}/{self.name}"
-
-
-@dataclass(frozen=True)
-class CredentialSpec:
-    """A secret a unit loads with LoadCredential=.
-
-    `path` is where the release role must write the value (mode 0600) for `env` references;
-    None for `file` references (already on the host) and systemd `credential` references.
-    """
-
-    name: str
-    ref: SecretRef
-    path: str | None
-    units: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class HostRender:
-    host: str
-    units: list[RenderedUnit]
-    files: dict[str, RenderedFile]
-    credentials: list[CredentialSpec] = field(default_factory=list)
-
-    @property
-    def digest(self) -> str:
-        return tree_digest(self)
-
-
-def tree_digest(host_render: HostRender) -> str:
-    """sha256 over the sorted paths, modes and contents of a host's files.
-
-    Releases are named by it: equal trees give equal digests, any change gives a new one.
-
-    >>> tree_digest(HostRender("h", [], {"/a": RenderedFile("x")}))[:12]
-    'c5bf7b4cf3b4'
-    """
-    digest = hashlib.sha256()
-    for path in sorted(host_render.files):
-        item = host_render.files[path]
-        data = item.content.encode()
-        # lengths make the encoding unambiguous: no two trees share a byte stream
-        digest.update(f"{len(path)}:{path}\0{item.mode:o}\0{len(data)}:".encode())
-        digest.update(data)
-    return digest.hexdigest()
-
-
-def unit_name(name: str) -> str:
-    """`hgxserve-<engine>.service` (or hgxserve-proxy.service)."""
-    return f"hgxserve-{name}.service"
-
-
-@cache
-def _templates() -> jinja2.Environment:
-    root = Path(__file__).resolve().parent.parent / "files" / "units"
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(root)),
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined,
-        autoescape=False,
-        # every printed value is unit text: escaped once, control characters refused
-        finalize=finalize,
-    )
 
 
 def render_topology(topo: Topology) -> dict[str, HostRender]:
@@ -176,8 +83,6 @@ def _render_host(topo: Topology, host: str) -> HostRender:
         units.append(unit)
         files[unit.path] = RenderedFile(unit.content)
     if topo.proxy is not None and topo.proxy.host == host:
-        from hgxserve.render.proxy import render_proxy
-
         unit, proxy_files = render_proxy(topo, creds)
         units.append(unit)
         files[unit.path] = RenderedFile(unit.content)
@@ -246,19 +151,6 @@ def credential_for(var: str, ref: SecretRef) -> tuple[str, str, str | None]:
     return name, f"{name}:{path}", path
 
 
-def _add_credential(
-    creds: dict[str, CredentialSpec], unit: str, name: str, ref: SecretRef, path: str | None
-) -> None:
-    known = creds.get(name)
-    if known is not None and (known.ref != ref or known.path != path):
-        raise RenderError(
-            f"credential {name!r} is used for two different secrets on one host "
-            f"({known.ref.kind}:{known.ref.value} and {ref.kind}:{ref.value})"
-        )
-    units = (*known.units, unit) if known else (unit,)
-    creds[name] = CredentialSpec(name, ref, path, units)
-
-
 def secret_wrapper(
     secret_env: dict[str, SecretRef], unit: str, creds: dict[str, CredentialSpec]
 ) -> tuple[list[str], list[str]]:
@@ -268,7 +160,7 @@ def secret_wrapper(
     prefix: list[str] = []
     for var, ref in sorted(secret_env.items()):
         name, line, path = credential_for(var, ref)
-        _add_credential(creds, unit, name, ref, path)
+        add_credential(creds, unit, name, ref, path)
         lines.append(path_value(line))
         prefix.append(f"{var}={name}")
     if prefix:
@@ -372,7 +264,7 @@ def _engine_unit(
         kind = "head" if plan.is_head else "worker"
         headline += f", node {plan.node_rank} of {plan.nnodes} ({kind})"
     content = (
-        _templates()
+        templates()
         .get_template("engine.service.j2")
         .render(
             topology=topo.name,

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from hgxserve.render.types import RenderError
 from hgxserve.topology.model import Engine, Topology, is_loopback
 from hgxserve.topology.ports import (
     engine_bind,
@@ -21,10 +22,6 @@ from hgxserve.topology.ports import (
     side_channel_host,
     uses_nixl_side_channel,
 )
-
-
-class RenderError(Exception):
-    """The topology asks for something the renderer cannot express; the message says what."""
 
 
 @dataclass(frozen=True)

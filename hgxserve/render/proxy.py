@@ -11,7 +11,7 @@ The JSON follows `hgxserve.proxy.config` (the proxy's own loader) and is checked
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hgxserve.defaults import SGLANG_BOOTSTRAP_PORT
 from hgxserve.paths import (
@@ -21,13 +21,20 @@ from hgxserve.paths import (
     PROXY_CONFIG,
     unit_credentials_dir,
 )
-from hgxserve.render.engines import RenderError
-from hgxserve.render.systemd import exec_line
+from hgxserve.proxy.config import ProxyConfigError, parse_proxy_config
+from hgxserve.render.systemd import environment_value, exec_line, path_value
+from hgxserve.render.types import (
+    CONTAINER_TOOLS,
+    CredentialSpec,
+    RenderedFile,
+    RenderedUnit,
+    RenderError,
+    add_credential,
+    templates,
+    unit_name,
+)
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import engine_url
-
-if TYPE_CHECKING:
-    from hgxserve.render import CredentialSpec, RenderedFile, RenderedUnit
 
 PROXY_UNIT = "hgxserve-proxy.service"
 API_KEY_CREDENTIAL = "api-key"
@@ -144,15 +151,6 @@ def render_proxy(
     topo: Topology, creds: dict[str, CredentialSpec]
 ) -> tuple[RenderedUnit, dict[str, RenderedFile]]:
     """The proxy unit and, for kind hgxserve, /etc/hgxserve/proxy.json."""
-    from hgxserve.render import (
-        CONTAINER_TOOLS,
-        RenderedFile,
-        RenderedUnit,
-        _add_credential,
-        _templates,
-        unit_name,
-    )
-    from hgxserve.render.systemd import environment_value, path_value
 
     proxy = topo.proxy
     assert proxy is not None
@@ -166,8 +164,6 @@ def render_proxy(
         if e.name in routed and proxy.host in e.place
     ]
     if proxy.kind == "hgxserve":
-        from hgxserve.proxy.config import ProxyConfigError, parse_proxy_config
-
         config = proxy_config(topo)
         try:
             parse_proxy_config(config)
@@ -186,7 +182,7 @@ def render_proxy(
             else:
                 path = f"{CREDENTIALS_DIR}/{name}"
                 line = f"{name}:{path}"
-            _add_credential(creds, PROXY_UNIT, name, ref, path)
+            add_credential(creds, PROXY_UNIT, name, ref, path)
             credentials.append(path_value(line))
             notes.append("API key: systemd credential, read from $CREDENTIALS_DIRECTORY")
     else:
@@ -214,7 +210,7 @@ def render_proxy(
         exec_stop.append(exec_line([tool, "stop", "--time", "30", name]))
     listen = f"{proxy.listen_host}:{proxy.listen_port}"
     content = (
-        _templates()
+        templates()
         .get_template("proxy.service.j2")
         .render(
             topology=topo.name,

@@ -25,7 +25,7 @@ from hgxserve.topology.ports import (
     warmup_targets,
 )
 from hgxserve.topology.problems import JsonPath
-from hgxserve.topology.rules import Finding, rule
+from hgxserve.topology.registry import Finding, rule
 
 HOPPER = ("H20", "H20-3e", "H100", "H800", "H200")
 BLACKWELL = ("B200",)

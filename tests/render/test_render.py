@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TEST_TOPOLOGIES, flag_pairs, topology
 
+from hgxserve.digests import tree_digest
 from hgxserve.proxy.config import load_proxy_config
 from hgxserve.render import (
     HostRender,
@@ -17,7 +18,6 @@ from hgxserve.render import (
     RenderError,
     render_host,
     render_topology,
-    tree_digest,
 )
 from hgxserve.render.systemd import exec_line, quote_word
 from hgxserve.topology import load_topology
@@ -231,16 +231,38 @@ def test_unknown_host_is_a_clear_error():
 def test_tree_digest_is_deterministic_and_content_sensitive():
     a = render_host(topology("h20-v4flash-4p4d.yml"), "h20-a")
     b = render_host(topology("h20-v4flash-4p4d.yml"), "h20-a")
-    assert tree_digest(a) == tree_digest(b) == a.digest
+    assert a.digest == b.digest == tree_digest(a.tree)
     assert re.fullmatch(r"[0-9a-f]{64}", a.digest)
     files = dict(a.files)
     path = "/etc/hgxserve/proxy.json"
     changed = HostRender("h20-a", a.units, {**files, path: RenderedFile(files[path].content + " ")})
-    assert tree_digest(changed) != a.digest
+    assert changed.digest != a.digest
     mode = HostRender("h20-a", a.units, {**files, path: RenderedFile(files[path].content, 0o600)})
-    assert tree_digest(mode) != a.digest
+    assert mode.digest != a.digest
     moved = {("/x" + p if p == path else p): f for p, f in files.items()}
-    assert tree_digest(HostRender("h20-a", a.units, moved)) != a.digest
+    assert HostRender("h20-a", a.units, moved).digest != a.digest
+
+
+def test_rendered_digest_is_the_release_tree_digest_the_host_computes(tmp_path):
+    """`hgxserve render` prints HostRender.digest; the release records it and the host's store
+    computes the same over the files staged under releases/<id>/tree."""
+    from hgxserve.release.plan import plan_release
+    from hgxserve.release.store import ReleaseError, Store
+
+    topo = topology("h20-v4flash-4p4d.yml")
+    rendered = render_host(topo, "h20-a")
+    plan = plan_release(topo, "h20-a")
+    assert plan.spec.tree_digest == rendered.digest
+    store = Store(str(tmp_path))
+    staged = store.release_dir(plan.spec.id) / "tree"
+    for path, (content, _mode) in plan.files.items():
+        (staged / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (staged / path.lstrip("/")).write_text(content)
+    assert store.tree_digest(plan.spec) == rendered.digest
+    store.verify_tree(plan.spec)
+    (staged / "etc/hgxserve/proxy.json").write_text("{}")
+    with pytest.raises(ReleaseError, match="do not match the rendered tree"):
+        store.verify_tree(plan.spec)
 
 
 def _systemd_split(line: str) -> list[str]:

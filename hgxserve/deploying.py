@@ -1,5 +1,6 @@
-"""Deploy-time helpers shared by deploys/engines.py and deploys/rollback.py: load the topology
-named by `--data topology=FILE`, decide per run which hosts switch, resolve secret values."""
+"""Deploy-time helpers, the one library module the deploy files (deploys/*.py) take their logic
+from: load the topology named by `--data topology=FILE`, decide per run which hosts switch,
+resolve secret values, read cache key facts and elect one cache baker per key."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ from typing import Any
 
 from pyinfra.api import DeployError
 from pyinfra.api.host import Host
+from pyinfra.api.state import State
 
+from hgxserve.caches.key import cache_key
+from hgxserve.caches.operations import CacheKeyFacts
 from hgxserve.release.ops import Coordination, ReleaseState, coordination, needs_switch
 from hgxserve.release.plan import HostRelease, plan_release
+from hgxserve.runstate import per_run
 from hgxserve.topology import Topology, TopologyError, load_topology
 
 
@@ -36,25 +41,30 @@ def require_all_reachable(all_hosts: list[Host], active: list[Host]) -> None:
         )
 
 
-_PLANS: dict[tuple[str, tuple[str, ...], float], dict[str, HostRelease]] = {}
-
-
 def release_plans(
     topo: Topology, hosts: list[Host], health_timeout_s: float
 ) -> dict[str, HostRelease]:
     """Every host's release for `topo`, rendered once per run (each host's deploy asks)."""
-    key = (topo.digest, tuple(h.name for h in hosts), health_timeout_s)
-    if key not in _PLANS:
-        _PLANS[key] = {
+    key = ("release-plans", topo.digest, tuple(h.name for h in hosts), health_timeout_s)
+    return per_run(
+        _run(hosts),
+        key,
+        lambda: {
             h.name: plan_release(topo, h.name, health_timeout_s=health_timeout_s) for h in hosts
-        }
-    return _PLANS[key]
+        },
+    )
+
+
+def _run(hosts: list[Host]) -> State:
+    if not hosts:
+        raise DeployError("no host is active in this run")
+    return hosts[0].state
 
 
 def plan_switch(key: str, hosts: list[Host], targets: dict[str, str]) -> Coordination:
     """Work out, once per run, which hosts switch: those whose state differs from the release
     id `targets` gives them (the topology's release, or a staged previous/baseline one)."""
-    coord = coordination(f"{key}:{sorted(targets.items())}")
+    coord = coordination(_run(hosts), f"{key}:{sorted(targets.items())}")
     if coord.planned:
         return coord
     coord.targets = dict(targets)
@@ -98,3 +108,45 @@ def rollback_targets(hosts: list[Host], to: str) -> dict[str, str]:
     if missing:
         raise DeployError(f"no {to} release on: {', '.join(missing)}; nothing was changed")
     return targets
+
+
+def topology_file(host: Host) -> str:
+    """The topology file a deploy was given (`--data topology=FILE` or $HGXSERVE_TOPOLOGY)."""
+    return str(host.data.get("topology") or os.environ.get("HGXSERVE_TOPOLOGY"))
+
+
+def cache_entries(topo: Topology, host: Host) -> list[dict[str, Any]]:
+    """Each engine on `host`: its cache key, and the full key with the host's facts (the
+    engine venv's torch/CUDA/GPU build, read on the host) that decides who bakes."""
+    entries = []
+    for engine in topo.engines_on(host.name):
+        venv = engine.runtime.venv if engine.runtime else None
+        facts: dict[str, Any] = {}
+        if venv:
+            facts = host.get_fact(
+                CacheKeyFacts,
+                python=f"{venv.rstrip('/')}/bin/python",
+                engine=engine.engine,
+                manifest=f"{topo.model.path}/{topo.model.manifest}",
+            )
+        entries.append(
+            {
+                "engine": engine.name,
+                "key": cache_key(topo, engine),
+                "full_key": cache_key(topo, engine, host_facts=facts),
+                "facts": facts,
+            }
+        )
+    return entries
+
+
+def elect_bakers(topo: Topology, active: list[Host]) -> dict[str, str]:
+    """One baker per full cache key (GPU kind and host build included): the first host in
+    topology order that needs the key; the others restore what it baked."""
+    by_name = {h.name: h for h in active}
+    bakers: dict[str, str] = {}
+    for name in topo.hosts:
+        if name in by_name:
+            for entry in cache_entries(topo, by_name[name]):
+                bakers.setdefault(entry["full_key"], name)
+    return bakers

@@ -1,0 +1,33 @@
+"""State that lives exactly as long as one pyinfra run.
+
+Deploy files run once per host, but some decisions are made once per run (every host's release
+plan, who switches, the gate verdict, whether the agent was handled). They are kept per pyinfra
+`State`, so a second deploy in the same Python process (API use, tests) starts afresh instead of
+reusing the first one's plan or verdict, and a finished run's state goes away with it.
+
+>>> from pyinfra.api import Config, Inventory, State
+>>> run = State(Inventory(([], {})), Config())
+>>> per_run(run, "answer", lambda: 42), per_run(run, "answer", lambda: 0)
+(42, 42)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+from weakref import WeakKeyDictionary
+
+from pyinfra.api.state import State
+
+T = TypeVar("T")
+
+_RUNS: WeakKeyDictionary[State, dict[Hashable, Any]] = WeakKeyDictionary()
+
+
+def per_run(state: State, key: Hashable, make: Callable[[], T]) -> T:
+    """The value stored under `key` for this run, made by `make()` the first time it is asked."""
+    memo = _RUNS.setdefault(state, {})
+    if key not in memo:
+        memo[key] = make()
+    value: T = memo[key]
+    return value

@@ -1,0 +1,111 @@
+"""The layers (README "Architecture"): each module imports only its own layer and those below,
+never upwards, and no two modules import each other, directly or around a loop. Every module
+also imports on its own (no hidden dependence on what another import loaded first)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+from imports import cycles, import_graph, modules
+
+# Lowest first. A module belongs to the first layer one of whose prefixes it matches.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "base",
+        (
+            "hgxserve",  # the package itself: __version__ only
+            "hgxserve.paths",
+            "hgxserve.defaults",
+            "hgxserve.sizes",
+            "hgxserve.digests",
+            "hgxserve.errors",
+            "hgxserve.runstate",
+        ),
+    ),
+    (
+        "topology and leaf libraries",
+        (
+            "hgxserve.topology",
+            "hgxserve.facts",
+            "hgxserve.proxy",
+            "hgxserve.weights",
+            "hgxserve.gpus",
+            "hgxserve.agent_build",
+        ),
+    ),
+    ("render", ("hgxserve.render", "hgxserve.caches")),
+    ("release", ("hgxserve.release",)),
+    ("deploy helpers", ("hgxserve.deploying",)),
+    ("command line", ("hgxserve.cli", "*.cli")),
+    ("roles", ("roles",)),
+    ("deploys", ("deploys",)),
+]
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    is_cli = parts[0] == "hgxserve" and len(parts) > 2 and parts[-1] == "cli"
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if prefix == "*.cli":
+                if is_cli:
+                    return rank
+            elif is_cli:
+                continue
+            elif module == prefix or (prefix != "hgxserve" and module.startswith(prefix + ".")):
+                return rank
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and the README")
+
+
+def test_every_module_has_a_layer():
+    for module in modules():
+        layer_of(module)
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [
+        f"{src} ({LAYERS[layer_of(src)][0]}) imports {dst} ({LAYERS[layer_of(dst)][0]})"
+        for src, targets in sorted(import_graph().items())
+        for dst in sorted(targets)
+        if layer_of(dst) > layer_of(src)
+    ]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_find_what_they_look_for():
+    graph = {name: set(targets) for name, targets in import_graph().items()}
+    graph["hgxserve.topology.model"].add("hgxserve.render")
+    assert any("hgxserve.render" in c and "hgxserve.topology.model" in c for c in cycles(graph))
+    assert layer_of("hgxserve.topology.model") < layer_of("hgxserve.render")
+    assert layer_of("hgxserve.weights.cli") == layer_of("hgxserve.cli")
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("hgxserve.newthing")
+
+
+def _project_modules() -> list[str]:
+    # deploy files are pyinfra deploy scripts: they run only inside a pyinfra run
+    return sorted(m for m in modules() if not m.startswith("deploys"))
+
+
+@pytest.mark.parametrize("module", _project_modules())
+def test_module_imports_alone(module):
+    """Import `module` with no project module loaded before it."""
+    saved = {
+        name: mod
+        for name, mod in sys.modules.items()
+        if name.split(".")[0] in ("hgxserve", "roles", "deploys")
+    }
+    for name in saved:
+        del sys.modules[name]
+    try:
+        importlib.import_module(module)
+    finally:
+        for name in [n for n in sys.modules if n.split(".")[0] in ("hgxserve", "roles")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
