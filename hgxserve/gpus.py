@@ -20,13 +20,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import click
 
+from hgxserve.errors import ExitCode, Found, UsageError, cli_errors, fail
 from hgxserve.facts.parsers import parse_compute_apps, parse_smi_csv
 
 QUERY_GPUS = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
@@ -39,7 +38,7 @@ NVIDIA_SMI_TIMEOUT_S = 30
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.-]+$")
 
 
-class GpuQueryError(Exception):
+class GpuQueryError(UsageError):
     """nvidia-smi is missing, failed, or printed something unexpected."""
 
 
@@ -105,11 +104,6 @@ def describe(busy: list[dict[str, object]]) -> list[str]:
     ]
 
 
-def _fail(message: str, code: int = 2) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
 @click.group()
 def gpus() -> None:
     """Check or wait until GPUs hold no compute processes (used by engine units).
@@ -122,6 +116,7 @@ def gpus() -> None:
 
 @gpus.command("check-free")
 @click.option("--gpus", "gpu_list", required=True, help="GPU indices, e.g. 0,1,2,3.")
+@cli_errors
 def check_free(gpu_list: str) -> None:
     """Exit 0 when no compute process runs on these GPUs, else 1 with pid/MiB per GPU.
 
@@ -129,14 +124,11 @@ def check_free(gpu_list: str) -> None:
     hgxserve gpus check-free --gpus 4,5,6,7
     """
     wanted = parse_gpu_list(gpu_list)
-    try:
-        busy = busy_processes(wanted)
-    except GpuQueryError as exc:
-        _fail(str(exc))
+    busy = busy_processes(wanted)
     if busy:
         for line in describe(busy):
             click.echo(line, err=True)
-        _fail(f"GPUs {gpu_list} are not free: stop what runs there first", 1)
+        raise Found(f"GPUs {gpu_list} are not free: stop what runs there first")
     click.echo(f"GPUs {gpu_list} are free")
 
 
@@ -146,6 +138,7 @@ def check_free(gpu_list: str) -> None:
               help="Seconds to wait at most.")  # fmt: skip
 @click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Seconds between checks.")  # fmt: skip
+@cli_errors
 def wait_free(gpu_list: str, timeout: float, interval: float) -> None:
     """Wait until no compute process runs on these GPUs; exit 1 after --timeout seconds.
 
@@ -155,22 +148,20 @@ def wait_free(gpu_list: str, timeout: float, interval: float) -> None:
     wanted = parse_gpu_list(gpu_list)
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            busy = busy_processes(wanted)
-        except GpuQueryError as exc:
-            _fail(str(exc))
+        busy = busy_processes(wanted)
         if not busy:
             click.echo(f"GPUs {gpu_list} are free")
             return
         if time.monotonic() >= deadline:
             for line in describe(busy):
                 click.echo(line, err=True)
-            _fail(f"GPUs {gpu_list} still hold processes after {timeout:g} s", 1)
+            raise Found(f"GPUs {gpu_list} still hold processes after {timeout:g} s")
         time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
 
 
 @gpus.command("exec-with-credentials", context_settings={"ignore_unknown_options": True})
 @click.argument("assignments", nargs=-1, required=True, type=click.UNPROCESSED)
+@cli_errors
 def exec_with_credentials(assignments: tuple[str, ...]) -> None:
     """Export VAR from the systemd credential NAME for each VAR=NAME, then exec the command.
 
@@ -186,19 +177,22 @@ def exec_with_credentials(assignments: tuple[str, ...]) -> None:
     if argv and argv[0] == "--":
         argv.pop(0)
     if not pairs or not argv:
-        _fail("usage: exec-with-credentials VAR=NAME ... -- COMMAND [ARG...]")
+        fail("usage: exec-with-credentials VAR=NAME ... -- COMMAND [ARG...]", ExitCode.USAGE)
     directory = os.environ.get("CREDENTIALS_DIRECTORY")
     if not directory:
-        _fail("CREDENTIALS_DIRECTORY is not set: run this from a unit with LoadCredential=")
+        fail(
+            "CREDENTIALS_DIRECTORY is not set: run this from a unit with LoadCredential=",
+            ExitCode.USAGE,
+        )
     env = dict(os.environ)
     for pair in pairs:
         var, _, name = pair.partition("=")
         try:
             value = (Path(directory) / name).read_text()
         except OSError as exc:
-            _fail(f"cannot read credential {name!r} for {var}: {exc.strerror}")
+            fail(f"cannot read credential {name!r} for {var}: {exc.strerror}", ExitCode.USAGE)
         env[var] = value.rstrip("\n")
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as exc:
-        _fail(f"cannot run {argv[0]}: {exc.strerror}", 127)
+        fail(f"cannot run {argv[0]}: {exc.strerror}", 127)

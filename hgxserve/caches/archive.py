@@ -39,6 +39,7 @@ from hgxserve.caches.layout import (
     RESTORE_MARKER,
     read_marker,
 )
+from hgxserve.errors import HgxserveError
 
 FORMAT = "hgxserve-cache/1"
 ZSTD_LEVEL = 3
@@ -49,7 +50,7 @@ COPY_BUFSIZE = 1 << 20
 DIGEST_NAME = re.compile(r"^([0-9a-f]{64})\.tar\.zst$")
 
 
-class ArchiveError(Exception):
+class ArchiveError(HgxserveError):
     """A pack or restore that cannot go on; the message says what and where."""
 
 

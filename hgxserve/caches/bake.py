@@ -31,6 +31,7 @@ from hgxserve.caches.layout import BAKE_RECORD, ENV_SUBDIRS
 from hgxserve.caches.logscan import JitHit, read_from, scan
 from hgxserve.caches.warmup import Shape, run_shape, served_model
 from hgxserve.defaults import ENGINE
+from hgxserve.errors import HgxserveError
 
 # What systemd puts in every unit's environment before Environment= lines.
 SYSTEMD_BASE_ENV = {
@@ -39,7 +40,7 @@ SYSTEMD_BASE_ENV = {
 }
 
 
-class BakeError(Exception):
+class BakeError(HgxserveError):
     """The bake could not finish; the message says why and where the engine log is."""
 
 

@@ -19,16 +19,14 @@ from typing import Any
 import click
 
 from hgxserve.caches.archive import (
-    ArchiveError,
     mark_packed,
     pack_dir,
     read_marker,
     restore_archive,
 )
-from hgxserve.caches.hostfacts import FactsError, load_facts_file, probe_host_facts
+from hgxserve.caches.hostfacts import load_facts_file, probe_host_facts
 from hgxserve.caches.layout import DEFAULT_ROOT, ENV_SUBDIRS, valid_key
-
-EXIT_JIT_FOUND = 1
+from hgxserve.errors import ExitCode, HgxserveError, UsageError, cli_errors
 
 
 def _dump(value: Any) -> None:
@@ -42,18 +40,18 @@ def _load(topology: str) -> Any:
         return load_topology(topology)
     except TopologyError as exc:
         lines = [p.text() for p in exc.problems] or [str(exc)]
-        raise click.ClickException("not a valid topology:\n" + "\n".join(lines)) from exc
+        raise UsageError(f"{topology}: not a valid topology:\n" + "\n".join(lines)) from exc
 
 
 def _engine_and_host(topo: Any, engine: str, host: str | None) -> tuple[Any, str]:
     if engine not in topo.engines:
         known = ", ".join(topo.engines)
-        raise click.ClickException(f"engine {engine!r} is not in {topo.name} (engines: {known})")
+        raise UsageError(f"engine {engine!r} is not in {topo.name} (engines: {known})")
     eng = topo.engines[engine]
     if host is None:
         host = eng.head
     if host not in eng.place:
-        raise click.ClickException(
+        raise UsageError(
             f"engine {engine} does not run on host {host!r} (it runs on {', '.join(eng.place)})"
         )
     return eng, host
@@ -62,10 +60,7 @@ def _engine_and_host(topo: Any, engine: str, host: str | None) -> tuple[Any, str
 def _facts(path: str | None) -> dict[str, Any] | None:
     if path is None:
         return None
-    try:
-        return load_facts_file(path)
-    except FactsError as exc:
-        raise click.ClickException(str(exc)) from exc
+    return load_facts_file(path)
 
 
 @click.group()
@@ -87,6 +82,7 @@ def cache() -> None:
     help="Host facts JSON (see docs/caches.md; `hgxserve cache facts` prints one).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print key, render key and all inputs.")
+@cli_errors
 def key_command(
     topology: str, engine: str, host: str | None, facts_path: str | None, as_json: bool
 ) -> None:
@@ -120,6 +116,7 @@ def key_command(
 @click.option("--topology", "topology", default=None, type=click.Path(dir_okay=False))
 @click.option("--engine-name", default=None, help="With --topology: engine whose runtime to probe.")
 @click.option("--manifest", default=None, help="Model manifest file to hash.")
+@cli_errors
 def facts_command(
     python: str | None,
     engine_kind: str | None,
@@ -134,21 +131,18 @@ def facts_command(
     if topology:
         topo = _load(topology)
         if not engine_name:
-            raise click.ClickException("--topology needs --engine-name")
+            raise UsageError("--topology needs --engine-name")
         eng, _ = _engine_and_host(topo, engine_name, None)
         if eng.runtime is None or eng.runtime.venv is None:
-            raise click.ClickException(
+            raise UsageError(
                 f"engine {engine_name}: runs in an image; probe inside it with --python"
             )
         python = python or os.path.join(eng.runtime.venv, "bin", "python")
         engine_kind = engine_kind or eng.engine
         manifest = manifest or os.path.join(topo.model.path, topo.model.manifest)
     if not python or not engine_kind:
-        raise click.ClickException("give --python and --engine, or --topology and --engine-name")
-    try:
-        _dump(probe_host_facts(python, engine_kind, manifest))
-    except FactsError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise UsageError("give --python and --engine, or --topology and --engine-name")
+    _dump(probe_host_facts(python, engine_kind, manifest))
 
 
 @cache.command("pack")
@@ -156,15 +150,13 @@ def facts_command(
 @click.option("--out", required=True, help="Directory for <sha256>.tar.zst, or an archive path.")
 @click.option("--key", default=None, help="Full key to record on this host (bake host).")
 @click.option("--level", default=3, show_default=True, type=click.IntRange(1, 19))
+@cli_errors
 def pack_command(src: str, out: str, key: str | None, level: int) -> None:
     """Pack a cache directory into a deterministic, content-addressed tar+zstd archive.
 
     Example: hgxserve cache pack --dir /var/cache/hgxserve/<key> --out /srv/caches/
     """
-    try:
-        result = pack_dir(src, out, level=level)
-    except ArchiveError as exc:
-        raise click.ClickException(str(exc)) from exc
+    result = pack_dir(src, out, level=level)
     if key:
         mark_packed(src, result, full_key=key)
     _dump(result.as_dict())
@@ -176,6 +168,7 @@ def pack_command(src: str, out: str, key: str | None, level: int) -> None:
 @click.option("--sha256", default=None, help="Expected archive sha256 (default: from its name).")
 @click.option("--key", "full_key", default=None, help="Full key to record with the restore.")
 @click.option("--force", is_flag=True, help="Restore even if this archive is already in place.")
+@cli_errors
 def restore_command(
     archive: str, dest: str, sha256: str | None, full_key: str | None, force: bool
 ) -> None:
@@ -183,15 +176,13 @@ def restore_command(
 
     Example: hgxserve cache restore --archive /srv/<sha256>.tar.zst --dir /var/cache/hgxserve/<key>
     """
-    try:
-        result = restore_archive(archive, dest, sha256=sha256, force=force, full_key=full_key)
-    except ArchiveError as exc:
-        raise click.ClickException(str(exc)) from exc
+    result = restore_archive(archive, dest, sha256=sha256, force=force, full_key=full_key)
     _dump(result.as_dict())
 
 
 @cache.command("state")
 @click.option("--root", default=DEFAULT_ROOT, show_default=True)
+@cli_errors
 def state_command(root: str) -> None:
     """Print the keys present under the cache root with their archive digests.
 
@@ -213,8 +204,9 @@ def cache_state(root: str) -> dict[str, Any]:
 
 @cache.command("scan")
 @click.argument("log", type=click.File("r"))
+@cli_errors
 def scan_command(log: Any) -> None:
-    """List JIT/compile lines in an engine log; exit 1 if there are any.
+    """List JIT/compile lines in an engine log; exit 1 if there are any (2, 6: errors).
 
     Example: journalctl -u hgxserve-decode-0 --since "10 min ago" | hgxserve cache scan -
     """
@@ -223,7 +215,7 @@ def scan_command(log: Any) -> None:
     hits = [h.as_dict() for h in scan(log.read())]
     _dump(hits)
     if hits:
-        sys.exit(EXIT_JIT_FOUND)
+        sys.exit(ExitCode.FOUND)
 
 
 @cache.command("bake")
@@ -238,6 +230,7 @@ def scan_command(log: Any) -> None:
 @click.option("--log", "log_path", default=None, help="Engine log file (default beside the key).")
 @click.option("--no-deep-gemm", is_flag=True, help="SGLang: skip sglang.compile_deep_gemm.")
 @click.option("--pack-to", default=None, help="Then pack the cache into this directory.")
+@cli_errors
 def bake_command(
     topology: str,
     engine: str,
@@ -255,29 +248,26 @@ def bake_command(
 
     Example: hgxserve cache bake --topology t.yml --engine combined-0 --pack-to /srv/caches/
     """
-    from hgxserve.caches.bake import BakeError, BakeSpec, bake
+    from hgxserve.caches.bake import BakeSpec, bake
     from hgxserve.caches.key import cache_key
     from hgxserve.caches.warmup import Shape, warmup_plan
-    from hgxserve.render import RenderError, render_host
+    from hgxserve.render import render_host
 
     topo = _load(topology)
     eng, host = _engine_and_host(topo, engine, host)
     if eng.is_multi_node:
-        raise click.ClickException(
+        raise UsageError(
             f"engine {engine} spans {len(eng.place)} hosts; bake a single-host engine with the "
             "same settings (a multi-node bake needs every node started together)"
         )
-    try:
-        units = render_host(topo, host).units
-    except RenderError as exc:
-        raise click.ClickException(str(exc)) from exc
+    units = render_host(topo, host).units
     unit = next((u for u in units if u.engine == engine), None)
     if unit is None:
-        raise click.ClickException(f"no unit for engine {engine} on {host}")
+        raise HgxserveError(f"no unit for engine {engine} on {host}")
     pinned = {unit.env[v] for v in ENV_SUBDIRS if v in unit.env}
     parents = {os.path.dirname(p) for p in pinned}
     if len(parents) != 1:
-        raise click.ClickException(f"unit {unit.name}: cache variables do not share one key dir")
+        raise HgxserveError(f"unit {unit.name}: cache variables do not share one key dir")
     cache_dir = parents.pop()
     facts = _facts(facts_path)
     full_key = cache_key(topo, eng, host_facts=facts)
@@ -304,10 +294,7 @@ def bake_command(
         model=topo.model.served_name,
         extra={"full_key": full_key, "host": host, "host_facts": facts},
     )
-    try:
-        record = bake(spec)
-    except BakeError as exc:
-        raise click.ClickException(str(exc)) from exc
+    record = bake(spec)
     summary: dict[str, Any] = {
         "dir": cache_dir,
         "full_key": full_key,
@@ -317,10 +304,7 @@ def bake_command(
         "log": record["log"],
     }
     if pack_to:
-        try:
-            packed = pack_dir(cache_dir, pack_to if pack_to.endswith("/") else pack_to + "/")
-        except ArchiveError as exc:
-            raise click.ClickException(str(exc)) from exc
+        packed = pack_dir(cache_dir, pack_to if pack_to.endswith("/") else pack_to + "/")
         mark_packed(cache_dir, packed, full_key=full_key)
         summary["archive"] = packed.as_dict()
     _dump(summary)

@@ -32,6 +32,8 @@ import os
 import subprocess
 from typing import Any
 
+from hgxserve.errors import UsageError
+
 KEY_FACTS = (
     "engine_version",
     "torch_version",
@@ -45,7 +47,7 @@ KEY_FACTS = (
 _INT_FACTS = {"sm_count"}
 
 
-class FactsError(ValueError):
+class FactsError(UsageError, ValueError):
     """A facts file that is not what `hgxserve cache key --facts` expects."""
 
 

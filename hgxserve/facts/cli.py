@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from hgxserve.errors import ExitCode, UsageError, cli_errors
 from hgxserve.facts import HOST_FACTS, parsers
 from hgxserve.facts.local import DEFAULT_MODEL_PATH, collect
 
@@ -62,6 +63,7 @@ def facts(ctx: click.Context, only: tuple[str, ...], model_path: str) -> None:
 @facts.command("parse")
 @click.argument("kind", type=click.Choice(sorted(PARSERS)))
 @click.argument("capture", type=click.File("r"))
+@cli_errors
 def parse(kind: str, capture: Any) -> None:
     """Parse a saved tool output (KIND: smi, topo, ibv-devinfo, ...) and print it as JSON.
 
@@ -71,7 +73,7 @@ def parse(kind: str, capture: Any) -> None:
     try:
         _dump(PARSERS[kind](text))
     except ValueError as exc:
-        raise click.ClickException(f"{capture.name}: not `{kind}` output: {exc}") from exc
+        raise UsageError(f"{capture.name}: not `{kind}` output: {exc}") from exc
 
 
 @facts.command("diagnose")
@@ -84,4 +86,4 @@ def diagnose(log: Any) -> None:
     found = parsers.diagnose_errors(log.read())
     _dump(found)
     if found:
-        sys.exit(1)
+        sys.exit(ExitCode.FOUND)

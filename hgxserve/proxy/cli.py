@@ -15,7 +15,16 @@ from typing import Any
 
 import click
 
-from hgxserve.proxy.config import ProxyConfigError, load_proxy_config, read_api_key
+from hgxserve.errors import HgxserveError, cli_errors
+from hgxserve.proxy.config import load_proxy_config, read_api_key
+
+config_option = click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Proxy configuration JSON (rendered from the topology).",
+)
 
 
 @click.group()
@@ -24,25 +33,17 @@ def proxy() -> None:
 
 
 @proxy.command()
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False),
-    help="Proxy configuration JSON (rendered from the topology).",
-)
+@config_option
+@cli_errors
 def check(config_path: str) -> None:
     """Validate a proxy configuration file and say what it would route.
 
     \b
     hgxserve proxy check --config /etc/hgxserve/proxy.json
     """
-    try:
-        cfg = load_proxy_config(config_path)
-        if cfg.api_key_file:
-            read_api_key(cfg.api_key_file)
-    except ProxyConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+    cfg = load_proxy_config(config_path)
+    if cfg.api_key_file:
+        read_api_key(cfg.api_key_file)
     click.echo(
         f"{config_path}: ok: {cfg.protocol} on {cfg.host}:{cfg.port}, model {cfg.served_model_name}"
     )
@@ -59,19 +60,14 @@ def check(config_path: str) -> None:
 
 
 @proxy.command()
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False),
-    help="Proxy configuration JSON (rendered from the topology).",
-)
+@config_option
 @click.option(
     "--log-level",
     default="info",
     show_default=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
 )
+@cli_errors
 def serve(config_path: str, log_level: str) -> None:
     """Serve the OpenAI-compatible endpoint until SIGTERM.
 
@@ -79,8 +75,8 @@ def serve(config_path: str, log_level: str) -> None:
     hgxserve proxy serve --config /etc/hgxserve/proxy.json
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    cfg = load_proxy_config(config_path)
     try:
-        cfg = load_proxy_config(config_path)
         from hgxserve.proxy.server import serve as run
 
         with contextlib.suppress(ImportError):
@@ -88,10 +84,8 @@ def serve(config_path: str, log_level: str) -> None:
 
             asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
         asyncio.run(_until_signal(run(cfg)))
-    except ProxyConfigError as exc:
-        raise click.ClickException(str(exc)) from None
     except OSError as exc:
-        raise click.ClickException(f"cannot listen: {exc}") from None
+        raise HgxserveError(f"cannot listen: {exc}") from None
 
 
 async def _until_signal(main: Coroutine[Any, Any, None]) -> None:

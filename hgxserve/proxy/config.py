@@ -27,11 +27,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hgxserve.defaults import SGLANG_BOOTSTRAP_PORT
+from hgxserve.errors import Found
 
 PROTOCOLS = ("vllm-nixl", "sglang")
 
 
-class ProxyConfigError(Exception):
+class ProxyConfigError(Found):
     """The proxy configuration is unreadable or invalid; the message lists every problem."""
 
 

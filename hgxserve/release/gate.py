@@ -17,13 +17,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from hgxserve.errors import Found
+
 # vLLM's NIXL connector metrics (KV transfer evidence on the decode side).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 XFER_FAILED = "vllm:nixl_num_failed_transfers_total"
 
 
-class GateError(Exception):
-    """The gate failed; the message says which check and why."""
+class GateError(Found):
+    """The gate failed; the message says which check and why (exit 1: the check said no)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hgxserve.digests import tree_digest
+from hgxserve.errors import HgxserveError
 from hgxserve.paths import RELEASE_ROOT
 
 LINKS = ("current", "previous", "baseline")
@@ -89,7 +90,7 @@ class ReleaseSpec:
         return {g for u in self.units for g in u.gpus}
 
 
-class ReleaseError(Exception):
+class ReleaseError(HgxserveError):
     """A release operation failed; the message says why and what state the host is in."""
 
 

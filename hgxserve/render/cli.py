@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import click
+
+from hgxserve.errors import Found, UsageError, cli_errors
 
 # Files written by the last render of a host tree, so a re-render removes what it no longer has.
 MANIFEST = ".hgxserve-render.json"
@@ -55,6 +56,7 @@ def write_tree(out: Path, host_render: object) -> list[str]:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Directory to write DIR/<host>/<absolute path> into.")  # fmt: skip
 @click.option("--host", "only_host", default=None, help="Render only this host.")
+@cli_errors
 def render(file: str, out_dir: str, only_host: str | None) -> None:
     """Write the systemd units and config files each host will get.
 
@@ -68,24 +70,22 @@ def render(file: str, out_dir: str, only_host: str | None) -> None:
     result = check_topology(file)
     for problem in result.problems:
         click.echo(problem.text(), err=True)
+    if result.unreadable:
+        raise UsageError(f"{file}: not rendered: the file cannot be read or parsed")
     if result.errors or result.topology is None:
-        click.echo(f"{file}: not rendered: the topology has errors", err=True)
-        sys.exit(1)
+        raise Found(f"{file}: not rendered: the topology has errors")
     topo = result.topology
     hosts = topo.hosts_in_use()
     if only_host is not None:
         if only_host not in topo.hosts:
-            click.echo(
-                f"error: host {only_host!r} is not in {file} (hosts: {', '.join(topo.hosts)})",
-                err=True,
+            raise UsageError(
+                f"host {only_host!r} is not in {file} (hosts: {', '.join(topo.hosts)})"
             )
-            sys.exit(1)
         hosts = [only_host]
     try:
         renders = [render_host(topo, host) for host in hosts]
     except RenderError as exc:
-        click.echo(f"error: {file}: {exc}", err=True)
-        sys.exit(1)
+        raise RenderError(f"{file}: {exc}") from None
     for host_render in renders:
         paths = write_tree(Path(out_dir) / host_render.host, host_render)
         click.echo(

@@ -11,6 +11,7 @@ from pathlib import Path
 import jinja2
 
 from hgxserve.digests import tree_digest
+from hgxserve.errors import HgxserveError
 from hgxserve.paths import UNIT_DIR
 from hgxserve.render.systemd import finalize
 from hgxserve.topology.model import SecretRef
@@ -18,7 +19,7 @@ from hgxserve.topology.model import SecretRef
 CONTAINER_TOOLS = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker"}
 
 
-class RenderError(Exception):
+class RenderError(HgxserveError):
     """The topology asks for something the renderer cannot express; the message says what."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from hgxserve.errors import ExitCode
 from hgxserve.topology import CheckResult, check_topology
 from hgxserve.topology.model import S3Source, Topology
 from hgxserve.topology.ports import (
@@ -25,7 +26,7 @@ from hgxserve.topology.ports import (
 )
 from hgxserve.topology.problems import Problem, sort_problems
 
-EXIT_OK, EXIT_ERRORS, EXIT_UNREADABLE = 0, 1, 2
+EXIT_OK, EXIT_ERRORS, EXIT_UNREADABLE = ExitCode.OK, ExitCode.FOUND, ExitCode.USAGE
 
 
 def _safe_check(path: str) -> CheckResult:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -15,8 +14,9 @@ from typing import Any
 import click
 
 from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE
+from hgxserve.errors import cli_errors
 from hgxserve.sizes import parse_size
-from hgxserve.weights.errors import EXIT_INTERRUPTED, EXIT_VERIFY_FAILED, WeightsError
+from hgxserve.weights.errors import EXIT_VERIFY_FAILED
 
 
 def _size(text: str) -> int:
@@ -26,21 +26,10 @@ def _size(text: str) -> int:
         raise click.BadParameter(f"{text!r} is not a size like 32MiB") from exc
 
 
-def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from hgxserve.weights.credentials import scrub
-
-        try:
-            return fn(*args, **kwargs)
-        except WeightsError as exc:
-            click.echo(f"error: {scrub(str(exc))}", err=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted: .partial files are kept and resume on the next run", err=True)
-            sys.exit(EXIT_INTERRUPTED)
-
-    return wrapper
+# `weights sync` keeps what it fetched: say so when it is interrupted
+_handle_errors = cli_errors(
+    interrupted="interrupted: .partial files are kept and resume on the next run"
+)
 
 
 def _s3_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -14,40 +14,13 @@ from __future__ import annotations
 import os
 import re
 import stat
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from hgxserve.errors import register_secret, scrub
 from hgxserve.weights.errors import CredentialsError
 
 _ENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
-
-# Values that must never reach a terminal, log or state file; filled as credentials are loaded.
-_SECRETS: set[str] = set()
-_SECRETS_LOCK = threading.Lock()
-
-
-def register_secret(value: str | None) -> None:
-    """Remember a value so that `scrub()` hides it from every message.
-
-    register_secret(os.environ.get("AWS_SECRET_ACCESS_KEY"))
-    """
-    if value and len(value) >= 4:
-        with _SECRETS_LOCK:
-            _SECRETS.add(value)
-
-
-def scrub(text: str) -> str:
-    """Replace every known secret in `text` with `****`.
-
-    print(scrub(str(exc)))
-    """
-    with _SECRETS_LOCK:
-        secrets = sorted(_SECRETS, key=len, reverse=True)
-    for secret in secrets:
-        text = text.replace(secret, "****")
-    return text
-
 
 def load_env_file(path: str) -> dict[str, str]:
     """Read KEY=VALUE lines from a 0600 env file (systemd EnvironmentFile syntax, no expansion).

@@ -5,28 +5,20 @@ raise SourceError("s3://models/x/: endpoint http://127.0.0.1:9 refused the conne
 
 from __future__ import annotations
 
-# Exit codes (docs/weights.md lists them; engine units and the pyinfra role rely on them).
-EXIT_OK = 0
-EXIT_VERIFY_FAILED = 1  # content mismatch, missing/truncated file, marker absent or stale
-EXIT_USAGE = 2  # bad arguments (click's own code)
-EXIT_SOURCE = 3  # S3/endpoint/source directory unreachable or failing after retries
-EXIT_CREDENTIALS = 4  # credentials missing or rejected, access denied
-EXIT_LOCAL_IO = 5  # local filesystem: disk full, permission, read-only
-EXIT_INTERRUPTED = 130
+from hgxserve.errors import ExitCode, HgxserveError
+
+# Exit codes (README "Exit codes"; engine units and the pyinfra role rely on them).
+EXIT_VERIFY_FAILED = ExitCode.FOUND  # content mismatch, missing/truncated file, marker stale
+EXIT_USAGE = ExitCode.USAGE
+EXIT_SOURCE = ExitCode.SOURCE  # S3/endpoint/source directory unreachable or failing
+EXIT_CREDENTIALS = ExitCode.CREDENTIALS
+EXIT_LOCAL_IO = ExitCode.LOCAL_IO
 
 
-class WeightsError(Exception):
-    """Base of the errors the CLI turns into one clear line and an exit code."""
+class WeightsError(HgxserveError):
+    """Base of the weights errors; each subclass has its exit code."""
 
     exit_code = EXIT_SOURCE
-
-    def __init__(self, message: str, hint: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-
-    def __str__(self) -> str:
-        return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
 
 
 class SourceError(WeightsError):

@@ -29,7 +29,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from hgxserve.weights.credentials import Credentials, scrub
+from hgxserve.errors import scrub
+from hgxserve.weights.credentials import Credentials
 from hgxserve.weights.errors import CredentialsError, SourceError, VerifyError, WeightsError
 from hgxserve.weights.manifest import check_size
 

@@ -140,13 +140,13 @@ def test_key_errors_are_clear(tmp_path):
     topo = tmp_path / "t.yml"
     topo.write_text(BASE)
     bad = run("key", "--topology", str(topo), "--engine", "nope", ok=False)
-    assert bad.exit_code == 1 and "engine 'nope' is not in" in bad.output
+    assert bad.exit_code == 2 and "engine 'nope' is not in" in bad.output
     facts = tmp_path / "f.json"
     facts.write_text("{not json")
     bad = run(
         "key", "--topology", str(topo), "--engine", "combined-0", "--facts", str(facts), ok=False
     )
-    assert bad.exit_code == 1 and "not JSON" in bad.output
+    assert bad.exit_code == 2 and "not JSON" in bad.output
     facts.write_text('{"sm_count": "many"}')
     bad = run(
         "key", "--topology", str(topo), "--engine", "combined-0", "--facts", str(facts), ok=False
@@ -176,7 +176,7 @@ def test_restore_corrupt_archive_cli_is_one_clear_line(tmp_path):
     bad = tmp_path / ("0" * 64 + ".tar.zst")
     bad.write_bytes(b"garbage")
     result = run("restore", "--archive", str(bad), "--dir", str(tmp_path / "k"), ok=False)
-    assert result.exit_code == 1
+    assert result.exit_code == 6
     assert "corrupt or truncated" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "k").exists()
 

@@ -57,5 +57,5 @@ def test_one_host_and_unknown_host(tmp_path: Path):
     done = run("render", topo, "--out", str(tmp_path), "--host", "h20-b")
     assert done.returncode == 0 and [p.name for p in tmp_path.iterdir()] == ["h20-b"]
     done = run("render", topo, "--out", str(tmp_path), "--host", "h20-z")
-    assert done.returncode == 1 and "host 'h20-z' is not in" in done.stderr
+    assert done.returncode == 2 and "host 'h20-z' is not in" in done.stderr
     assert "Traceback" not in done.stderr
