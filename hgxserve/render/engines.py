@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hgxserve.render.types import RenderError
+from hgxserve.topology.engine_args import flag, not_rendered
 from hgxserve.topology.model import Engine, Topology, is_loopback
 from hgxserve.topology.ports import (
     engine_bind,
@@ -49,12 +50,6 @@ VLLM_CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 SGLANG_KV_CACHE_DTYPES = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float16": "auto"}
 
-# Typed args each engine has no flag for; the unit names them in a comment.
-VLLM_ONLY = frozenset(
-    {"distributed_executor_backend", "async_scheduling", "disable_nccl_for_dp_synchronization"}
-)
-SGLANG_ONLY = frozenset({"moe_runner_backend", "enable_dp_attention"})
-SGLANG_NO_FLAG = frozenset({"enable_auto_tool_choice"})
 
 
 def compact_json(value: Any) -> str:
@@ -123,6 +118,20 @@ def _skipped(engine: Engine, not_for: frozenset[str], plan: NodePlan) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _values(args: dict[str, Any], engine: str, keys: tuple[str, ...]) -> list[str]:
+    """`--flag value` for each of `keys` set in args, in the order given."""
+    out: list[str] = []
+    for key in keys:
+        if key in args:
+            out += [flag(key, engine), str(args[key])]
+    return out
+
+
+def _switch(args: dict[str, Any], engine: str, key: str) -> list[str]:
+    """`--flag` when the arg is true."""
+    return [flag(key, engine)] if args.get(key) else []
+
+
 def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     """`vllm serve` arguments (without the program) for one node."""
     args = engine.args
@@ -135,42 +144,29 @@ def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     argv += _vllm_parallel(topo, engine, plan)
     if engine.ep:
         argv.append("--enable-expert-parallel")
-    if "dtype" in args:
-        argv += ["--dtype", str(args["dtype"])]
-    if args.get("trust_remote_code"):
-        argv.append("--trust-remote-code")
-    for key, flag in (
-        ("kv_cache_dtype", "--kv-cache-dtype"),
-        ("block_size", "--block-size"),
-        ("gpu_memory_utilization", "--gpu-memory-utilization"),
-        ("max_model_len", "--max-model-len"),
-    ):
-        if key in args:
-            argv += [flag, str(args[key])]
-    argv += ["--max-num-seqs", str(max_num_seqs(topo, engine, plan))]
-    for key, flag in (
-        ("max_num_batched_tokens", "--max-num-batched-tokens"),
-        ("max_cudagraph_capture_size", "--max-cudagraph-capture-size"),
-        ("tokenizer_mode", "--tokenizer-mode"),
-        ("tool_call_parser", "--tool-call-parser"),
-    ):
-        if key in args:
-            argv += [flag, str(args[key])]
-    if args.get("enable_auto_tool_choice"):
-        argv.append("--enable-auto-tool-choice")
-    for key, flag in (
-        ("reasoning_parser", "--reasoning-parser"),
-        ("chat_template", "--chat-template"),
-    ):
-        if key in args:
-            argv += [flag, str(args[key])]
-    argv += _tristate(args, "enable_prefix_caching", "--enable-prefix-caching")
-    if args.get("enforce_eager"):
-        argv.append("--enforce-eager")
+    argv += _values(args, "vllm", ("dtype",))
+    argv += _switch(args, "vllm", "trust_remote_code")
+    argv += _values(
+        args, "vllm", ("kv_cache_dtype", "block_size", "gpu_memory_utilization", "max_model_len")
+    )
+    argv += [flag("max_num_seqs", "vllm"), str(max_num_seqs(topo, engine, plan))]
+    argv += _values(
+        args,
+        "vllm",
+        (
+            "max_num_batched_tokens",
+            "max_cudagraph_capture_size",
+            "tokenizer_mode",
+            "tool_call_parser",
+        ),
+    )
+    argv += _switch(args, "vllm", "enable_auto_tool_choice")
+    argv += _values(args, "vllm", ("reasoning_parser", "chat_template"))
+    argv += _tristate(args, "enable_prefix_caching")
+    argv += _switch(args, "vllm", "enforce_eager")
     if "speculative_config" in args:
-        argv += ["--speculative-config", compact_json(args["speculative_config"])]
-    if "attention_backend" in args:
-        argv += ["--attention-backend", str(args["attention_backend"])]
+        argv += [flag("speculative_config", "vllm"), compact_json(args["speculative_config"])]
+    argv += _values(args, "vllm", ("attention_backend",))
     backend = args.get("distributed_executor_backend")
     if backend is None and not engine.is_multi_node:
         backend = "mp"
@@ -179,20 +175,16 @@ def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
             "seed 003 §11.3)"
         )
     if backend is not None:
-        argv += ["--distributed-executor-backend", str(backend)]
-    argv += _tristate(args, "async_scheduling", "--async-scheduling")
-    argv += _tristate(
-        args, "disable_nccl_for_dp_synchronization", "--disable-nccl-for-dp-synchronization"
-    )
-    if args.get("enable_eplb"):
-        argv.append("--enable-eplb")
+        argv += [flag("distributed_executor_backend", "vllm"), str(backend)]
+    argv += _tristate(args, "async_scheduling")
+    argv += _tristate(args, "disable_nccl_for_dp_synchronization")
+    argv += _switch(args, "vllm", "enable_eplb")
     if "eplb_config" in args:
-        argv += ["--eplb-config", compact_json(args["eplb_config"])]
-    if "all2all_backend" in args:
-        argv += ["--all2all-backend", str(args["all2all_backend"])]
+        argv += [flag("eplb_config", "vllm"), compact_json(args["eplb_config"])]
+    argv += _values(args, "vllm", ("all2all_backend",))
     if engine.kv is not None:
         argv += ["--kv-transfer-config", compact_json(vllm_kv_transfer_config(engine))]
-    _skipped(engine, SGLANG_ONLY, plan)
+    _skipped(engine, not_rendered("vllm"), plan)
     argv += list(engine.extra_args)
     return argv
 
@@ -217,11 +209,12 @@ def vllm_kv_transfer_config(engine: Engine) -> dict[str, Any]:
     return config
 
 
-def _tristate(args: dict[str, Any], key: str, flag: str) -> list[str]:
-    """true -> --flag, false -> --no-flag (argparse BooleanOptionalAction), unset -> nothing."""
+def _tristate(args: dict[str, Any], key: str) -> list[str]:
+    """vLLM: true -> --flag, false -> --no-flag (argparse BooleanOptionalAction), unset: nothing."""
     if key not in args:
         return []
-    return [flag] if args[key] else ["--no-" + flag[2:]]
+    name = flag(key, "vllm")
+    return [name] if args[key] else ["--no-" + name[2:]]
 
 
 def _vllm_parallel(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
@@ -258,19 +251,16 @@ def _vllm_parallel(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
 def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     """`sglang serve` arguments (without the program) for one node."""
     args = engine.args
-    dp_attention = bool(args.get("enable_dp_attention"))
     # With DP attention tp is the whole engine and dp splits it into attention groups
     # (seed 002: --tp 8 --dp 8 --enable-dp-attention on 8 GPUs), as the topology rules define.
     tp = engine.tp
     argv: list[str] = []
-    if args.get("trust_remote_code"):
-        argv.append("--trust-remote-code")
+    argv += _switch(args, "sglang", "trust_remote_code")
     argv += ["--model-path", topo.model.path, "--served-model-name", topo.model.served_name]
     argv += ["--tp", str(tp)]
     if engine.dp > 1:
         argv += ["--dp", str(engine.dp)]
-    if dp_attention:
-        argv.append("--enable-dp-attention")
+    argv += _switch(args, "sglang", "enable_dp_attention")
     if engine.pp > 1:
         argv += ["--pp-size", str(engine.pp)]
     if engine.ep:
@@ -284,49 +274,41 @@ def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
             "--dist-init-addr",
             _host_port(plan.head_address, engine.rpc_port),
         ]
-    if "moe_runner_backend" in args:
-        argv += ["--moe-runner-backend", str(args["moe_runner_backend"])]
+    argv += _values(args, "sglang", ("moe_runner_backend",))
     if "all2all_backend" in args:
         argv += _sglang_a2a(str(args["all2all_backend"]))
     if "speculative_config" in args:
         argv += _sglang_speculative(args["speculative_config"])
-    if "dtype" in args:
-        argv += ["--dtype", str(args["dtype"])]
+    argv += _values(args, "sglang", ("dtype",))
     if "kv_cache_dtype" in args:
         kv_dtype = str(args["kv_cache_dtype"])
-        argv += ["--kv-cache-dtype", SGLANG_KV_CACHE_DTYPES.get(kv_dtype, kv_dtype)]
-    for key, flag in (
-        ("block_size", "--page-size"),
-        ("gpu_memory_utilization", "--mem-fraction-static"),
-        ("max_model_len", "--context-length"),
-    ):
-        if key in args:
-            argv += [flag, str(args[key])]
-    argv += ["--max-running-requests", str(max_num_seqs(topo, engine, plan))]
-    for key, flag in (
-        ("max_num_batched_tokens", "--chunked-prefill-size"),
-        ("max_cudagraph_capture_size", "--cuda-graph-max-bs"),
-        ("tokenizer_mode", "--tokenizer-mode"),
-        ("reasoning_parser", "--reasoning-parser"),
-        ("tool_call_parser", "--tool-call-parser"),
-        ("chat_template", "--chat-template"),
-        ("attention_backend", "--attention-backend"),
-    ):
-        if key in args:
-            argv += [flag, str(args[key])]
+        argv += [flag("kv_cache_dtype", "sglang"), SGLANG_KV_CACHE_DTYPES.get(kv_dtype, kv_dtype)]
+    argv += _values(args, "sglang", ("block_size", "gpu_memory_utilization", "max_model_len"))
+    argv += [flag("max_num_seqs", "sglang"), str(max_num_seqs(topo, engine, plan))]
+    argv += _values(
+        args,
+        "sglang",
+        (
+            "max_num_batched_tokens",
+            "max_cudagraph_capture_size",
+            "tokenizer_mode",
+            "reasoning_parser",
+            "tool_call_parser",
+            "chat_template",
+            "attention_backend",
+        ),
+    )
     if args.get("enable_prefix_caching") is False:
-        argv.append("--disable-radix-cache")
-    if args.get("enforce_eager"):
-        argv.append("--disable-cuda-graph")
-    if args.get("enable_eplb"):
-        argv.append("--enable-eplb")
+        argv.append(flag("enable_prefix_caching", "sglang"))
+    argv += _switch(args, "sglang", "enforce_eager")
+    argv += _switch(args, "sglang", "enable_eplb")
     eplb = args.get("eplb_config") or {}
     if "num_redundant_experts" in eplb:
-        argv += ["--ep-num-redundant-experts", str(eplb["num_redundant_experts"])]
+        argv += [flag("eplb_config", "sglang"), str(eplb["num_redundant_experts"])]
     argv += ["--host", plan.bind, "--port", str(engine.port)]
     if engine.kv is not None:
         argv += _sglang_disaggregation(topo, engine, plan)
-    _skipped(engine, VLLM_ONLY | SGLANG_NO_FLAG, plan)
+    _skipped(engine, not_rendered("sglang"), plan)
     argv += list(engine.extra_args)
     return argv
 
@@ -353,9 +335,10 @@ def _sglang_disaggregation(topo: Topology, engine: Engine, plan: NodePlan) -> li
 
 def _sglang_a2a(backend: str) -> list[str]:
     modes = {"deepep_high_throughput": "normal", "deepep_low_latency": "low_latency"}
+    name = flag("all2all_backend", "sglang")
     if backend in modes:
-        return ["--moe-a2a-backend", "deepep", "--deepep-mode", modes[backend]]
-    return ["--moe-a2a-backend", backend]
+        return [name, "deepep", "--deepep-mode", modes[backend]]
+    return [name, backend]
 
 
 def _sglang_speculative(config: dict[str, Any]) -> list[str]:
@@ -366,7 +349,7 @@ def _sglang_speculative(config: dict[str, Any]) -> list[str]:
     """
     method = str(config.get("method", "")).lower()
     algorithm = {"mtp": "EAGLE", "deepseek_mtp": "EAGLE"}.get(method, method.upper())
-    out = ["--speculative-algorithm", algorithm]
+    out = [flag("speculative_config", "sglang"), algorithm]
     tokens = config.get("num_speculative_tokens")
     if tokens is not None:
         out += [

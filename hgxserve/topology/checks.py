@@ -15,6 +15,7 @@ from typing import Any
 
 from hgxserve.caches.layout import ENV_SUBDIRS
 from hgxserve.paths import CONFIG_DIR, TOPOLOGY_FILES_DIR
+from hgxserve.topology.engine_args import arg_of_flag
 from hgxserve.topology.model import Engine, Topology, is_loopback
 from hgxserve.topology.ports import (
     ANY_ADDRESS,
@@ -856,17 +857,8 @@ _TYPED_FLAGS = {
     "--disaggregation-mode": "role",
     "--disaggregation-bootstrap-port": "kv.bootstrap_port",
     "--data-parallel-rpc-port": "rpc_port",
-    "--kv-cache-dtype": "args.kv_cache_dtype",
-    "--block-size": "args.block_size",
-    "--page-size": "args.block_size",
-    "--dtype": "args.dtype",
-    "--max-model-len": "args.max_model_len",
-    "--context-length": "args.max_model_len",
-    "--max-num-seqs": "args.max_num_seqs",
-    "--max-running-requests": "args.max_num_seqs",
-    "--speculative-config": "args.speculative_config",
-    "--attention-backend": "args.attention_backend",
-    "--distributed-executor-backend": "args.distributed_executor_backend",
+    # every flag the renderers write for a typed arg (the one table, ARG_FLAGS)
+    **{name: f"args.{key}" for name, key in arg_of_flag().items()},
 }
 
 

@@ -1,0 +1,81 @@
+"""ARG_FLAGS is the one table of typed engine args: it covers every schema `args` property,
+each renderer writes every flag it lists for its engine, and the extra-args rule refuses them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from conftest import topology
+
+from hgxserve.defaults import topology_schema
+from hgxserve.render.engines import engine_args, node_plan
+from hgxserve.topology.checks import _TYPED_FLAGS
+from hgxserve.topology.engine_args import ARG_FLAGS, not_rendered
+
+VALUES: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "kv_cache_dtype": "fp8",
+    "block_size": 64,
+    "gpu_memory_utilization": 0.9,
+    "max_model_len": 8192,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 8192,
+    "max_cudagraph_capture_size": 64,
+    "tokenizer_mode": "deepseek_v4",
+    "tool_call_parser": "deepseek_v4",
+    "reasoning_parser": "deepseek_v4",
+    "chat_template": "/models/t.jinja",
+    "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+    "attention_backend": "flashmla",
+    "distributed_executor_backend": "mp",
+    "eplb_config": {"num_redundant_experts": 32},
+    "all2all_backend": "deepep_low_latency",
+    "moe_runner_backend": "deep_gemm",
+}
+
+
+def _all_args(switch: bool) -> dict[str, Any]:
+    props = topology_schema()["$defs"]["engineArgs"]["properties"]
+    return {k: (switch if props[k].get("type") == "boolean" else VALUES[k]) for k in props}
+
+
+def test_every_schema_arg_is_in_the_table_and_nothing_else():
+    props = set(topology_schema()["$defs"]["engineArgs"]["properties"])
+    assert set(ARG_FLAGS) == props
+
+
+@pytest.mark.parametrize(
+    ("file", "name"), [("h20-v4flash-tp8.yml", None), ("seed003-sglang-tp8.yml", None)]
+)
+def test_each_renderer_writes_every_flag_of_its_engine(file, name):
+    topo = topology(file)
+    engine = topo.engines[name or next(iter(topo.engines))]
+    words: set[str] = set()
+    for switch in (True, False):
+        changed = replace(engine, args=_all_args(switch))
+        plan = node_plan(topo, changed, changed.head)
+        words |= set(engine_args(topo, changed, plan))
+        if switch:
+            skipped = sorted(not_rendered(engine.engine))
+            assert f"not applicable to {engine.engine}, not rendered: {', '.join(skipped)}" in (
+                plan.notes
+            )
+    missing = [
+        (key, f.flag(engine.engine))
+        for key, f in ARG_FLAGS.items()
+        if f.flag(engine.engine) is not None and f.flag(engine.engine) not in words
+    ]
+    assert missing == []
+    # what the engine has no flag for is never written under the other engine's name
+    other = {f.flag("sglang" if engine.engine == "vllm" else "vllm") for f in ARG_FLAGS.values()}
+    own = {f.flag(engine.engine) for f in ARG_FLAGS.values()}
+    assert not (words & (other - own - {None}))
+
+
+def test_extra_args_rule_refuses_every_flag_of_the_table():
+    for key, f in ARG_FLAGS.items():
+        for name in (f.vllm, f.sglang, *f.also):
+            if name is not None:
+                assert _TYPED_FLAGS[name] == f"args.{key}", name
