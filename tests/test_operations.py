@@ -7,8 +7,10 @@ lists `commands` (and `noop_description` when nothing changes); for an `@deploy`
 against the earlier operations' results, as pyinfra's execute phase does.
 
 Facts are keyed by pyinfra fact name; facts that take arguments map `k=v, ...` (sorted by k)
-to the value. A fact the code asks for that the case does not define fails the test, so a
-case always states everything the operation looked at. Strings `datetime:ISO` become datetimes.
+to the value. `{"__type__": "module:Class", ...}` builds a typed argument (a model, sync
+options) from its fields. A fact the code asks for that the case does not define fails the
+test, so a case always states everything the operation looked at. Strings `datetime:ISO`
+become datetimes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ if str(REPO) not in sys.path:
 def _value(raw: Any) -> Any:
     if isinstance(raw, str) and raw.startswith("datetime:"):
         return datetime.fromisoformat(raw[len("datetime:") :])
+    if isinstance(raw, dict) and "__type__" in raw:
+        # a typed argument: {"__type__": "module:Class", field: value, ...}
+        module_name, _, name = raw["__type__"].partition(":")
+        cls = getattr(importlib.import_module(module_name), name)
+        return cls(**{key: _value(value) for key, value in raw.items() if key != "__type__"})
     if isinstance(raw, dict):
         return {key: _value(value) for key, value in raw.items()}
     if isinstance(raw, list):

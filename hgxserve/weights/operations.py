@@ -1,8 +1,8 @@
 """pyinfra fact and operations for model weights: sync/verify only when the marker is stale.
 
 from hgxserve.weights.operations import synced, verified
-synced(name="Sync model weights", src="s3://models/x/", dest="/models/x",
-       env_file="/etc/hgxserve/s3.env", endpoint_url="https://s3.example.com")
+synced(name="Sync model weights", options=SyncArgs("s3://models/x/", "/models/x",
+       env_file="/etc/hgxserve/s3.env", endpoint_url="https://s3.example.com"))
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, operation
 
-from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE
 from hgxserve.paths import AGENT
+from hgxserve.weights.options import SyncArgs
 from hgxserve.weights.state import STATE_DIR_NAME
 
 
@@ -89,119 +89,43 @@ def _is_current(fact: dict[str, Any], digest: str | None, source: str | None) ->
     return source is None or fact.get("source") == source
 
 
-def sync_command(
-    src: str,
-    dest: str,
-    *,
-    agent: str = AGENT,
-    state_dir: str | None = None,
-    endpoint_url: str | None = None,
-    region: str | None = None,
-    addressing: str = "auto",
-    env_file: str | None = None,
-    profile: str | None = None,
-    concurrency: int = S3_CONCURRENCY,
-    part_size: str = S3_PART_SIZE,
-    manifest: str | None = None,
-    digest: str | None = None,
-    require_sha256: bool = True,
-) -> str:
-    """The agent command line: paths and options only, never a secret (those stay in env_file).
+def sync_command(options: SyncArgs, *, agent: str = AGENT, digest: str | None = None) -> str:
+    """The agent command line: sync, then verify (paths and options only, never a secret).
 
-    sync_command("s3://models/x/", "/models/x", env_file="/etc/hgxserve/s3.env")
+    sync_command(SyncArgs("s3://models/x/", "/models/x", env_file="/etc/hgxserve/s3.env"))
     """
     q = shlex.quote
-    sync = [
-        q(agent),
-        "weights",
-        "sync",
-        q(src),
-        q(dest),
-        "--concurrency",
-        str(concurrency),
-        "--part-size",
-        q(part_size),
-        "-q",
-    ]
-    if src.startswith("s3://"):
-        sync += ["--addressing", q(addressing)]
-        for flag, value in (
-            ("--endpoint-url", endpoint_url),
-            ("--region", region),
-            ("--env-file", env_file),
-            ("--profile", profile),
-        ):
-            if value:
-                sync += [flag, q(value)]
-    if manifest:
-        sync += ["--manifest", q(manifest)]
-    if state_dir:
-        sync += ["--state-dir", q(state_dir)]
-    if not require_sha256:
-        sync.append("--allow-size-etag")
-    verify = [q(agent), "weights", "verify", q(dest), "-q"]
-    if state_dir:
-        verify += ["--state-dir", q(state_dir)]
+    sync = " ".join(q(word) for word in [agent, "weights", *options.to_argv()])
+    verify = [q(agent), "weights", "verify", q(options.dest), "-q"]
+    if options.state_dir:
+        verify += ["--state-dir", q(options.state_dir)]
     if digest:
         verify += ["--digest", q(digest)]
-    return " ".join(sync) + " && " + " ".join(verify)
+    return sync + " && " + " ".join(verify)
 
 
 @operation()
-def synced(
-    src: str,
-    dest: str,
-    agent: str = AGENT,
-    state_dir: str | None = None,
-    endpoint_url: str | None = None,
-    region: str | None = None,
-    addressing: str = "auto",
-    env_file: str | None = None,
-    profile: str | None = None,
-    concurrency: int = S3_CONCURRENCY,
-    part_size: str = S3_PART_SIZE,
-    manifest: str | None = None,
-    digest: str | None = None,
-    require_sha256: bool = True,
-):
-    """Sync SRC into DEST and verify it, unless DEST's marker already says so.
+def synced(options: SyncArgs, digest: str | None = None, agent: str = AGENT):
+    """Sync options.src into options.dest and verify it, unless the marker already says so.
 
-    + src: s3://bucket/prefix/ or a directory (a CephFS mount when staging)
-    + dest: model directory on the host
-    + env_file: 0600 file on the host with AWS_* credentials (never on the command line)
-    + digest: required manifest digest (sha256:...); without it any verified sync of SRC counts
-    + require_sha256: False is the explicit opt-out (model.integrity: size-etag)
-    + other arguments: see `hgxserve weights sync --help`
+    + options: what `hgxserve weights sync` gets (source, destination, S3 settings, env_file:
+      a 0600 file on the host with AWS_* credentials, never the secret itself)
+    + digest: required manifest digest (sha256:...); without it any verified sync of the source
+    + agent: the hgxserve agent on the host
 
     **Example:**
 
     .. code:: python
 
-        synced(name="Sync model weights", src="s3://models/x/", dest="/models/x",
-               env_file="/etc/hgxserve/s3.env", addressing="virtual")
+        synced(name="Sync model weights",
+               options=SyncArgs("s3://models/x/", "/models/x", env_file="/etc/hgxserve/s3.env"))
     """
+    dest, state_dir = options.dest, options.state_dir
     fact = host.get_fact(ModelManifestState, dest=dest, state_dir=state_dir, agent=agent)
-    if _is_current(fact, digest, src):
+    if _is_current(fact, digest, options.src):
         host.noop(f"model at {dest} is already verified ({fact['marker']})")
         return
-    yield StringCommand(
-        sync_command(
-            src,
-            dest,
-            agent=agent,
-            state_dir=state_dir,
-            endpoint_url=endpoint_url,
-            region=region,
-            addressing=addressing,
-            env_file=env_file,
-            profile=profile,
-            concurrency=concurrency,
-            part_size=part_size,
-            manifest=manifest,
-            digest=digest,
-            require_sha256=require_sha256,
-        )
-    )
+    yield StringCommand(sync_command(options, agent=agent, digest=digest))
 
 
 @operation()

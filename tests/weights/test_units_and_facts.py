@@ -10,6 +10,7 @@ import pytest
 
 from hgxserve.weights.cephfs import mount_unit, unit_name
 from hgxserve.weights.operations import parse_manifest_state, sync_command
+from hgxserve.weights.options import SyncArgs
 
 
 def test_unit_name_matches_systemd_escape() -> None:
@@ -61,6 +62,6 @@ def test_fact_parser_treats_garbage_as_unverified() -> None:
 
 
 def test_sync_command_never_carries_secrets() -> None:
-    command = sync_command("s3://b/m/", "/models/m", env_file="/etc/hgxserve/s3.env")
+    command = sync_command(SyncArgs("s3://b/m/", "/models/m", env_file="/etc/hgxserve/s3.env"))
     assert "--env-file /etc/hgxserve/s3.env" in command
     assert "SECRET" not in command.upper().replace("--ENV-FILE", "")
