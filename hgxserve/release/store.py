@@ -9,13 +9,14 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hgxserve.digests import tree_digest
 from hgxserve.errors import HgxserveError
 from hgxserve.paths import RELEASE_ROOT
 
 LINKS = ("current", "previous", "baseline")
+UnitKind = Literal["engine", "worker", "proxy"]
 # Release ids are the first 12 hex digits of the release digest (plan.py); anything that could
 # name another directory (`..`, `/`, a newline) is refused before it is used in a path.
 _RELEASE_ID = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
@@ -48,7 +49,7 @@ class UnitSpec:
     """One unit of a release, in start order."""
 
     name: str
-    kind: str  # engine | worker | proxy
+    kind: UnitKind
     health_url: str | None = None
     gpus: list[int] = field(default_factory=list)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from hgxserve.render.types import RenderError
 from hgxserve.topology.engine_args import flag, not_rendered
-from hgxserve.topology.model import Engine, Topology, is_loopback
+from hgxserve.topology.model import Engine, EngineKind, Topology, is_loopback
 from hgxserve.topology.ports import (
     engine_bind,
     kv_crosses_hosts,
@@ -118,7 +118,7 @@ def _skipped(engine: Engine, not_for: frozenset[str], plan: NodePlan) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _values(args: dict[str, Any], engine: str, keys: tuple[str, ...]) -> list[str]:
+def _values(args: dict[str, Any], engine: EngineKind, keys: tuple[str, ...]) -> list[str]:
     """`--flag value` for each of `keys` set in args, in the order given."""
     out: list[str] = []
     for key in keys:
@@ -127,7 +127,7 @@ def _values(args: dict[str, Any], engine: str, keys: tuple[str, ...]) -> list[st
     return out
 
 
-def _switch(args: dict[str, Any], engine: str, key: str) -> list[str]:
+def _switch(args: dict[str, Any], engine: EngineKind, key: str) -> list[str]:
     """`--flag` when the arg is true."""
     return [flag(key, engine)] if args.get(key) else []
 

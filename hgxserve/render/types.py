@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Literal
 
 import jinja2
 
@@ -14,7 +15,7 @@ from hgxserve.digests import tree_digest
 from hgxserve.errors import HgxserveError
 from hgxserve.paths import UNIT_DIR
 from hgxserve.render.systemd import finalize
-from hgxserve.topology.model import SecretRef
+from hgxserve.topology.model import Role, SecretRef
 
 CONTAINER_TOOLS = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker"}
 
@@ -35,7 +36,7 @@ class RenderedUnit:
 
     name: str
     engine: str | None  # None for the proxy
-    role: str  # combined | prefill | decode | proxy
+    role: Role | Literal["proxy"]
     argv: list[str]
     env: dict[str, str]
     gpus: tuple[int, ...]

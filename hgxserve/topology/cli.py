@@ -154,7 +154,7 @@ def validate(files: tuple[str, ...], fmt: str, strict: bool, list_rules: bool) -
 def _render_units(topo: Topology) -> tuple[dict[str, list[dict[str, Any]]] | None, str | None]:
     """Units per host from the renderer, or (None, why) when it is missing or fails."""
     try:
-        from hgxserve.render import render_topology  # type: ignore[attr-defined]
+        from hgxserve.render import render_topology
     except ImportError:
         return None, "renderer not available"
     try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hgxserve.topology.model import EngineKind
+
 
 @dataclass(frozen=True)
 class ArgFlag:
@@ -24,7 +26,7 @@ class ArgFlag:
     sglang: str | None
     also: tuple[str, ...] = ()
 
-    def flag(self, engine: str) -> str | None:
+    def flag(self, engine: EngineKind) -> str | None:
         return self.vllm if engine == "vllm" else self.sglang
 
 
@@ -73,7 +75,7 @@ ARG_FLAGS: dict[str, ArgFlag] = {
 }
 
 
-def flag(key: str, engine: str) -> str:
+def flag(key: str, engine: EngineKind) -> str:
     """The flag `engine` takes for arg `key` (KeyError when it has none)."""
     name = ARG_FLAGS[key].flag(engine)
     if name is None:
@@ -81,7 +83,7 @@ def flag(key: str, engine: str) -> str:
     return name
 
 
-def not_rendered(engine: str) -> frozenset[str]:
+def not_rendered(engine: EngineKind) -> frozenset[str]:
     """Args `engine` has no flag for."""
     return frozenset(k for k, f in ARG_FLAGS.items() if f.flag(engine) is None)
 

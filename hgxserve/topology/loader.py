@@ -18,7 +18,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from hgxserve.topology.problems import JsonPath, Problem, TopologyError
+from hgxserve.topology.problems import JsonPath, Problem, Severity, TopologyError
 
 _INT = re.compile(r"^[-+]?(0|[1-9][0-9_]*)$")
 _INT_OTHER = re.compile(r"^[-+]?0(x[0-9a-fA-F_]+|o[0-7_]+|b[01_]+)$")
@@ -115,7 +115,7 @@ class Document:
         message: str,
         *,
         rule: str = "schema",
-        severity: str = "error",
+        severity: Severity = "error",
         key: bool = False,
     ) -> Problem:
         line, col = self.position(path, key=key)

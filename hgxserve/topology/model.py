@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from hgxserve.defaults import schema_default
 from hgxserve.paths import TOPOLOGY_FILES_DIR
@@ -27,6 +27,22 @@ PATH_FLAGS = (
     "--tokenizer",
 )
 
+# The fixed vocabularies of the schema's enums (tests/structure/test_vocabularies.py keeps
+# each equal to its enum).
+Role = Literal["combined", "prefill", "decode"]
+EngineKind = Literal["vllm", "sglang"]
+KvConnector = Literal["nixl", "mooncake"]
+KvFailurePolicy = Literal["fail", "recompute"]
+KvBufferDevice = Literal["cuda", "cpu"]
+ProxyKind = Literal["hgxserve", "vllm-router", "sglang-router"]
+Addressing = Literal["virtual", "path", "auto"]
+CacheMode = Literal["off", "restore", "bake"]
+CacheDistribute = Literal["controller", "s3"]
+WarmupApi = Literal["completions", "chat"]
+SecretKind = Literal["env", "file", "credential"]
+ContainerTool = Literal["podman", "docker"]
+
+
 
 def is_loopback(address: str) -> bool:
     return address.startswith(LOOPBACK)
@@ -40,13 +56,13 @@ def _get(data: dict[str, Any], definition: str, prop: str) -> Any:
 class SecretRef:
     """Where a secret comes from: env (controller variable), file (on host) or credential."""
 
-    kind: str
+    kind: SecretKind
     value: str
 
     @classmethod
-    def parse(cls, data: dict[str, str]) -> SecretRef:
+    def parse(cls, data: dict[str, Any]) -> SecretRef:
         ((kind, value),) = data.items()
-        return cls(kind, value)
+        return cls(cast(SecretKind, kind), value)  # the schema allows only these keys
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,7 @@ class S3Source:
     bucket: str
     prefix: str
     region: str
-    addressing: str
+    addressing: Addressing
     credentials: tuple[str, str] | None  # (env_file|profile|chain, value)
     concurrency: int
     part_size: int
@@ -122,7 +138,7 @@ class Model:
 class Runtime:
     venv: str | None = None
     image: str | None = None
-    tool: str | None = None
+    tool: ContainerTool | None = None
     cuda: str | None = None  # CUDA version the runtime was built for
     packages: tuple[str, ...] = ()
 
@@ -133,14 +149,14 @@ class Runtime:
 
 @dataclass(frozen=True)
 class KvTransfer:
-    connector: str
+    connector: KvConnector
     side_channel_host: str | None  # as written; None or "auto": routable when KV crosses hosts
     # (resolve with hgxserve.topology.ports.side_channel_host)
     side_channel_port: int
     ucx_devices: str | tuple[str, ...] | None
     ucx_tls: tuple[str, ...] | None
-    buffer_device: str
-    failure_policy: str
+    buffer_device: KvBufferDevice
+    failure_policy: KvFailurePolicy
     bootstrap_port: int
 
 
@@ -149,8 +165,8 @@ class Engine:
     """One engine instance: one OpenAI API endpoint, on one or several hosts."""
 
     name: str
-    role: str
-    engine: str
+    role: Role
+    engine: EngineKind
     version: str | None
     runtime: Runtime | None
     place: dict[str, tuple[int, ...]]
@@ -242,7 +258,7 @@ class Proxy:
     host: str
     listen_host: str
     listen_port: int
-    kind: str
+    kind: ProxyKind
     routes: tuple[Route, ...]
     combined: tuple[str, ...]
     pd_min_prompt_tokens: int
@@ -257,14 +273,14 @@ class Warmup:
     input: int
     output: int
     concurrency: int
-    api: str
+    api: WarmupApi
 
 
 @dataclass(frozen=True)
 class CachePolicy:
-    policy: str
+    policy: CacheMode
     root: str
-    distribute: str
+    distribute: CacheDistribute
     s3_prefix: str | None
 
 

@@ -6,9 +6,11 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 PathPart = str | int
 JsonPath = tuple[PathPart, ...]
+Severity = Literal["error", "warning"]
 
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
@@ -40,7 +42,7 @@ class Problem:
     path: JsonPath
     message: str
     rule: str = "schema"
-    severity: str = "error"  # error | warning
+    severity: Severity = "error"
 
     @property
     def is_error(self) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from hgxserve.topology.model import Topology
-from hgxserve.topology.problems import JsonPath
+from hgxserve.topology.problems import JsonPath, Severity
 
 Finding = tuple[JsonPath, str]
 RuleFunc = Callable[[Topology], Iterator[Finding]]
@@ -18,7 +18,7 @@ RuleFunc = Callable[[Topology], Iterator[Finding]]
 @dataclass(frozen=True)
 class Rule:
     id: str
-    severity: str  # error | warning
+    severity: Severity
     summary: str
     check: RuleFunc
 
@@ -26,7 +26,7 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 
-def rule(rule_id: str, severity: str, summary: str) -> Callable[[RuleFunc], RuleFunc]:
+def rule(rule_id: str, severity: Severity, summary: str) -> Callable[[RuleFunc], RuleFunc]:
     """Register a rule.
 
     >>> @rule("gpu-overlap", "error", "No GPU is used by two engines on one host.")

@@ -44,13 +44,13 @@ _StrictValidator = validators.extend(Draft202012Validator, {"pattern": _pattern}
 
 @cache
 def _validator() -> Draft202012Validator:
-    return _StrictValidator(topology_schema())  # type: ignore[no-any-return]
+    return _StrictValidator(topology_schema())
 
 
 def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/$defs/"):
-        return topology_schema()["$defs"][ref.split("/")[-1]]  # type: ignore[no-any-return]
+        return topology_schema()["$defs"][ref.split("/")[-1]]
     return schema
 
 

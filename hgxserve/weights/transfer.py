@@ -106,7 +106,7 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
         return None
     func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     func.restype = ctypes.c_int
-    return func  # type: ignore[no-any-return]
+    return func
 
 
 _SYNC_FILE_RANGE = _load_sync_file_range()

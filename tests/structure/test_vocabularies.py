@@ -1,0 +1,36 @@
+"""Each Literal type of the typed topology equals the schema enum it stands for."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+
+from hgxserve.defaults import topology_schema
+from hgxserve.topology import model
+
+
+@pytest.mark.parametrize(
+    ("literal", "definition", "prop"),
+    [
+        (model.Role, "engine", "role"),
+        (model.EngineKind, "engine", "engine"),
+        (model.KvConnector, "kv", "connector"),
+        (model.KvFailurePolicy, "kv", "failure_policy"),
+        (model.KvBufferDevice, "kv", "buffer_device"),
+        (model.ProxyKind, "proxy", "kind"),
+        (model.Addressing, "s3Source", "addressing"),
+        (model.CacheMode, "cache", "policy"),
+        (model.CacheDistribute, "cache", "distribute"),
+        (model.WarmupApi, "warmup", "api"),
+    ],
+)
+def test_literal_matches_the_schema_enum(literal, definition, prop):
+    enum = topology_schema()["$defs"][definition]["properties"][prop]["enum"]
+    assert list(get_args(literal)) == enum
+
+
+def test_secret_kinds_are_the_schema_alternatives():
+    alternatives = topology_schema()["$defs"]["secretRef"]["oneOf"]
+    kinds = sorted(k for alt in alternatives for k in alt.get("required", []))
+    assert sorted(get_args(model.SecretKind)) == kinds
