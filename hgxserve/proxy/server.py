@@ -20,6 +20,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -64,6 +65,22 @@ def with_fields(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> byte
         inner = json.dumps(extra, separators=(",", ":"))[1:-1].encode()
         return raw[: raw.rfind(b"}")] + b"," + inner + b"}"
     return json.dumps({**body, **extra}, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One client request on its way through the proxy: what every step of routing needs."""
+
+    request: web.BaseRequest
+    path: str  # /v1/completions or /v1/chat/completions
+    raw: bytes  # the body as the client sent it (relayed as is where possible)
+    body: dict[str, Any]
+    req_id: str
+    started: float  # perf_counter when the proxy had read the body
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
 
 
 class UpstreamUnavailable(Exception):
@@ -382,7 +399,7 @@ class Proxy:
             )
         req_id = request.headers.get("X-Request-Id") or new_request_id()
         tokens = estimate_prompt_tokens(body, self.config.routing.bytes_per_token)
-        started = time.perf_counter()
+        call = Call(request, path, raw, body, req_id, time.perf_counter())
         exclude: set[Instance] = set()
         attempts = 0
         route = "none"
@@ -396,7 +413,7 @@ class Proxy:
                     )
                 route = decision.route
                 try:
-                    resp = await self.dispatch(request, decision, path, raw, body, req_id, started)
+                    resp = await self.dispatch(call, decision)
                     self.metrics.request(route, endpoint, resp.status)
                     return resp
                 except UpstreamUnavailable as exc:
@@ -417,37 +434,17 @@ class Proxy:
             self.metrics.disconnects += 1
             raise
 
-    async def dispatch(
-        self,
-        request: web.BaseRequest,
-        decision: Decision,
-        path: str,
-        raw: bytes,
-        body: dict[str, Any],
-        req_id: str,
-        started: float,
-    ) -> web.StreamResponse:
-        stream = bool(body.get("stream"))
+    async def dispatch(self, call: Call, decision: Decision) -> web.StreamResponse:
         if decision.prefill is None:
-            return await self.relay(
-                request, decision.target, path, raw, stream, req_id, started, 0.0
-            )
+            return await self.relay(call, decision.target, call.raw, 0.0)
         if self.config.protocol == "vllm-nixl":
-            return await self.vllm_nixl(request, decision, path, raw, body, req_id, started)
-        return await self.sglang(request, decision, path, raw, body, req_id, started)
+            return await self.vllm_nixl(call, decision)
+        return await self.sglang(call, decision)
 
-    async def vllm_nixl(
-        self,
-        request: web.BaseRequest,
-        decision: Decision,
-        path: str,
-        raw: bytes,
-        body: dict[str, Any],
-        req_id: str,
-        started: float,
-    ) -> web.StreamResponse:
+    async def vllm_nixl(self, call: Call, decision: Decision) -> web.StreamResponse:
         assert decision.prefill is not None
         prefill = decision.prefill
+        body, raw = call.body, call.raw
         prefill_body = dict(body)
         prefill_body.update(stream=False, max_tokens=1, max_completion_tokens=1)
         prefill_body.pop("stream_options", None)
@@ -460,9 +457,9 @@ class Proxy:
         try:
             up = await self.upstream.post(
                 prefill.url,
-                path,
+                call.path,
                 payload,
-                req_id,
+                call.req_id,
                 total_timeout=self.config.limits.prefill_timeout_s,
             )
             try:
@@ -496,30 +493,12 @@ class Proxy:
             decode_raw = json.dumps(decode_body, separators=(",", ":")).encode()
         else:
             decode_raw = raw
-        waited = time.perf_counter() - t0
-        return await self.relay(
-            request,
-            decision.target,
-            path,
-            decode_raw,
-            bool(body.get("stream")),
-            req_id,
-            started,
-            waited,
-        )
+        return await self.relay(call, decision.target, decode_raw, time.perf_counter() - t0)
 
-    async def sglang(
-        self,
-        request: web.BaseRequest,
-        decision: Decision,
-        path: str,
-        raw: bytes,
-        body: dict[str, Any],
-        req_id: str,
-        started: float,
-    ) -> web.StreamResponse:
+    async def sglang(self, call: Call, decision: Decision) -> web.StreamResponse:
         assert decision.prefill is not None
         prefill = decision.prefill
+        body, raw = call.body, call.raw
         bootstrap = {
             "bootstrap_host": prefill.endpoint.bootstrap_host,
             "bootstrap_port": prefill.endpoint.bootstrap_port,
@@ -536,9 +515,9 @@ class Proxy:
             try:
                 up = await self.upstream.post(
                     prefill.url,
-                    path,
+                    call.path,
                     prefill_raw,
-                    req_id,
+                    call.req_id,
                     total_timeout=self.config.limits.prefill_timeout_s,
                 )
                 try:
@@ -558,17 +537,7 @@ class Proxy:
 
         prefill_task = asyncio.create_task(run_prefill())
         try:
-            return await self.relay(
-                request,
-                decision.target,
-                path,
-                pd_raw,
-                bool(body.get("stream")),
-                req_id,
-                started,
-                0.0,
-                watch=prefill_task,
-            )
+            return await self.relay(call, decision.target, pd_raw, 0.0, watch=prefill_task)
         finally:
             if not prefill_task.done():
                 prefill_task.cancel()
@@ -577,25 +546,23 @@ class Proxy:
 
     async def relay(
         self,
-        request: web.BaseRequest,
+        call: Call,
         inst: Instance,
-        path: str,
         payload: bytes,
-        stream: bool,
-        req_id: str,
-        started: float,
         waited: float,
         watch: asyncio.Task[int] | None = None,
     ) -> web.StreamResponse:
         """Send `payload` (JSON) to the engine whose answer the client gets; pass the answer on.
+        `waited`: seconds already spent on a prefill before this engine was asked.
 
         Raises UpstreamUnavailable only while nothing has been sent to the client.
         """
+        req_id = call.req_id
         inst.outstanding += 1
         inst.picked += 1
         t_send = time.perf_counter()
         send = self.upstream.post(
-            inst.url, path, payload, req_id, read_timeout=self.config.limits.read_timeout_s
+            inst.url, call.path, payload, req_id, read_timeout=self.config.limits.read_timeout_s
         )
         try:
             try:
@@ -608,17 +575,16 @@ class Proxy:
                     self.metrics.upstream_error(inst, f"http_{up.status}")
                     raise UpstreamUnavailable(inst, f"answered HTTP {up.status}")
                 ctype = up.headers.get("content-type", "application/json")
-                if stream and up.status == 200:
-                    return await self._stream(
-                        request, inst, up, ctype, req_id, started, waited, t_send
-                    )
+                if call.stream and up.status == 200:
+                    return await self._stream(call, inst, up, ctype, waited, t_send)
                 try:
                     data = await up.read()
                 except (TimeoutError, UpstreamError) as exc:
                     self.metrics.upstream_error(inst, error_kind(exc))
                     raise UpstreamUnavailable(inst, f"answer cut off: {exc!r}") from exc
                 engine = (time.perf_counter() - t_send) + waited
-                self.metrics.observe_added_ttft(max(0.0, time.perf_counter() - started - engine))
+                added = time.perf_counter() - call.started - engine
+                self.metrics.observe_added_ttft(max(0.0, added))
                 resp = web.Response(
                     body=data,
                     status=up.status,
@@ -651,16 +617,9 @@ class Proxy:
                     (await send).release()
 
     async def _stream(
-        self,
-        request: web.BaseRequest,
-        inst: Instance,
-        up: Response,
-        ctype: str,
-        req_id: str,
-        started: float,
-        waited: float,
-        t_send: float,
+        self, call: Call, inst: Instance, up: Response, ctype: str, waited: float, t_send: float
     ) -> web.StreamResponse:
+        request, req_id = call.request, call.req_id
         out = web.StreamResponse(
             status=200,
             headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": req_id},
@@ -672,7 +631,7 @@ class Proxy:
                     now = time.perf_counter()
                     engine = (now - t_send) + waited
                     await out.prepare(request)
-                    self.metrics.observe_added_ttft(max(0.0, now - started - engine))
+                    self.metrics.observe_added_ttft(max(0.0, now - call.started - engine))
                     first = False
                 await out.write(chunk)
         except (TimeoutError, UpstreamError) as exc:

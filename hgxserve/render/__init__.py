@@ -15,6 +15,8 @@ units (in topology order) and then the proxy unit, each with the argv and enviro
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from hgxserve import paths
 from hgxserve.caches.key import cache_key
 from hgxserve.caches.layout import ENV_SUBDIRS, cache_env
@@ -168,6 +170,15 @@ def secret_wrapper(
     return lines, prefix
 
 
+@dataclass
+class _Exec:
+    """The Exec*= lines of an engine unit, built up as the runtime asks."""
+
+    start_pre: list[str]
+    stop: list[str] = field(default_factory=list)
+    stop_post: list[str] = field(default_factory=list)
+
+
 def _engine_unit(
     topo: Topology, engine: Engine, host: str, creds: dict[str, CredentialSpec]
 ) -> RenderedUnit:
@@ -176,68 +187,30 @@ def _engine_unit(
     plan = node_plan(topo, engine, host)
     name = unit_name(engine.name)
     key = cache_key(topo, engine)
-    args = engine_args(topo, engine, plan)
     env = engine_env(topo, engine, plan, key)
-    program = engine_program(engine)
     gpus = ",".join(str(g) for g in plan.gpus)
     rundir = run_dir(engine)
     key_dir = f"{topo.cache.root}/{key}"
     pre_dirs = sorted({env[v] for v in ENV_SUBDIRS if v in env})
     pre_dirs += [f"{rundir}/{d}" for d in ("tmp", "rpc", "cache", "hf")]
-    exec_start_pre = [exec_line([MKDIR, "-p", *pre_dirs])]
-    exec_stop: list[str] = []
-    exec_stop_post: list[str] = []
+    execs = _Exec([exec_line([MKDIR, "-p", *pre_dirs])])
     credential_lines, wrapper = secret_wrapper(engine.secret_env, name, creds)
     shipped = {f.host_path: f for f in topo.files.values()}
     used_files = sorted({p for _, _, p in engine.host_paths() if p in shipped})
-    runtime = engine.runtime
-    if runtime.is_container:
-        tool_name = runtime.tool or "podman"
-        tool = CONTAINER_TOOLS[tool_name]
-        container = f"hgxserve-{engine.name}"
-        argv = [
-            tool,
-            "run",
-            # the runtime stage loaded the image by digest; a switch never waits on a pull
-            "--pull=never",
-            "--rm",
-            "--name",
-            container,
-            "--network",
-            "host",
-            "--ipc",
-            "host",
-            "--ulimit",
-            "memlock=-1:-1",
-        ]
-        for gpu in plan.gpus:
-            argv += ["--device", f"nvidia.com/gpu={gpu}"]
-        argv += ["--volume", f"{topo.model.path}:{topo.model.path}:ro"]
-        argv += ["--volume", f"{key_dir}:{key_dir}", "--volume", f"{rundir}:{rundir}"]
-        for path in used_files:
-            argv += ["--volume", f"{path}:{path}:ro"]
-        for var in [*env, *sorted(engine.secret_env)]:
-            # --env NAME passes the value from the unit's environment, never on the command line
-            argv += ["--env", var]
-        argv += ["--entrypoint", program[0], str(runtime.image), *program[1:], *args]
-        remove = (
-            [tool, "rm", "--force", "--ignore", container]
-            if tool_name == "podman"
-            else [tool, "rm", "--force", container]
+    command = [*engine_program(engine), *engine_args(topo, engine, plan)]
+    if engine.runtime.is_container:
+        argv = _container_argv(
+            topo, engine, plan, env, command, execs, [key_dir, rundir], used_files
         )
-        exec_start_pre.append(UnitText("-" + exec_line(remove)))
-        exec_stop.append(exec_line([tool, "stop", "--time", "60", container]))
-        exec_stop_post.append(UnitText("-" + exec_line(remove)))
-        plan.notes.append(f"container {runtime.image} with CDI GPUs {gpus} via {tool_name}")
     else:
-        argv = [*program, *args]
-    exec_start_pre.append(exec_line([AGENT, "weights", "check-marker", topo.model.path]))
+        argv = command
+    execs.start_pre.append(exec_line([AGENT, "weights", "check-marker", topo.model.path]))
     if used_files:
         # the files the runtime stage shipped, as the topology pins them
         checks = [f"{path}={shipped[path].sha256}" for path in used_files]
-        exec_start_pre.append(exec_line([AGENT, "runtime", "check-files", *checks]))
-    exec_start_pre.append(exec_line([AGENT, "gpus", "check-free", "--gpus", gpus]))
-    exec_stop_post.append(
+        execs.start_pre.append(exec_line([AGENT, "runtime", "check-files", *checks]))
+    execs.start_pre.append(exec_line([AGENT, "gpus", "check-free", "--gpus", gpus]))
+    execs.stop_post.append(
         exec_line(
             [AGENT, "gpus", "wait-free", "--gpus", gpus, "--timeout", str(GPU_WAIT_TIMEOUT_S)]
         )
@@ -250,33 +223,20 @@ def _engine_unit(
             f"base {base} + DP rank, added by vLLM"
         )
     plan.notes.append(f"cache key {key}")
-    where = f"GPUs {gpus}"
-    if plan.nnodes > 1:
-        where += f", node {plan.node_rank}/{plan.nnodes}"
-    description = (
-        f"hgxserve {engine.role} engine {engine.name} "
-        f"({engine.engine} {engine.version or ''}".rstrip()
-        + f", {where})"
-    )
-    headline = f"{engine.engine} {engine.version or '(version not pinned)'} {engine.role} engine "
-    headline += engine.name
-    if plan.nnodes > 1:
-        kind = "head" if plan.is_head else "worker"
-        headline += f", node {plan.node_rank} of {plan.nnodes} ({kind})"
     content = (
         templates()
         .get_template("engine.service.j2")
         .render(
             topology=topo.name,
-            headline=headline,
+            headline=_headline(engine, plan),
             notes=plan.notes,
-            description=description,
+            description=_description(engine, plan, gpus),
             environment=[environment_value(k, v) for k, v in env.items()],
             credentials=credential_lines,
-            exec_start_pre=exec_start_pre,
+            exec_start_pre=execs.start_pre,
             exec_start=exec_line([*wrapper, *argv]),
-            exec_stop=exec_stop,
-            exec_stop_post=exec_stop_post,
+            exec_stop=execs.stop,
+            exec_stop_post=execs.stop_post,
             read_only_paths=path_list([topo.model.path], optional=True),
             read_write_paths=path_list([key_dir, rundir], optional=True),
         )
@@ -292,3 +252,79 @@ def _engine_unit(
         node_rank=plan.node_rank,
         nnodes=plan.nnodes,
     )
+
+
+def _container_argv(
+    topo: Topology,
+    engine: Engine,
+    plan: NodePlan,
+    env: dict[str, str],
+    command: list[str],
+    execs: _Exec,
+    writable: list[str],
+    read_only: list[str],
+) -> list[str]:
+    """`podman|docker run` of the engine's image with CDI GPUs; the container is removed
+    before the start and after the stop."""
+    runtime = engine.runtime
+    assert runtime is not None
+    tool_name = runtime.tool or "podman"
+    tool = CONTAINER_TOOLS[tool_name]
+    container = f"hgxserve-{engine.name}"
+    argv = [
+        tool,
+        "run",
+        # the runtime stage loaded the image by digest; a switch never waits on a pull
+        "--pull=never",
+        "--rm",
+        "--name",
+        container,
+        "--network",
+        "host",
+        "--ipc",
+        "host",
+        "--ulimit",
+        "memlock=-1:-1",
+    ]
+    for gpu in plan.gpus:
+        argv += ["--device", f"nvidia.com/gpu={gpu}"]
+    argv += ["--volume", f"{topo.model.path}:{topo.model.path}:ro"]
+    for path in writable:
+        argv += ["--volume", f"{path}:{path}"]
+    for path in read_only:
+        argv += ["--volume", f"{path}:{path}:ro"]
+    for var in [*env, *sorted(engine.secret_env)]:
+        # --env NAME passes the value from the unit's environment, never on the command line
+        argv += ["--env", var]
+    argv += ["--entrypoint", command[0], str(runtime.image), *command[1:]]
+    remove = (
+        [tool, "rm", "--force", "--ignore", container]
+        if tool_name == "podman"
+        else [tool, "rm", "--force", container]
+    )
+    execs.start_pre.append(UnitText("-" + exec_line(remove)))
+    execs.stop.append(exec_line([tool, "stop", "--time", "60", container]))
+    execs.stop_post.append(UnitText("-" + exec_line(remove)))
+    gpus = ",".join(str(g) for g in plan.gpus)
+    plan.notes.append(f"container {runtime.image} with CDI GPUs {gpus} via {tool_name}")
+    return argv
+
+
+def _description(engine: Engine, plan: NodePlan, gpus: str) -> str:
+    where = f"GPUs {gpus}"
+    if plan.nnodes > 1:
+        where += f", node {plan.node_rank}/{plan.nnodes}"
+    return (
+        f"hgxserve {engine.role} engine {engine.name} "
+        f"({engine.engine} {engine.version or ''}".rstrip()
+        + f", {where})"
+    )
+
+
+def _headline(engine: Engine, plan: NodePlan) -> str:
+    headline = f"{engine.engine} {engine.version or '(version not pinned)'} {engine.role} engine "
+    headline += engine.name
+    if plan.nnodes > 1:
+        kind = "head" if plan.is_head else "worker"
+        headline += f", node {plan.node_rank} of {plan.nnodes} ({kind})"
+    return headline

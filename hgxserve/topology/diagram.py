@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from hgxserve.topology.model import Topology
+from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import engine_url, side_channel_host, side_channel_ports
 
 ROLE_COLOURS = {"prefill": "#4e79a7", "decode": "#f28e2b", "combined": "#59a14f"}
@@ -44,41 +44,8 @@ def topology_dot(topo: Topology) -> str:
         "  node [fontname=Helvetica, fontsize=10];",
         "  edge [fontname=Helvetica, fontsize=9];",
     ]
-    for name, host_info in topo.hosts.items():
-        lines.append(f"  subgraph {_q('cluster_' + name)} {{")
-        title = f"{name} ({host_info.address}, {host_info.gpus} x {host_info.gpu})"
-        lines.append(f"    label={_q(title)};")
-        lines.append('    style=rounded; color="#888888";')
-        for index in range(host_info.gpus):
-            engine_name = owner.get((name, index))
-            gpu_engine = topo.engines.get(engine_name) if engine_name else None
-            colour = ROLE_COLOURS.get(gpu_engine.role, FREE_COLOUR) if gpu_engine else FREE_COLOUR
-            label = f"GPU {index}\\n{engine_name}" if engine_name else f"GPU {index}\\nfree"
-            lines.append(
-                f"    {_gpu_node(name, index)} [shape=box, style=filled, fillcolor={_q(colour)}, "
-                f'label="{label}"];'
-            )
-        for engine in topo.engines.values():
-            if engine.head != name:
-                continue
-            colour = ROLE_COLOURS.get(engine.role, FREE_COLOUR)
-            detail = f"{engine.role}, {engine.engine}, tp {engine.tp}"
-            if engine.dp > 1:
-                detail += f" dp {engine.dp}"
-            if engine.ep:
-                detail += " ep"
-            label = f"{engine.name}\\n{detail}\\n:{engine.port}"
-            lines.append(
-                f'    {_q("engine/" + engine.name)} [shape=ellipse, style="filled,bold", '
-                f'fillcolor={_q(colour)}, label="{label}"];'
-            )
-        if topo.proxy is not None and topo.proxy.host == name:
-            front = topo.proxy
-            label = f"proxy ({front.kind})\\n{front.listen_host}:{front.listen_port}"
-            lines.append(
-                f'    "proxy" [shape=hexagon, style=filled, fillcolor="#bab0ac", label="{label}"];'
-            )
-        lines.append("  }")
+    for name in topo.hosts:
+        lines += _host_cluster(topo, name, owner)
     for engine in topo.engines.values():
         for host, gpus in engine.place.items():
             if host not in topo.hosts:
@@ -88,47 +55,98 @@ def topology_dot(topo: Topology) -> str:
                     f"  {_q('engine/' + engine.name)} -> {_gpu_node(host, gpu)} "
                     '[arrowhead=none, color="#999999", style=dashed];'
                 )
-    proxy = topo.proxy
-    if proxy is not None:
-        for name in proxy.combined:
-            if name in topo.engines:
-                url = engine_url(topo, topo.engines[name])
-                lines.append(f'  "proxy" -> {_q("engine/" + name)} [label={_q(url)}];')
-        seen: set[tuple[str, str]] = set()
-        for index, route in enumerate(proxy.routes):
-            for side in (route.prefill, route.decode):
-                for name in side:
-                    if name in topo.engines and ("proxy", name) not in seen:
-                        seen.add(("proxy", name))
-                        url = engine_url(topo, topo.engines[name])
-                        lines.append(
-                            f'  "proxy" -> {_q("engine/" + name)} '
-                            f"[label={_q(f'route {index}: {url}')}];"
-                        )
-            for p in route.prefill:
-                for d in route.decode:
-                    pe = topo.engines.get(p)
-                    if pe is None or d not in topo.engines or (p, d) in seen:
-                        continue
-                    seen.add((p, d))
-                    label = f"KV {pe.kv.connector}" if pe.kv else "KV"
-                    channels = [
-                        f"{side_channel_host(topo, pe, h)}:{port}"
-                        for h in pe.hosts
-                        if h in topo.hosts
-                        for _rank, port in side_channel_ports(pe, h)
-                    ]
-                    if channels:
-                        shown = channels[0] + (
-                            f" (+{len(channels) - 1})" if len(channels) > 1 else ""
-                        )
-                        label += f"\\nside channel {shown}"
-                    lines.append(
-                        f"  {_q('engine/' + d)} -> {_q('engine/' + p)} [dir=back, "
-                        f'color="#e15759", penwidth=2, label="{label}"];'
-                    )
+    lines += _proxy_edges(topo)
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _host_cluster(topo: Topology, name: str, owner: dict[tuple[str, int], str]) -> list[str]:
+    """One host: its GPUs (coloured by the engine that holds them), the engines it heads, and
+    the proxy when it runs there."""
+    host_info = topo.hosts[name]
+    lines = [f"  subgraph {_q('cluster_' + name)} {{"]
+    title = f"{name} ({host_info.address}, {host_info.gpus} x {host_info.gpu})"
+    lines.append(f"    label={_q(title)};")
+    lines.append('    style=rounded; color="#888888";')
+    for index in range(host_info.gpus):
+        engine_name = owner.get((name, index))
+        gpu_engine = topo.engines.get(engine_name) if engine_name else None
+        colour = ROLE_COLOURS.get(gpu_engine.role, FREE_COLOUR) if gpu_engine else FREE_COLOUR
+        label = f"GPU {index}\\n{engine_name}" if engine_name else f"GPU {index}\\nfree"
+        lines.append(
+            f"    {_gpu_node(name, index)} [shape=box, style=filled, fillcolor={_q(colour)}, "
+            f'label="{label}"];'
+        )
+    for engine in topo.engines.values():
+        if engine.head != name:
+            continue
+        colour = ROLE_COLOURS.get(engine.role, FREE_COLOUR)
+        detail = f"{engine.role}, {engine.engine}, tp {engine.tp}"
+        if engine.dp > 1:
+            detail += f" dp {engine.dp}"
+        if engine.ep:
+            detail += " ep"
+        label = f"{engine.name}\\n{detail}\\n:{engine.port}"
+        lines.append(
+            f'    {_q("engine/" + engine.name)} [shape=ellipse, style="filled,bold", '
+            f'fillcolor={_q(colour)}, label="{label}"];'
+        )
+    if topo.proxy is not None and topo.proxy.host == name:
+        front = topo.proxy
+        label = f"proxy ({front.kind})\\n{front.listen_host}:{front.listen_port}"
+        lines.append(
+            f'    "proxy" [shape=hexagon, style=filled, fillcolor="#bab0ac", label="{label}"];'
+        )
+    lines.append("  }")
+    return lines
+
+
+def _proxy_edges(topo: Topology) -> list[str]:
+    """Proxy -> engine edges (combined and per route) and decode <- prefill KV edges."""
+    proxy = topo.proxy
+    if proxy is None:
+        return []
+    lines: list[str] = []
+    for name in proxy.combined:
+        if name in topo.engines:
+            url = engine_url(topo, topo.engines[name])
+            lines.append(f'  "proxy" -> {_q("engine/" + name)} [label={_q(url)}];')
+    seen: set[tuple[str, str]] = set()
+    for index, route in enumerate(proxy.routes):
+        for side in (route.prefill, route.decode):
+            for name in side:
+                if name in topo.engines and ("proxy", name) not in seen:
+                    seen.add(("proxy", name))
+                    url = engine_url(topo, topo.engines[name])
+                    lines.append(
+                        f'  "proxy" -> {_q("engine/" + name)} '
+                        f"[label={_q(f'route {index}: {url}')}];"
+                    )
+        for p in route.prefill:
+            for d in route.decode:
+                pe = topo.engines.get(p)
+                if pe is None or d not in topo.engines or (p, d) in seen:
+                    continue
+                seen.add((p, d))
+                lines.append(
+                    f"  {_q('engine/' + d)} -> {_q('engine/' + p)} [dir=back, "
+                    f'color="#e15759", penwidth=2, label="{_kv_label(topo, pe)}"];'
+                )
+    return lines
+
+
+def _kv_label(topo: Topology, prefill: Engine) -> str:
+    label = f"KV {prefill.kv.connector}" if prefill.kv else "KV"
+    channels = [
+        f"{side_channel_host(topo, prefill, h)}:{port}"
+        for h in prefill.hosts
+        if h in topo.hosts
+        for _rank, port in side_channel_ports(prefill, h)
+    ]
+    if channels:
+        shown = channels[0] + (f" (+{len(channels) - 1})" if len(channels) > 1 else "")
+        label += f"\\nside channel {shown}"
+    return label
 
 
 def write_diagram(dot_text: str, out: str | Path) -> str:

@@ -203,138 +203,7 @@ def sync(src: str, dest: str, opts: SyncOptions) -> SyncReport:
         raise io_error(exc, dest, os.path.dirname(dest) or ".") from None
     directory = state_dir_for(dest, opts.state_dir)
     try:
-        files, manifest = _plan_files(source, opts, report)
-        state = State.load(directory)
-        marker = read_marker(directory)
-        unchanged: list[SourceFile] = []
-        rehash: list[SourceFile] = []
-        fetch: list[SourceFile] = []
-        for f in files:
-            entry = state.files.get(f.path)
-            try:
-                st = os.lstat(os.path.join(dest, f.path))
-            except (FileNotFoundError, NotADirectoryError):
-                fetch.append(f)
-                continue
-            except OSError as exc:
-                raise io_error(exc, os.path.join(dest, f.path), dest) from None
-            if not stat.S_ISREG(st.st_mode):
-                # a link (or anything but a file) at this name is replaced, never read through
-                fetch.append(f)
-                continue
-            if (
-                entry is not None
-                and entry.matches_stat(st)
-                and entry.etag == f.etag
-                and (f.expected_sha256 is None or entry.sha256 == f.expected_sha256)
-            ):
-                if f.expected_sha256 is None:
-                    f.expected_sha256 = entry.sha256
-                    f.verified_by = entry.verified_by
-                unchanged.append(f)
-            elif st.st_size == f.size:
-                rehash.append(f)
-            else:
-                fetch.append(f)
-        report.files = len(files)
-        report.unchanged = len(unchanged)
-        if isinstance(source, S3Source) and manifest is None:
-            # Only files that will be read need their S3 checksum: a no-op run sends no HEADs.
-            listing_sha = {f.path for f in rehash + fetch}
-            _resolve_checksums(source, rehash + fetch, listing_sha, opts.concurrency)
-        # Files already on disk without a record are kept only if they hash to the known value.
-        rehash_unknown = [f for f in rehash if f.expected_sha256 is None]
-        rehash = [f for f in rehash if f.expected_sha256 is not None]
-        fetch.extend(rehash_unknown)
-        no_sha = sorted(f.path for f in fetch if f.expected_sha256 is None)
-        if opts.require_sha256 and no_sha:
-            # refuse before a byte is written: nothing could tell a tampered file from a good one
-            raise VerifyError(
-                f"{len(no_sha)} file(s) have no sha256 to check against (no published manifest, "
-                f"no S3 object checksum): {', '.join(no_sha[:5])}; nothing was downloaded",
-                hint="publish a manifest with `hgxserve weights manifest SRC --publish`, or opt "
-                "out explicitly with --allow-size-etag (model.integrity: size-etag)",
-            )
-        if no_sha:
-            opts.log(
-                f"warning: integrity opt-out: {len(no_sha)} file(s) will be accepted on size + "
-                "ETag only, without sha256 (--allow-size-etag)"
-            )
-        changing = bool(rehash or fetch)
-        if changing or (marker is not None and state.manifest_digest != marker):
-            # The tree is about to change: no engine may start on it until the marker is back.
-            remove_marker(directory)
-        results: dict[str, tuple[str, int]] = {}
-        verified_by: dict[str, str] = {}
-        failures: list[str] = []
-        for f in unchanged:
-            entry = state.files[f.path]
-            results[f.path] = (entry.sha256, entry.mtime_ns)
-            verified_by[f.path] = f.verified_by
-        _rehash_existing(dest, rehash, fetch, results, verified_by, opts)
-        report.rehashed = len(rehash) - sum(1 for f in rehash if f in fetch)
-        fetch.sort(key=lambda f: f.path)
-        # The state record always reflects what is on disk and verified, even after failures.
-        new_state = State(source=src, manifest_digest=None)
-
-        def record() -> None:
-            for f in files:
-                if f.path in results:
-                    sha, mtime_ns = results[f.path]
-                    new_state.files[f.path] = FileState(
-                        f.size, mtime_ns, sha, f.etag, verified_by.get(f.path, "none")
-                    )
-
-        if fetch:
-            report.fetched = len(fetch)
-            try:
-                _fetch(source, dest, fetch, opts, results, verified_by, failures, report)
-            except WeightsError:
-                record()
-                new_state.save(directory)
-                raise
-        record()
-        for kind in verified_by.values():
-            report.verified_by[kind] = report.verified_by.get(kind, 0) + 1
-        if failures:
-            report.errors = failures
-            remove_marker(directory)
-            new_state.save(directory)
-            raise VerifyError(
-                f"{len(failures)} file(s) failed verification, nothing marked verified:\n  "
-                + "\n  ".join(failures)
-            )
-        effective = manifest
-        if effective is None:
-            effective = Manifest(
-                files=[
-                    ManifestFile(f.path, f.size, results[f.path][0], f.etag, f.version_id)
-                    for f in files
-                ],
-                source=src,
-                extra={"derived": True},
-            )
-            report.manifest_origin = "derived from this sync's own sha256 (no published manifest)"
-        report.manifest_digest = effective.digest
-        new_state.manifest_digest = effective.digest
-        unverified = [p for p, k in verified_by.items() if k == "none"]
-        save_manifest_copy(directory, effective)
-        _place_manifest(dest, effective)
-        new_state.save(directory)
-        if opts.require_sha256 and unverified:
-            remove_marker(directory)
-            raise VerifyError(
-                f"{len(unverified)} file(s) have no sha256 to check against (no manifest, no S3 "
-                f"checksum): {', '.join(unverified[:5])}",
-                hint="publish a manifest with `hgxserve weights manifest SRC --publish`, or opt "
-                "out explicitly with --allow-size-etag (model.integrity: size-etag)",
-            )
-        if opts.require_complete:
-            check_complete(dest, [f.path for f in effective.files], directory)
-        if read_marker(directory) != effective.digest:
-            write_marker(directory, effective.digest)
-        report.marker = True
-        _warn_extra(dest, effective, opts)
+        _sync_into(source, dest, directory, opts, report)
     except OSError as exc:
         raise io_error(exc, directory, dest) from None
     finally:
@@ -344,6 +213,177 @@ def sync(src: str, dest: str, opts: SyncOptions) -> SyncReport:
         elif isinstance(source, LocalSource):
             source.close()
     return report
+
+
+def _classify(
+    files: list[SourceFile], state: State, dest: str
+) -> tuple[list[SourceFile], list[SourceFile], list[SourceFile]]:
+    """(unchanged since the recorded verification, present with the right size: rehash, fetch)."""
+    unchanged: list[SourceFile] = []
+    rehash: list[SourceFile] = []
+    fetch: list[SourceFile] = []
+    for f in files:
+        entry = state.files.get(f.path)
+        try:
+            st = os.lstat(os.path.join(dest, f.path))
+        except (FileNotFoundError, NotADirectoryError):
+            fetch.append(f)
+            continue
+        except OSError as exc:
+            raise io_error(exc, os.path.join(dest, f.path), dest) from None
+        if not stat.S_ISREG(st.st_mode):
+            # a link (or anything but a file) at this name is replaced, never read through
+            fetch.append(f)
+            continue
+        if (
+            entry is not None
+            and entry.matches_stat(st)
+            and entry.etag == f.etag
+            and (f.expected_sha256 is None or entry.sha256 == f.expected_sha256)
+        ):
+            if f.expected_sha256 is None:
+                f.expected_sha256 = entry.sha256
+                f.verified_by = entry.verified_by
+            unchanged.append(f)
+        elif st.st_size == f.size:
+            rehash.append(f)
+        else:
+            fetch.append(f)
+    return unchanged, rehash, fetch
+
+
+@dataclass
+class _Outcome:
+    """What one sync found on disk and verified: sha256 + mtime and how, per path."""
+
+    results: dict[str, tuple[str, int]] = field(default_factory=dict)
+    verified_by: dict[str, str] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def state(self, src: str, files: list[SourceFile]) -> State:
+        """The state record: what is on disk and verified, even after failures."""
+        state = State(source=src, manifest_digest=None)
+        for f in files:
+            if f.path in self.results:
+                sha, mtime_ns = self.results[f.path]
+                state.files[f.path] = FileState(
+                    f.size, mtime_ns, sha, f.etag, self.verified_by.get(f.path, "none")
+                )
+        return state
+
+
+def _sync_into(
+    source: S3Source | LocalSource, dest: str, directory: str, opts: SyncOptions, report: SyncReport
+) -> None:
+    src = report.source
+    files, manifest = _plan_files(source, opts, report)
+    state = State.load(directory)
+    marker = read_marker(directory)
+    unchanged, rehash, fetch = _classify(files, state, dest)
+    report.files = len(files)
+    report.unchanged = len(unchanged)
+    if isinstance(source, S3Source) and manifest is None:
+        # Only files that will be read need their S3 checksum: a no-op run sends no HEADs.
+        listing_sha = {f.path for f in rehash + fetch}
+        _resolve_checksums(source, rehash + fetch, listing_sha, opts.concurrency)
+    # Files already on disk without a record are kept only if they hash to the known value.
+    rehash_unknown = [f for f in rehash if f.expected_sha256 is None]
+    rehash = [f for f in rehash if f.expected_sha256 is not None]
+    fetch.extend(rehash_unknown)
+    _check_integrity(fetch, opts)
+    if rehash or fetch or (marker is not None and state.manifest_digest != marker):
+        # The tree is about to change: no engine may start on it until the marker is back.
+        remove_marker(directory)
+    out = _Outcome()
+    for f in unchanged:
+        entry = state.files[f.path]
+        out.results[f.path] = (entry.sha256, entry.mtime_ns)
+        out.verified_by[f.path] = f.verified_by
+    _rehash_existing(dest, rehash, fetch, out.results, out.verified_by, opts)
+    report.rehashed = len(rehash) - sum(1 for f in rehash if f in fetch)
+    fetch.sort(key=lambda f: f.path)
+    if fetch:
+        report.fetched = len(fetch)
+        try:
+            _fetch(source, dest, fetch, opts, out.results, out.verified_by, out.failures, report)
+        except WeightsError:
+            out.state(src, files).save(directory)
+            raise
+    for kind in out.verified_by.values():
+        report.verified_by[kind] = report.verified_by.get(kind, 0) + 1
+    if out.failures:
+        report.errors = out.failures
+        remove_marker(directory)
+        out.state(src, files).save(directory)
+        raise VerifyError(
+            f"{len(out.failures)} file(s) failed verification, nothing marked verified:\n  "
+            + "\n  ".join(out.failures)
+        )
+    _mark_verified(dest, directory, files, manifest, out, opts, report)
+
+
+def _check_integrity(fetch: list[SourceFile], opts: SyncOptions) -> None:
+    """Refuse, before a byte is written, files with no sha256 to check against unless the
+    integrity opt-out (--allow-size-etag) is given; then say which are taken on size + ETag."""
+    no_sha = sorted(f.path for f in fetch if f.expected_sha256 is None)
+    if opts.require_sha256 and no_sha:
+        # nothing could tell a tampered file from a good one
+        raise VerifyError(
+            f"{len(no_sha)} file(s) have no sha256 to check against (no published manifest, "
+            f"no S3 object checksum): {', '.join(no_sha[:5])}; nothing was downloaded",
+            hint="publish a manifest with `hgxserve weights manifest SRC --publish`, or opt "
+            "out explicitly with --allow-size-etag (model.integrity: size-etag)",
+        )
+    if no_sha:
+        opts.log(
+            f"warning: integrity opt-out: {len(no_sha)} file(s) will be accepted on size + "
+            "ETag only, without sha256 (--allow-size-etag)"
+        )
+
+
+def _mark_verified(
+    dest: str,
+    directory: str,
+    files: list[SourceFile],
+    manifest: Manifest | None,
+    out: _Outcome,
+    opts: SyncOptions,
+    report: SyncReport,
+) -> None:
+    """Every file verified: keep the manifest (published or derived), write state and marker."""
+    src = report.source
+    effective = manifest
+    if effective is None:
+        effective = Manifest(
+            files=[
+                ManifestFile(f.path, f.size, out.results[f.path][0], f.etag, f.version_id)
+                for f in files
+            ],
+            source=src,
+            extra={"derived": True},
+        )
+        report.manifest_origin = "derived from this sync's own sha256 (no published manifest)"
+    report.manifest_digest = effective.digest
+    new_state = out.state(src, files)
+    new_state.manifest_digest = effective.digest
+    unverified = [p for p, k in out.verified_by.items() if k == "none"]
+    save_manifest_copy(directory, effective)
+    _place_manifest(dest, effective)
+    new_state.save(directory)
+    if opts.require_sha256 and unverified:
+        remove_marker(directory)
+        raise VerifyError(
+            f"{len(unverified)} file(s) have no sha256 to check against (no manifest, no S3 "
+            f"checksum): {', '.join(unverified[:5])}",
+            hint="publish a manifest with `hgxserve weights manifest SRC --publish`, or opt "
+            "out explicitly with --allow-size-etag (model.integrity: size-etag)",
+        )
+    if opts.require_complete:
+        check_complete(dest, [f.path for f in effective.files], directory)
+    if read_marker(directory) != effective.digest:
+        write_marker(directory, effective.digest)
+    report.marker = True
+    _warn_extra(dest, effective, opts)
 
 
 def _rehash_existing(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from hgxserve.weights.complete import check_complete
 from hgxserve.weights.errors import UsageError, VerifyError
 from hgxserve.weights.hashing import sha256_file
-from hgxserve.weights.manifest import MANIFEST_NAME, Manifest
+from hgxserve.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile
 from hgxserve.weights.progress import Progress, human_bytes
 from hgxserve.weights.state import (
     FileState,
@@ -107,34 +107,7 @@ def verify(dest: str, opts: VerifyOptions) -> VerifyReport:
         )
     state = State.load(directory)
     new_state = State(source=state.source, manifest_digest=None)
-    to_hash = []
-    for entry in manifest.files:
-        path = os.path.join(dest, entry.path)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            report.errors.append(f"{entry.path}: missing")
-            continue
-        except OSError as exc:
-            report.errors.append(f"{entry.path}: {exc.strerror}")
-            continue
-        if st.st_size != entry.size:
-            word = "truncated" if st.st_size < entry.size else "too long"
-            report.errors.append(
-                f"{entry.path}: {word}: {st.st_size} bytes, the manifest says {entry.size}"
-            )
-            continue
-        known = state.files.get(entry.path)
-        if (
-            not opts.full
-            and known is not None
-            and known.matches_stat(st)
-            and known.sha256 == entry.sha256
-        ):
-            new_state.files[entry.path] = known
-            report.skipped += 1
-            continue
-        to_hash.append((entry, known))
+    to_hash = _to_hash(dest, manifest, state, new_state, report, opts.full)
     if to_hash:
         # Content is about to be re-judged: a stale marker must not outlive a failed check.
         _safe_remove_marker(directory, dest)
@@ -194,6 +167,43 @@ def verify(dest: str, opts: VerifyOptions) -> VerifyReport:
         raise io_error(exc, directory, dest) from None
     report.marker = True
     return report
+
+
+def _to_hash(
+    dest: str,
+    manifest: Manifest,
+    state: State,
+    new_state: State,
+    report: VerifyReport,
+    full: bool,
+) -> list[tuple[ManifestFile, FileState | None]]:
+    """The files whose content must be hashed; missing and wrong-size files go to the report,
+    files unchanged since their recorded verification straight to the new state."""
+    to_hash = []
+    for entry in manifest.files:
+        path = os.path.join(dest, entry.path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            report.errors.append(f"{entry.path}: missing")
+            continue
+        except OSError as exc:
+            report.errors.append(f"{entry.path}: {exc.strerror}")
+            continue
+        if st.st_size != entry.size:
+            word = "truncated" if st.st_size < entry.size else "too long"
+            report.errors.append(
+                f"{entry.path}: {word}: {st.st_size} bytes, the manifest says {entry.size}"
+            )
+            continue
+        known = state.files.get(entry.path)
+        unchanged = known is not None and known.matches_stat(st) and known.sha256 == entry.sha256
+        if not full and known is not None and unchanged:
+            new_state.files[entry.path] = known
+            report.skipped += 1
+            continue
+        to_hash.append((entry, known))
+    return to_hash
 
 
 def _safe_remove_marker(directory: str, dest: str) -> None:
