@@ -74,6 +74,33 @@ def test_no_module_imports_a_higher_layer():
     assert upward == []
 
 
+def _package(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "hgxserve":
+        return parts[0]
+    return "command line" if len(parts) > 2 and parts[-1] == "cli" else ".".join(parts[:2])
+
+
+# Imports between packages of one layer: the few the README names, no others.
+SAME_LAYER = {
+    ("hgxserve.defaults", "hgxserve.sizes"),
+    ("hgxserve.gpus", "hgxserve.facts"),
+    ("hgxserve.render", "hgxserve.caches"),
+}
+
+
+def test_packages_of_one_layer_import_each_other_only_where_named():
+    found = {
+        (_package(src), _package(dst))
+        for src, targets in import_graph().items()
+        for dst in targets
+        if layer_of(src) == layer_of(dst)
+        and _package(src) != _package(dst)
+        and LAYERS[layer_of(src)][0] not in ("command line", "roles", "deploys")
+    }
+    assert found <= SAME_LAYER, sorted(found - SAME_LAYER)
+
+
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
