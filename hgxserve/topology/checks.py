@@ -1027,7 +1027,3 @@ def engine_path_provided(topo: Topology) -> Iterator[Finding]:
                 f"{TOPOLOGY_FILES_DIR}/{name}, or use a path inside the model "
                 f"({topo.model.path}) or the runtime",
             )
-
-
-# rules in other modules register on import
-from hgxserve.topology import engine_rules  # noqa: E402,F401

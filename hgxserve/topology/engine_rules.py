@@ -20,7 +20,7 @@ from hgxserve.topology.checks import (
 )
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import setting_path
-from hgxserve.topology.rules import Finding, rule
+from hgxserve.topology.registry import Finding, rule
 
 # vLLM removed the VLLM_ATTENTION_BACKEND variable after deprecating it (PR 26315, "will be
 # removed in v0.14.0"); vLLM 0.26.0 has no reader of it left (vllm-project/vllm#50292).
