@@ -33,11 +33,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "hgxserve.weights",
             "hgxserve.gpus",
             "hgxserve.agent_build",
+            "hgxserve.credfiles",
+            # two low modules of higher packages: systemd value escaping, the cache dir layout
+            "hgxserve.render.systemd",
+            "hgxserve.caches.layout",
         ),
     ),
     ("render", ("hgxserve.render", "hgxserve.caches")),
     ("release", ("hgxserve.release",)),
-    ("deploy helpers", ("hgxserve.deploying",)),
+    ("deploy helpers and status", ("hgxserve.deploying", "hgxserve.status")),
     ("command line", ("hgxserve.cli", "*.cli")),
     ("roles", ("roles",)),
     ("deploys", ("deploys",)),
@@ -86,6 +90,8 @@ SAME_LAYER = {
     ("hgxserve.defaults", "hgxserve.sizes"),
     ("hgxserve.gpus", "hgxserve.facts"),
     ("hgxserve.render", "hgxserve.caches"),
+    ("hgxserve.topology", "hgxserve.caches"),  # checks -> caches.layout (the cache variables)
+    ("hgxserve.weights", "hgxserve.render"),  # cephfs -> render.systemd (unit value escaping)
 }
 
 
