@@ -24,6 +24,7 @@ CASES = [
         addressing="virtual",
         env_file="/etc/hgxserve/s3.env",
         profile="models",
+        require_sha256=False,
     ),
     SyncArgs("/mnt/hgxserve-models", "/nvme/models/x", manifest="/mnt/hgxserve-models/m.json"),
     SyncArgs("/srv/with space/x", "/models/x y", part_size="8MiB"),
