@@ -191,7 +191,7 @@ def container_runtime(
     )
 
 
-def _text(body: str):  # type: ignore[no-untyped-def]
+def _text(body: str):
     import io
 
     return io.StringIO(body)
