@@ -130,8 +130,9 @@ def _plan_files(
         manifest = load_manifest_ref(opts.manifest, opts.s3)
         report.manifest_origin = opts.manifest
     elif opts.manifest != "none" and source.has_published_manifest:
-        manifest = Manifest.loads(source.read_small(MANIFEST_NAME), f"{source}{MANIFEST_NAME}")
-        report.manifest_origin = f"published at {source}{MANIFEST_NAME}"
+        published = f"{str(source).rstrip('/')}/{MANIFEST_NAME}"
+        manifest = Manifest.loads(source.read_small(MANIFEST_NAME), published)
+        report.manifest_origin = f"published at {published}"
     files: list[SourceFile] = []
     if manifest is not None:
         problems = []
