@@ -9,6 +9,8 @@ import hashlib
 
 import click
 
+from hgxserve.errors import cli_errors
+
 
 @click.group()
 def runtime() -> None:
@@ -51,6 +53,7 @@ def check_files(pairs: tuple[str, ...]) -> None:
 @click.option("--endpoint-url", help="S3 endpoint (default: the AWS settings).")
 @click.option("--region", help="S3 region (default: the AWS settings).")
 @click.option("--addressing", default="auto", type=click.Choice(["auto", "path", "virtual"]))
+@cli_errors
 def fetch_image(
     url: str,
     digest: str,
@@ -73,40 +76,32 @@ def fetch_image(
 
     from hgxserve.runtime.images import ImageArchiveError, fetch_archive, verify_archive
     from hgxserve.weights.credentials import apply_env_file
-    from hgxserve.weights.errors import WeightsError
 
     dest = Path(out)
-    try:
-        if dest.is_file():
-            try:
-                verify_archive(dest, digest)
-                click.echo(f"{dest}: already holds {digest}")
-                return
-            except ImageArchiveError:
-                dest.unlink()
-        apply_env_file(env_file)
-        size = fetch_archive(
-            url, dest, endpoint_url=endpoint_url, region=region, addressing=addressing
-        )
+    if dest.is_file():
         try:
             verify_archive(dest, digest)
+            click.echo(f"{dest}: already holds {digest}")
+            return
         except ImageArchiveError:
-            dest.unlink(missing_ok=True)
-            raise
-    except (ImageArchiveError, WeightsError) as exc:
-        raise click.ClickException(str(exc)) from None
+            dest.unlink()
+    apply_env_file(env_file)
+    size = fetch_archive(url, dest, endpoint_url=endpoint_url, region=region, addressing=addressing)
+    try:
+        verify_archive(dest, digest)
+    except ImageArchiveError:
+        dest.unlink(missing_ok=True)
+        raise
     click.echo(f"{dest}: {size} bytes from {url}, holds {digest}")
 
 
 @runtime.command("verify-image")
 @click.argument("archive", type=click.Path(exists=True, dir_okay=False))
 @click.argument("digest")
+@cli_errors
 def verify_image(archive: str, digest: str) -> None:
     """Exit 1 unless the OCI archive holds image manifest DIGEST with every blob intact."""
-    from hgxserve.runtime.images import ImageArchiveError, verify_archive
+    from hgxserve.runtime.images import verify_archive
 
-    try:
-        verify_archive(archive, digest)
-    except ImageArchiveError as exc:
-        raise click.ClickException(str(exc)) from None
+    verify_archive(archive, digest)
     click.echo(f"{archive}: holds {digest}")

@@ -21,12 +21,14 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from hgxserve.errors import Found
+
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 CHUNK = 8 << 20
 
 
-class ImageArchiveError(ValueError):
-    """An archive that is not the pinned image (or not an OCI archive at all)."""
+class ImageArchiveError(Found, ValueError):
+    """An archive that is not the pinned image (or not an OCI archive at all): exit 1."""
 
 
 def image_digest(image: str) -> str:
