@@ -44,3 +44,8 @@ SGLANG_BOOTSTRAP_PORT: int = schema_default("kv", "bootstrap_port")
 CEPHFS_MOUNT: str = schema_default("cephfsSource", "mount")
 # The serving engine when an engine names none.
 ENGINE: str = schema_default("engine", "engine")
+# hgxserve bench: the percentile SLA latencies apply to (seed 000 reports P90), how long a round
+# waits for a leftover load to drain before it refuses, and where runs are kept.
+BENCH_PERCENTILE: int = schema_default("bench_sla", "percentile")
+BENCH_DRAIN_TIMEOUT_S: float = schema_default("bench", "drain_timeout_s")
+BENCH_RUNS_DIR = "bench-runs"

@@ -1,0 +1,209 @@
+"""What the proxy and the engines say about themselves (/metrics), read around each round.
+
+Engine figures are the engines' own counters, taken as the difference between a snapshot before
+and after the round, so they cover exactly the round's window: prefill tokens/s per prefill GPU,
+decode TPOT (mean, from the latency histograms), KV transfers (count, failures, mean time) and
+the requests the engines finished.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from hgxserve.release.gate import parse_samples
+from hgxserve.topology import Topology
+from hgxserve.topology.ports import engine_url
+
+PROXY_OUTSTANDING = "hgxserve_proxy_outstanding_requests"
+# The engines' own names for the same facts (vLLM V1, SGLang).
+RUNNING = {"vllm": "vllm:num_requests_running", "sglang": "sglang:num_running_reqs"}
+WAITING = {"vllm": "vllm:num_requests_waiting", "sglang": "sglang:num_queue_reqs"}
+PROMPT_TOKENS = {"vllm": "vllm:prompt_tokens_total", "sglang": "sglang:prompt_tokens_total"}
+GENERATION_TOKENS = {
+    "vllm": "vllm:generation_tokens_total",
+    "sglang": "sglang:generation_tokens_total",
+}
+FINISHED = {"vllm": "vllm:request_success_total", "sglang": "sglang:num_requests_total"}
+TTFT = {"vllm": "vllm:time_to_first_token_seconds", "sglang": "sglang:time_to_first_token_seconds"}
+E2E = {"vllm": "vllm:e2e_request_latency_seconds", "sglang": "sglang:e2e_request_latency_seconds"}
+# vLLM: prompt tokens the engine computed itself (a decode that pulled KV computes none).
+LOCAL_PROMPT = ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
+KV_XFER = {"vllm": "vllm:nixl_xfer_time_seconds", "sglang": "sglang:kv_transfer_latency_ms"}
+KV_FAILED = {
+    "vllm": ("vllm:nixl_num_failed_transfers_total",),
+    "sglang": ("sglang:num_transfer_failed_reqs_total", "sglang:num_bootstrap_failed_reqs_total"),
+}
+
+
+class MetricsError(Exception):
+    """An endpoint's /metrics could not be read."""
+
+
+def fetch_text(url: str, timeout: float = 10.0) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return str(resp.read().decode("utf-8", "replace"))
+    except urllib.error.HTTPError as exc:
+        raise MetricsError(f"{url}: HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise MetricsError(f"{url}: cannot connect ({getattr(exc, 'reason', exc)})") from None
+
+
+def total(text: str, name: str, match: dict[str, str] | None = None) -> float:
+    """Sum of every sample called `name` whose labels include `match`."""
+    match = match or {}
+    return sum(
+        v
+        for n, labels, v in parse_samples(text)
+        if n == name and all(labels.get(k) == want for k, want in match.items())
+    )
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    name: str
+    role: str
+    engine: str  # vllm | sglang
+    url: str
+    gpus: int
+
+
+@dataclass(frozen=True)
+class Targets:
+    proxy_url: str
+    engines: tuple[EngineTarget, ...]
+
+    @property
+    def answering(self) -> list[EngineTarget]:
+        """Engines that finish a client's request: decode and combined (a prefill hands off)."""
+        return [e for e in self.engines if e.role != "prefill"]
+
+    def gpus(self, role: str | None = None) -> int:
+        return sum(e.gpus for e in self.engines if role is None or e.role == role)
+
+
+def targets(topo: Topology, *, proxy_url: str | None = None) -> Targets:
+    """The proxy's URL and every engine's, as seen from the controller."""
+    if topo.proxy is None:
+        raise ValueError(f"{topo.source_file}: the topology has no proxy to bench through")
+    proxy = topo.proxy
+    if proxy_url is None:
+        host = topo.hosts[proxy.host].address
+        if proxy.listen_host not in ("0.0.0.0", "::", ""):
+            host = proxy.listen_host
+        proxy_url = f"http://{host}:{proxy.listen_port}"
+    engines = tuple(
+        EngineTarget(e.name, e.role, e.engine, engine_url(topo, e, from_host=""), e.world_size)
+        for e in topo.engines.values()
+    )
+    return Targets(proxy_url.rstrip("/"), engines)
+
+
+@dataclass
+class Snapshot:
+    """/metrics of the proxy and every engine at one moment."""
+
+    proxy: str
+    engines: dict[str, str] = field(default_factory=dict)
+
+
+def snapshot(t: Targets) -> Snapshot:
+    snap = Snapshot(fetch_text(t.proxy_url + "/metrics"))
+    for e in t.engines:
+        snap.engines[e.name] = fetch_text(e.url + "/metrics")
+    return snap
+
+
+def busy(t: Targets, snap: Snapshot) -> dict[str, float]:
+    """Everything that is not idle: proxy outstanding requests, engines' running/waiting."""
+    out: dict[str, float] = {}
+    outstanding = total(snap.proxy, PROXY_OUTSTANDING)
+    if outstanding:
+        out["proxy outstanding"] = outstanding
+    for e in t.engines:
+        text = snap.engines[e.name]
+        running = total(text, RUNNING[e.engine])
+        waiting = total(text, WAITING[e.engine])
+        if running:
+            out[f"{e.name} running"] = running
+        if waiting:
+            out[f"{e.name} waiting"] = waiting
+    return out
+
+
+def _delta(before: str, after: str, name: str, match: dict[str, str] | None = None) -> float:
+    return total(after, name, match) - total(before, name, match)
+
+
+def engine_figures(t: Targets, before: Snapshot, after: Snapshot, seconds: float) -> dict:
+    """Per-role figures of a round from the engines' own counters (after - before)."""
+    seconds = max(seconds, 1e-9)
+    out: dict[str, dict[str, float | None]] = {}
+    finished = 0.0
+    for e in t.engines:
+        b, a = before.engines[e.name], after.engines[e.name]
+        prompt = _delta(b, a, PROMPT_TOKENS[e.engine])
+        if e.engine == "vllm" and total(a, LOCAL_PROMPT[0]):
+            computed = _delta(b, a, *LOCAL_PROMPT)
+        else:
+            computed = prompt
+        gen = _delta(b, a, GENERATION_TOKENS[e.engine])
+        done = _delta(b, a, FINISHED[e.engine])
+        count = _delta(b, a, E2E[e.engine] + "_count")
+        e2e_sum = _delta(b, a, E2E[e.engine] + "_sum")
+        ttft_sum = _delta(b, a, TTFT[e.engine] + "_sum")
+        ttft_count = _delta(b, a, TTFT[e.engine] + "_count")
+        tpot = None
+        if e.role != "prefill" and gen - count > 0 and ttft_count:
+            tpot = (e2e_sum - ttft_sum) / (gen - count) * 1000
+        xfers = _delta(b, a, KV_XFER[e.engine] + "_count")
+        xfer_sum = _delta(b, a, KV_XFER[e.engine] + "_sum")
+        unit = 1000 if e.engine == "vllm" else 1  # SGLang's histogram is in ms already
+        failed = sum(_delta(b, a, name) for name in KV_FAILED[e.engine])
+        out[e.name] = {
+            "role": e.role,  # type: ignore[dict-item]
+            "gpus": e.gpus,
+            "requests_finished": done,
+            "prompt_tokens": prompt,
+            "prompt_tokens_computed": computed,
+            "generation_tokens": gen,
+            "prefill_tok_s_per_gpu": computed / seconds / e.gpus if e.gpus else None,
+            "output_tok_s_per_gpu": gen / seconds / e.gpus if e.gpus else None,
+            "tpot_ms_mean": tpot,
+            "kv_transfers": xfers,
+            "kv_transfer_failures": failed,
+            "kv_transfer_ms_mean": xfer_sum / xfers * unit if xfers else None,
+        }
+        if e.role != "prefill":
+            finished += done
+    roles: dict[str, dict[str, float | None]] = {}
+    for role in sorted({e.role for e in t.engines}):
+        members = [out[e.name] for e in t.engines if e.role == role]
+        gpus = sum(float(m["gpus"] or 0) for m in members)
+        computed = sum(float(m["prompt_tokens_computed"] or 0) for m in members)
+        gen = sum(float(m["generation_tokens"] or 0) for m in members)
+        tpots = [m["tpot_ms_mean"] for m in members if m["tpot_ms_mean"] is not None]
+        roles[role] = {
+            "gpus": gpus,
+            "prefill_tok_s_per_gpu": computed / seconds / gpus if gpus else None,
+            "output_tok_s_per_gpu": gen / seconds / gpus if gpus else None,
+            "tpot_ms_mean": sum(tpots) / len(tpots) if tpots else None,  # type: ignore[arg-type]
+            "kv_transfers": sum(float(m["kv_transfers"] or 0) for m in members),
+            "kv_transfer_failures": sum(float(m["kv_transfer_failures"] or 0) for m in members),
+        }
+    return {"engines": out, "roles": roles, "requests_finished": finished}
+
+
+def engine_versions(t: Targets) -> dict[str, str]:
+    """Each engine's own /version answer (vLLM); 'unknown' where it gives none."""
+    out = {}
+    for e in t.engines:
+        try:
+            body = json.loads(fetch_text(e.url + "/version", timeout=5))
+            out[e.name] = f"{e.engine} {body.get('version', 'unknown')}"
+        except (MetricsError, ValueError, AttributeError):
+            out[e.name] = f"{e.engine} unknown"
+    return out

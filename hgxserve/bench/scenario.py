@@ -1,0 +1,253 @@
+"""Bench scenarios: the topology's `bench:` section, or a bench file beside it.
+
+A bench file `NAME.bench.yml` next to `NAME.yml` holds the same `bench:` mapping; it is used when
+the topology has no `bench:` of its own, so scenarios can change without changing the topology's
+digest (and so without a new release). Both are checked like a topology: every error as
+`file:line:col: $.path: message`.
+
+>>> scenarios = [Scenario("short", 100, 16, concurrency=(1, 4))]
+>>> [r.label for r in scenarios[0].load_points()]
+['c1', 'c4']
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hgxserve.defaults import BENCH_DRAIN_TIMEOUT_S, BENCH_PERCENTILE, topology_schema
+from hgxserve.topology import Topology, TopologyError, load_topology
+from hgxserve.topology.loader import Document, load_document
+from hgxserve.topology.problems import Problem, sort_problems
+
+BENCH_FILE_SUFFIX = ".bench.yml"
+
+
+@dataclass(frozen=True)
+class Sla:
+    """Targets one scenario must meet; None: not checked."""
+
+    percentile: int = BENCH_PERCENTILE
+    ttft_s: float | None = None
+    tpot_ms: float | None = None
+    prefill_tok_s_per_gpu: float | None = None
+    output_tok_s_per_gpu: float | None = None
+    error_rate: float | None = None
+
+    @property
+    def empty(self) -> bool:
+        return all(
+            v is None
+            for v in (
+                self.ttft_s,
+                self.tpot_ms,
+                self.prefill_tok_s_per_gpu,
+                self.output_tok_s_per_gpu,
+                self.error_rate,
+            )
+        )
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One load level of a scenario: a concurrency, or a request rate capped by a concurrency."""
+
+    concurrency: int
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"c{self.concurrency}" if self.rate is None else f"r{self.rate:g}-c{self.concurrency}"
+
+    @property
+    def x(self) -> float:
+        """Where the point sits on a plot's x axis."""
+        return float(self.concurrency if self.rate is None else self.rate)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    input: int
+    output: int
+    api: str = "completions"
+    concurrency: tuple[int, ...] = ()
+    rate: tuple[float, ...] = ()
+    max_concurrency: int | None = None
+    requests: int | None = None
+    duration_s: float | None = None
+    warmup: int | None = None
+    seeds: tuple[int, ...] = (0,)
+    sla: Sla = field(default_factory=Sla)
+
+    def load_points(self) -> list[LoadPoint]:
+        if self.rate:
+            cap = self.max_concurrency or 1
+            return [LoadPoint(cap, r) for r in self.rate]
+        return [LoadPoint(c) for c in self.concurrency]
+
+    def warmup_for(self, point: LoadPoint) -> int:
+        """Warm-up requests before a round: as written, else the round's concurrency."""
+        return point.concurrency if self.warmup is None else self.warmup
+
+    def requests_for(self, point: LoadPoint) -> int | None:
+        """Measured requests of a round (None when the round is timed by duration_s)."""
+        if self.duration_s is not None:
+            return self.requests
+        if self.requests is not None:
+            return self.requests
+        return max(16, 4 * point.concurrency)
+
+    @property
+    def x_axis(self) -> str:
+        return "request rate (req/s)" if self.rate else "concurrency"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "name": self.name,
+            "input": self.input,
+            "output": self.output,
+            "api": self.api,
+            "concurrency": list(self.concurrency),
+            "rate": list(self.rate),
+            "max_concurrency": self.max_concurrency,
+            "requests": self.requests,
+            "duration_s": self.duration_s,
+            "warmup": self.warmup,
+            "seeds": list(self.seeds),
+            "sla": self.sla.__dict__.copy(),
+        }
+        return out
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    topology: Topology
+    scenarios: tuple[Scenario, ...]
+    drain_timeout_s: float
+    source: str  # the file the scenarios came from
+
+    def pick(self, names: list[str]) -> list[Scenario]:
+        """The named scenarios (all when none are named); an unknown name is an error."""
+        if not names:
+            return list(self.scenarios)
+        known = {s.name: s for s in self.scenarios}
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise ValueError(
+                f"{self.source}: no scenario named {', '.join(missing)} "
+                f"(scenarios: {', '.join(known)})"
+            )
+        return [known[n] for n in names]
+
+
+def bench_file_for(topology_path: str | Path) -> Path:
+    """`topologies/x.yml` -> `topologies/x.bench.yml`."""
+    path = Path(topology_path)
+    return path.with_name(path.name.rsplit(".", 1)[0] + BENCH_FILE_SUFFIX)
+
+
+@functools.cache
+def _bench_file_validator() -> Any:
+    from hgxserve.topology.schema import _StrictValidator
+
+    schema = topology_schema()
+    wrapper = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["bench"],
+        "properties": {"bench": {"$ref": "#/$defs/bench"}},
+        "$defs": schema["$defs"],
+    }
+    return _StrictValidator(wrapper)
+
+
+def _sla(data: dict[str, Any] | None) -> Sla:
+    data = data or {}
+    return Sla(
+        percentile=int(data.get("percentile", BENCH_PERCENTILE)),
+        ttft_s=data.get("ttft_s"),
+        tpot_ms=data.get("tpot_ms"),
+        prefill_tok_s_per_gpu=data.get("prefill_tok_s_per_gpu"),
+        output_tok_s_per_gpu=data.get("output_tok_s_per_gpu"),
+        error_rate=data.get("error_rate"),
+    )
+
+
+def _scenario(data: dict[str, Any]) -> Scenario:
+    return Scenario(
+        name=data["name"],
+        input=int(data["input"]),
+        output=int(data["output"]),
+        api=data.get("api", "completions"),
+        concurrency=tuple(int(c) for c in data.get("concurrency") or ()),
+        rate=tuple(float(r) for r in data.get("rate") or ()),
+        max_concurrency=data.get("max_concurrency"),
+        requests=data.get("requests"),
+        duration_s=data.get("duration_s"),
+        warmup=data.get("warmup"),
+        seeds=tuple(int(s) for s in data.get("seeds") or (0,)),
+        sla=_sla(data.get("sla")),
+    )
+
+
+def _rule_problems(doc: Document, bench: dict[str, Any], base: tuple[Any, ...]) -> list[Problem]:
+    """Cross-field rules the schema cannot say."""
+    problems: list[Problem] = []
+    names: set[str] = set()
+    for idx, data in enumerate(bench.get("scenarios") or []):
+        path = (*base, "scenarios", idx)
+        if data["name"] in names:
+            problems.append(doc.problem((*path, "name"), f"scenario {data['name']!r} repeats"))
+        names.add(data["name"])
+        top = max(data.get("concurrency") or [data.get("max_concurrency") or 1])
+        warmup = data.get("warmup")
+        if warmup is not None and warmup < top:
+            problems.append(
+                doc.problem(
+                    (*path, "warmup"),
+                    f"{warmup} warm-up requests are fewer than the concurrency {top}: every "
+                    f"concurrent slot needs a warm request first (seed 003 §12.5); use >= {top}",
+                )
+            )
+        if "requests" in data and "duration_s" in data:
+            problems.append(
+                doc.problem((*path, "duration_s"), "give requests or duration_s, not both")
+            )
+    return problems
+
+
+def load_bench(topology_path: str | Path) -> BenchSpec:
+    """The validated topology and its scenarios; TopologyError (with positions) otherwise."""
+    from hgxserve.topology.schema import _problems_for
+
+    topo = load_topology(topology_path)
+    if "bench" in topo.raw:
+        doc = load_document(topology_path)
+        bench, base, source = doc.data["bench"], ("bench",), doc.file
+        problems = _rule_problems(doc, bench, base)
+    else:
+        path = bench_file_for(topology_path)
+        if not path.exists():
+            raise ValueError(
+                f"{topology_path}: no bench scenarios: add a `bench:` section or write {path}"
+            )
+        doc = load_document(path)
+        problems = list(doc.problems)
+        if not problems:
+            for error in _bench_file_validator().iter_errors(doc.data):
+                problems.extend(_problems_for(doc, error))
+        if problems:
+            raise TopologyError(sort_problems(problems))
+        bench, base, source = doc.data["bench"], ("bench",), doc.file
+        problems = _rule_problems(doc, bench, base)
+    if problems:
+        raise TopologyError(sort_problems(problems))
+    return BenchSpec(
+        topology=topo,
+        scenarios=tuple(_scenario(s) for s in bench["scenarios"]),
+        drain_timeout_s=float(bench.get("drain_timeout_s", BENCH_DRAIN_TIMEOUT_S)),
+        source=source,
+    )
