@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("hgxserve.proxy.cli:proxy", "Run the P/D proxy (OpenAI-compatible endpoint)."),
     "release": ("hgxserve.release.cli:release", "Host-side release switch, health gate, rollback."),
     "facts": ("hgxserve.facts.cli:facts", "Print this host's GPU/RDMA/shm facts as JSON."),
+    "bench": ("hgxserve.bench.cli:bench", "SLA load tests of a deployed topology; compare runs."),
     "gpus": ("hgxserve.gpus:gpus", "Check or wait until GPUs hold no memory (used by units)."),
     "status": ("hgxserve.status.cli:status", "What runs where, healthy or not, on every host."),
     "logs": ("hgxserve.status.cli:logs", "An engine's or the proxy's journal on all its hosts."),

@@ -12,7 +12,19 @@ stamp=.venv/.hgxserve-deps.$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -e "$stamp" ]; then
   echo "==> installing hgxserve and pinned dependencies into .venv"
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e '.[dev]'
+  .venv/bin/pip install -q -e '.[dev,bench]'
   rm -f .venv/.hgxserve-deps.*
   touch "$stamp"
 fi
+# The bench load generator (AIPerf) in its own venv: its pins conflict with ours (pyproject.toml,
+# dependency group `aiperf`); `hgxserve bench` finds it as .venv/bin/aiperf.
+astamp=.venv-aiperf/.hgxserve-aiperf.$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -e "$astamp" ]; then
+  echo "==> installing the bench load generator (AIPerf) into .venv-aiperf"
+  [ -x .venv-aiperf/bin/python ] || "$PY" -m venv .venv-aiperf
+  .venv-aiperf/bin/pip install -q --upgrade pip
+  .venv-aiperf/bin/pip install -q --group aiperf
+  rm -f .venv-aiperf/.hgxserve-aiperf.*
+  touch "$astamp"
+fi
+ln -sfn ../../.venv-aiperf/bin/aiperf .venv/bin/aiperf

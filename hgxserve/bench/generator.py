@@ -36,7 +36,11 @@ _RATES = {
     "output_token_throughput": "output_token_throughput",
     "total_token_throughput": "total_token_throughput",
 }
-_COUNTS = {"request_count": "requests", "error_request_count": "errors"}
+_COUNTS = {
+    "request_count": "requests",
+    "error_request_count": "errors",
+    "benchmark_duration": "duration_s",
+}
 
 
 class GeneratorError(Exception):
@@ -85,6 +89,7 @@ def argv(args: RoundArgs) -> list[str]:
         "--output-tokens-stddev", "0",
         "--extra-inputs", "ignore_eos:true",
         "--extra-inputs", "temperature:0",
+        "--use-server-token-count",
         "--random-seed", str(args.seed),
         "--warmup-request-count", str(s.warmup_for(p)),
         "--artifact-dir", str(args.out_dir),
@@ -134,10 +139,11 @@ def parse_export(path: Path) -> dict[str, float | None]:
 
 
 def find_export(out_dir: Path) -> Path:
-    found = sorted(out_dir.rglob(EXPORT_FILE))
-    if not found:
-        raise GeneratorError(f"AIPerf wrote no {EXPORT_FILE} under {out_dir}")
-    return found[0]
+    """The run's whole export (not the per-phase copies under phases/)."""
+    path = out_dir / EXPORT_FILE
+    if not path.exists():
+        raise GeneratorError(f"AIPerf wrote no {EXPORT_FILE} in {out_dir}")
+    return path
 
 
 def run_round(
@@ -146,7 +152,9 @@ def run_round(
     """Run one round; its figures. AIPerf's own output goes to `out_dir/aiperf.log`."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
     cmd = argv(args)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # Not HF_HUB_OFFLINE: AIPerf 0.13.0 then looks a local tokenizer path up as a hub repo id
+    # and fails (HFValidationError); a local directory needs no network without it.
+    env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1"}
     if args.api_key:
         env["OPENAI_API_KEY"] = args.api_key
         cmd += ["--api-key", args.api_key]

@@ -75,6 +75,7 @@ class EngineTarget:
 class Targets:
     proxy_url: str
     engines: tuple[EngineTarget, ...]
+    served_name: str = ""
 
     @property
     def answering(self) -> list[EngineTarget]:
@@ -99,7 +100,7 @@ def targets(topo: Topology, *, proxy_url: str | None = None) -> Targets:
         EngineTarget(e.name, e.role, e.engine, engine_url(topo, e, from_host=""), e.world_size)
         for e in topo.engines.values()
     )
-    return Targets(proxy_url.rstrip("/"), engines)
+    return Targets(proxy_url.rstrip("/"), engines, topo.model.served_name)
 
 
 @dataclass

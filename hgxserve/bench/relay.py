@@ -45,20 +45,25 @@ class RoundRelay:
         self.upstream = upstream.rstrip("/")
         self.prefix = prefix
         self.counts = RelayCounts()
+        self._serial = 0
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     def new_round(self, prefix: str) -> None:
         self.prefix = prefix
         self.counts = RelayCounts()
+        self._serial = 0
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        self.counts.sent += 1
-        req_id = f"{self.prefix}-{self.counts.sent:07d}"
+        if request.method == "POST":  # generation; GET /v1/models etc. reach no engine
+            self.counts.sent += 1
+        self._serial += 1
+        req_id = f"{self.prefix}-{self._serial:07d}"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
         headers["X-Request-Id"] = req_id
         body = await request.read()
@@ -81,7 +86,7 @@ class RoundRelay:
                 else:
                     self.counts.failed += 1
                 return response
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             self.counts.failed += 1
             return web.json_response(
                 {"error": {"message": f"bench relay: {exc}", "code": 502}}, status=502
@@ -117,7 +122,6 @@ class RoundRelay:
             self._loop.close()
 
     def __enter__(self) -> RoundRelay:
-        self._session: aiohttp.ClientSession | None = None
         self._thread = threading.Thread(target=self._run, name="bench-relay", daemon=True)
         self._thread.start()
         self._ready.wait(30)

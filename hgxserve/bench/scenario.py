@@ -1,6 +1,6 @@
 """Bench scenarios: the topology's `bench:` section, or a bench file beside it.
 
-A bench file `NAME.bench.yml` next to `NAME.yml` holds the same `bench:` mapping; it is used when
+A bench file `NAME.bench.yaml` next to `NAME.yml` holds the same `bench:` mapping; it is used when
 the topology has no `bench:` of its own, so scenarios can change without changing the topology's
 digest (and so without a new release). Both are checked like a topology: every error as
 `file:line:col: $.path: message`.
@@ -22,7 +22,8 @@ from hgxserve.topology import Topology, TopologyError, load_topology
 from hgxserve.topology.loader import Document, load_document
 from hgxserve.topology.problems import Problem, sort_problems
 
-BENCH_FILE_SUFFIX = ".bench.yml"
+# .yaml, not .yml: tools that glob topologies/*.yml must not take it for a topology
+BENCH_FILE_SUFFIX = ".bench.yaml"
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ class LoadPoint:
 
     @property
     def label(self) -> str:
-        return f"c{self.concurrency}" if self.rate is None else f"r{self.rate:g}-c{self.concurrency}"
+        if self.rate is None:
+            return f"c{self.concurrency}"
+        return f"r{self.rate:g}-c{self.concurrency}"
 
     @property
     def x(self) -> float:
@@ -144,7 +147,7 @@ class BenchSpec:
 
 
 def bench_file_for(topology_path: str | Path) -> Path:
-    """`topologies/x.yml` -> `topologies/x.bench.yml`."""
+    """`topologies/x.yml` -> `topologies/x.bench.yaml`."""
     path = Path(topology_path)
     return path.with_name(path.name.rsplit(".", 1)[0] + BENCH_FILE_SUFFIX)
 

@@ -1,0 +1,151 @@
+"""`hgxserve bench`: SLA load tests of a deployed topology, and comparisons between runs.
+
+Exit status: 0 every SLA met, 1 an SLA missed (the failing figures are printed), 2 the bench
+could not run or a round was refused (not idle, unclean, generator failed, bad topology).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from hgxserve.defaults import BENCH_RUNS_DIR
+
+EXIT_SLA_MISSED = 1
+EXIT_NOT_RUN = 2
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+class _BenchGroup(click.Group):
+    """`hgxserve bench TOPOLOGY ...` runs; `hgxserve bench compare RUN...` compares."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_BenchGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def bench() -> None:
+    """SLA load tests of a deployed topology through its proxy (AIPerf drives the load).
+
+    \b
+    hgxserve bench topologies/demo/demo-pd.yml                     # every scenario
+    hgxserve bench topologies/demo/demo-pd.yml --scenario short    # one
+    hgxserve bench compare bench-runs/RUN_A bench-runs/RUN_B       # side by side, deltas
+
+    Scenarios come from the topology's `bench:` section or NAME.bench.yaml beside it
+    (docs/bench.md). Each run keeps run.json, report.md and PNG plots under --out.
+    """
+
+
+@bench.command("run")
+@click.argument("topology", type=click.Path(dir_okay=False))
+@click.option("--scenario", "-s", "names", multiple=True, help="Run only this scenario (repeat).")
+@click.option(
+    "--out",
+    "out_root",
+    default=BENCH_RUNS_DIR,
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Directory that keeps one folder per run.",
+)
+@click.option("--proxy-url", help="Endpoint to load (default: the topology's proxy address).")
+@click.option(
+    "--tokenizer",
+    help="Local tokenizer directory (the model's own) for AIPerf; default: AIPerf's built-in "
+    "tiktoken encoding, which needs its cache offline.",
+)
+@click.option(
+    "--api-key-file",
+    type=click.Path(dir_okay=False, exists=True),
+    help="File holding the proxy's API key (never put the key on the command line).",
+)
+@click.option("--release-id", help="Release the hosts run, recorded with the results.")
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(0, 3600),
+    help="Seconds to wait for the proxy and engines to be idle before a round "
+    "(default: the bench section's drain_timeout_s).",
+)
+@click.option(
+    "--round-timeout",
+    type=click.FloatRange(1, 86400),
+    default=3600,
+    show_default=True,
+    help="Seconds one round (one AIPerf run) may take.",
+)
+def run_cmd(
+    topology: str,
+    names: tuple[str, ...],
+    out_root: str,
+    proxy_url: str | None,
+    tokenizer: str | None,
+    api_key_file: str | None,
+    release_id: str | None,
+    drain_timeout: float | None,
+    round_timeout: float,
+) -> None:
+    """Run the topology's bench scenarios; exit 1 when an SLA is missed."""
+    from hgxserve.bench import report
+    from hgxserve.bench.generator import GeneratorError
+    from hgxserve.bench.metrics import MetricsError
+    from hgxserve.bench.run import RoundRefused, RunOptions, run_bench
+    from hgxserve.bench.scenario import load_bench
+    from hgxserve.topology import TopologyError
+
+    try:
+        spec = load_bench(topology)
+        scenarios = spec.pick(list(names))
+    except TopologyError as exc:
+        for problem in exc.problems:
+            click.echo(problem.text(), err=True)
+        sys.exit(EXIT_NOT_RUN)
+    except ValueError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(EXIT_NOT_RUN)
+    if tokenizer is not None and not Path(tokenizer, "tokenizer_config.json").is_file():
+        click.echo(f"Error: {tokenizer}: no tokenizer_config.json (a model directory)", err=True)
+        sys.exit(EXIT_NOT_RUN)
+    api_key = Path(api_key_file).read_text().strip() if api_key_file else None
+    opts = RunOptions(
+        out_root=Path(out_root),
+        proxy_url=proxy_url,
+        tokenizer=tokenizer,
+        api_key=api_key,
+        release_id=release_id,
+        round_timeout_s=round_timeout,
+        drain_timeout_s=drain_timeout,
+    )
+    try:
+        run_dir, result = run_bench(spec, scenarios, opts, _progress)
+    except (RoundRefused, GeneratorError, MetricsError, ValueError) as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(EXIT_NOT_RUN)
+    path = report.write_report(run_dir, result)
+    click.echo(path.read_text())
+    click.echo(f"run: {run_dir}\nreport: {path}")
+    if not result["passed"]:
+        for miss in result["verdicts"]:
+            click.echo(f"SLA missed: {report.miss_text(miss)}", err=True)
+        sys.exit(EXIT_SLA_MISSED)
+
+
+@bench.command("compare")
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True))
+def compare_cmd(runs: tuple[str, ...]) -> None:
+    """Kept runs side by side per scenario and load, with deltas against the first."""
+    from hgxserve.bench import report
+    from hgxserve.bench.run import load_run
+
+    try:
+        loaded = [load_run(r) for r in runs]
+    except ValueError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(EXIT_NOT_RUN)
+    click.echo(report.compare(loaded), nl=False)

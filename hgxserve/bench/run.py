@@ -1,0 +1,321 @@
+"""One bench run: every round of the chosen scenarios, clean, measured, judged and kept.
+
+A round is refused unless the proxy has no outstanding request and every engine reads zero
+running and zero waiting (waiting up to `drain_timeout_s` first); its requests carry the id
+prefix `<run id>-<round>`; afterwards the engines that answer clients (decode, combined) must
+have finished exactly as many requests as the round sent - more means another client was
+sending, fewer means requests were lost (seed 003 §11.4).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from hgxserve.bench import generator, metrics
+from hgxserve.bench.relay import RoundRelay
+from hgxserve.bench.scenario import BenchSpec, LoadPoint, Scenario
+
+SCHEMA_VERSION = 1
+POLL_S = 1.0
+# After AIPerf returns, the engines' counters settle within their metrics interval.
+SETTLE_TIMEOUT_S = 30.0
+
+
+class RoundRefused(Exception):
+    """A round could not start clean, or ended unclean; the message has the numbers."""
+
+
+@dataclass
+class RunOptions:
+    out_root: Path
+    proxy_url: str | None = None
+    tokenizer: str | None = None
+    api_key: str | None = None
+    release_id: str | None = None
+    round_timeout_s: float = 3600.0
+    drain_timeout_s: float | None = None
+
+
+def _busy_text(busy: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in busy.items())
+
+
+def wait_idle(
+    t: metrics.Targets, timeout_s: float, progress: Callable[[str], None], label: str
+) -> metrics.Snapshot:
+    """A snapshot taken when nothing is in flight; RoundRefused after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        snap = metrics.snapshot(t)
+        busy = metrics.busy(t, snap)
+        if not busy:
+            return snap
+        if time.monotonic() >= deadline:
+            raise RoundRefused(
+                f"round {label} refused: still busy after {timeout_s:g} s: {_busy_text(busy)} "
+                "(another client is sending, or requests are stuck; stop it and run again)"
+            )
+        if not announced:
+            progress(f"  {label}: waiting up to {timeout_s:g} s for {_busy_text(busy)}")
+            announced = True
+        time.sleep(POLL_S)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def per_gpu(client: dict[str, float | None], gpus: int) -> dict[str, float | None]:
+    """Client throughput divided by the topology's GPUs (seed 003 §7: total / GPUs)."""
+
+    def div(v: float | None) -> float | None:
+        return v / gpus if v is not None and gpus else None
+
+    return {
+        "output_tok_s_per_gpu": div(client.get("output_token_throughput")),
+        "total_tok_s_per_gpu": div(client.get("total_token_throughput")),
+        "gpus": float(gpus),
+    }
+
+
+def verdicts(scenario: Scenario, point: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each SLA target of the scenario against a load point's median figures."""
+    sla = scenario.sla
+    pct = sla.percentile
+    client, gpu, roles = point["client"], point["per_gpu"], point["roles"]
+    prefill_role = "prefill" if "prefill" in roles else "combined"
+    checks: list[tuple[str, float | None, float | None, str, str]] = []
+
+    def ms_to_s(v: float | None) -> float | None:
+        return v / 1000 if v is not None else None
+
+    checks.append(
+        (f"TTFT p{pct}", ms_to_s(client.get(f"ttft_ms_p{pct}")), sla.ttft_s, "<=", "s")
+    )
+    checks.append((f"TPOT p{pct}", client.get(f"tpot_ms_p{pct}"), sla.tpot_ms, "<=", "ms"))
+    checks.append(
+        (
+            f"{prefill_role} tok/s/GPU",
+            (roles.get(prefill_role) or {}).get("prefill_tok_s_per_gpu"),
+            sla.prefill_tok_s_per_gpu,
+            ">=",
+            "tok/s",
+        )
+    )
+    checks.append(
+        ("output tok/s/GPU", gpu.get("output_tok_s_per_gpu"), sla.output_tok_s_per_gpu, ">=", "")
+    )
+    requests = (client.get("requests") or 0) + (client.get("errors") or 0)
+    rate = (client.get("errors") or 0) / requests if requests else None
+    checks.append(("error rate", rate, sla.error_rate, "<=", ""))
+    out = []
+    for figure, value, target, op, unit in checks:
+        if target is None:
+            continue
+        ok = value is not None and (value <= target if op == "<=" else value >= target)
+        out.append(
+            {"figure": figure, "value": value, "target": target, "op": op, "unit": unit, "ok": ok}
+        )
+    return out
+
+
+def _release_text(value: str | None) -> str:
+    return value or "unknown"
+
+
+def run_bench(
+    spec: BenchSpec,
+    scenarios: list[Scenario],
+    opts: RunOptions,
+    progress: Callable[[str], None],
+) -> tuple[Path, dict[str, Any]]:
+    """Run every round; write run.json into a new run directory; return (dir, result)."""
+    topo = spec.topology
+    t = metrics.targets(topo, proxy_url=opts.proxy_url)
+    gpus = t.gpus()
+    started = datetime.now(UTC)
+    run_id = f"{started:%Y%m%dT%H%M%SZ}-{topo.name}"
+    run_dir = opts.out_root / run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    drain = spec.drain_timeout_s if opts.drain_timeout_s is None else opts.drain_timeout_s
+    result: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "started": started.isoformat(),
+        "topology": {
+            "name": topo.name,
+            "file": topo.source_file,
+            "digest": topo.digest,
+            "gpus": gpus,
+            "gpus_by_role": {r: t.gpus(r) for r in sorted({e.role for e in t.engines})},
+        },
+        "scenario_source": spec.source,
+        "release_id": _release_text(opts.release_id),
+        "proxy_url": t.proxy_url,
+        "engine_versions": metrics.engine_versions(t),
+        "generator": {"name": "aiperf", "command": generator.aiperf_command()[0]},
+        "scenarios": [s.to_dict() for s in scenarios],
+        "rounds": [],
+        "points": [],
+        "verdicts": [],
+        "passed": None,
+        "refused": None,
+    }
+    progress(
+        f"bench {run_id}: {len(scenarios)} scenario(s) through {t.proxy_url}, {gpus} GPUs, "
+        f"results in {run_dir}"
+    )
+    try:
+        with RoundRelay(t.proxy_url, run_id) as relay:
+            for scenario in scenarios:
+                for point in scenario.load_points():
+                    rounds = []
+                    for seed in scenario.seeds:
+                        label = f"{scenario.name}-{point.label}-s{seed}"
+                        rounds.append(
+                            _round(t, relay, scenario, point, seed, label, run_dir, opts, drain,
+                                   progress, result)
+                        )  # fmt: skip
+                    result["points"].append(_point(scenario, point, rounds, gpus))
+                    _write(run_dir, result)
+    except (RoundRefused, generator.GeneratorError, metrics.MetricsError) as exc:
+        result["refused"] = str(exc)
+        result["passed"] = False
+        _write(run_dir, result)
+        raise
+    misses = []
+    for point in result["points"]:
+        for v in point["verdicts"]:
+            if not v["ok"]:
+                misses.append({"scenario": point["scenario"], "point": point["label"], **v})
+    result["verdicts"] = misses
+    result["passed"] = not misses
+    result["finished"] = datetime.now(UTC).isoformat()
+    _write(run_dir, result)
+    return run_dir, result
+
+
+def _round(
+    t: metrics.Targets,
+    relay: RoundRelay,
+    scenario: Scenario,
+    point: LoadPoint,
+    seed: int,
+    label: str,
+    run_dir: Path,
+    opts: RunOptions,
+    drain: float,
+    progress: Callable[[str], None],
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    prefix = f"{result['run_id']}-{label}"
+    progress(f"  round {label}: checking the proxy and engines are idle")
+    before = wait_idle(t, drain, progress, label)
+    relay.new_round(prefix)
+    progress(f"  round {label}: {point.label}, ISL {scenario.input} / OSL {scenario.output}")
+    t0 = time.monotonic()
+    client = generator.run_round(
+        generator.RoundArgs(
+            url=relay.url,
+            model=t.served_name,
+            scenario=scenario,
+            point=point,
+            seed=seed,
+            out_dir=run_dir / "rounds" / label,
+            tokenizer=opts.tokenizer,
+            api_key=opts.api_key,
+        ),
+        progress=progress,
+        timeout_s=opts.round_timeout_s,
+    )
+    elapsed = time.monotonic() - t0
+    after = wait_idle(t, SETTLE_TIMEOUT_S, progress, label + " (after)")
+    # AIPerf's wall time includes its start-up; the engines worked during the measured part
+    window = client.get("duration_s") or elapsed
+    engines = metrics.engine_figures(t, before, after, window)
+    sent = relay.counts.sent
+    finished = engines["requests_finished"]
+    entry = {
+        "label": label,
+        "scenario": scenario.name,
+        "point": point.label,
+        "seed": seed,
+        "request_id_prefix": prefix,
+        "sent": sent,
+        "engines_finished": finished,
+        "client": client,
+        "engines": engines,
+    }
+    result["rounds"].append(entry)
+    if finished != sent:
+        why = "another client sent requests" if finished > sent else "requests were lost"
+        raise RoundRefused(
+            f"round {label} unclean: the round sent {sent} requests (id prefix {prefix}) but "
+            f"the decode/combined engines finished {finished:g}: {why}"
+        )
+    progress(
+        f"  round {label}: {sent} requests, TTFT p50 {_fmt(client.get('ttft_ms_p50'))} ms, "
+        f"TPOT p50 {_fmt(client.get('tpot_ms_p50'))} ms, "
+        f"{_fmt(client.get('output_token_throughput'))} output tok/s"
+    )
+    return entry
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _point(
+    scenario: Scenario, point: LoadPoint, rounds: list[dict[str, Any]], gpus: int
+) -> dict[str, Any]:
+    """The median over seeds of every figure of one load point, and its verdicts."""
+    keys = sorted({k for r in rounds for k in r["client"]})
+    client = {k: _median([r["client"].get(k) for r in rounds]) for k in keys}
+    roles: dict[str, dict[str, float | None]] = {}
+    for role in rounds[0]["engines"]["roles"]:
+        fields = rounds[0]["engines"]["roles"][role].keys()
+        roles[role] = {
+            f: _median([r["engines"]["roles"][role].get(f) for r in rounds]) for f in fields
+        }
+    out = {
+        "scenario": scenario.name,
+        "label": point.label,
+        "concurrency": point.concurrency,
+        "rate": point.rate,
+        "x": point.x,
+        "seeds": [r["seed"] for r in rounds],
+        "client": client,
+        "per_gpu": per_gpu(client, gpus),
+        "roles": roles,
+    }
+    out["verdicts"] = verdicts(scenario, out)
+    return out
+
+
+def _write(run_dir: Path, result: dict[str, Any]) -> None:
+    tmp = run_dir / "run.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    tmp.replace(run_dir / "run.json")
+
+
+def load_run(path: str | Path) -> dict[str, Any]:
+    """A kept run: its directory or its run.json."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "run.json"
+    try:
+        data: dict[str, Any] = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{p}: not a bench run ({exc})") from None
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{p}: not a bench run of schema version {SCHEMA_VERSION}")
+    return data

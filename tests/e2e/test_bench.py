@@ -1,0 +1,178 @@
+"""`hgxserve bench` end to end: the demo P/D topology on the test hosts, loaded by a real AIPerf
+through the real proxy; the engines are the simulated ones (10 ms per output token).
+
+The tests run in order on one deployment: two scenarios with plots, a leftover client that makes
+the next round wait and then refuse, and an SLA tighter than the simulated engine can meet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testbed import demo
+from testbed import hosts as testbed_hosts
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+PD = REPO / "topologies/demo/demo-pd.yml"
+AIPERF_PYTHON = REPO / ".venv-aiperf/bin/python"
+PROXY = "10.77.0.13"
+
+
+@pytest.fixture(scope="module")
+def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    if not AIPERF_PYTHON.exists():
+        pytest.fail("the bench load generator is missing: run scripts/setup.sh")
+    for name in testbed.names:
+        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
+    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
+    proc = testbed.pyinfra(
+        "deploys/site.py", "--data", f"topology={PD}", "--data", "stages=weights,engines",
+        "--data", "health_timeout=75", "--data", "confirm_within=120",
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    yield testbed
+    demo.stop_s3()
+    for name in testbed.names:
+        testbed.ssh(name, demo.FORGET_RELEASES)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's own tokenizer, built locally (no hub download)."""
+    dest = tmp_path_factory.mktemp("tokenizer")
+    subprocess.run(
+        [str(AIPERF_PYTHON), str(REPO / "testbed/tiny_llama.py"), "--tokenizer-only", str(dest)],
+        check=True,
+        capture_output=True,
+    )
+    return dest
+
+
+def bench(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(REPO / ".venv/bin/hgxserve"), "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def only_run(out: Path) -> dict:
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def sim_requests(address: str, port: int) -> list[dict]:
+    with urllib.request.urlopen(f"http://{address}:{port}/sim/requests", timeout=10) as resp:
+        return list(json.loads(resp.read())["requests"])
+
+
+def test_two_scenarios_through_the_proxy_with_plots(
+    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+) -> None:
+    proc = bench(str(PD), "--tokenizer", str(tokenizer), "--out", str(tmp_path),
+                 "--release-id", "demo-pd-e2e")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    run_dir = tmp_path / run["run_id"]
+    assert run["passed"] is True and run["topology"]["gpus"] == 10  # 4 + 4 + 2
+    assert run["topology"]["digest"] and run["release_id"] == "demo-pd-e2e"
+    assert set(run["engine_versions"]) == {"prefill-0", "decode-0", "combined-0"}
+    assert [(p["scenario"], p["label"]) for p in run["points"]] == [
+        ("pd-long", "c1"), ("pd-long", "c4"), ("combined-short", "c1"), ("combined-short", "c4"),
+    ]  # fmt: skip
+    for r in run["rounds"]:
+        warmups = 1 if r["point"] == "c1" else 4  # as many as the concurrency
+        # measured requests + warm-ups, every one finished by an engine
+        assert r["sent"] == r["engines_finished"] == 16 + warmups
+        assert r["client"]["requests"] == 16
+    long_c4 = next(r for r in run["rounds"] if r["label"] == "pd-long-c4-s1")
+    roles = long_c4["engines"]["roles"]
+    assert roles["decode"]["kv_transfers"] > 0 and roles["decode"]["kv_transfer_failures"] == 0
+    assert roles["prefill"]["prefill_tok_s_per_gpu"] > 0
+    assert long_c4["engines"]["engines"]["combined-0"]["requests_finished"] == 0
+    short_c4 = next(r for r in run["rounds"] if r["label"] == "combined-short-c4-s1")
+    assert short_c4["engines"]["engines"]["decode-0"]["requests_finished"] == 0
+    # the simulated engine spends 10 ms per token: TPOT as the client saw it
+    assert 8 < long_c4["client"]["tpot_ms_p50"] < 40
+    # every request of the round reached the decode with the round's id prefix
+    ids = [r["request_id"] for r in sim_requests("10.77.0.12", 8200)]
+    assert sum(i.startswith(long_c4["request_id_prefix"] + "-") for i in ids) == long_c4["sent"]
+    for name in ("throughput.png", "ttft.png", "tpot.png"):
+        assert (run_dir / name).read_bytes()[:4] == b"\x89PNG"
+    assert "![ttft](ttft.png)" in (run_dir / "report.md").read_text()
+    # the kept run compares with itself: zero deltas
+    again = bench("compare", str(run_dir), str(run_dir))
+    assert again.returncode == 0 and "(+0.0%)" in again.stdout
+
+
+def test_a_leftover_client_makes_the_round_wait_then_refuse(
+    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+) -> None:
+    stop = threading.Event()
+
+    def leftover_client() -> None:  # seed 003 §11.4: a client from an earlier round
+        body = json.dumps(
+            {"model": "tiny", "prompt": "a leftover client", "max_tokens": 150,
+             "ignore_eos": True}
+        ).encode()  # fmt: skip
+        while not stop.is_set():
+            req = urllib.request.Request(
+                f"http://{PROXY}:8000/v1/completions", data=body,
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                resp.read()
+
+    threads = [threading.Thread(target=leftover_client, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1)
+        started = time.monotonic()
+        proc = bench(str(PD), "--scenario", "pd-long", "--tokenizer", str(tokenizer),
+                     "--out", str(tmp_path), "--drain-timeout", "6")  # fmt: skip
+        waited = time.monotonic() - started
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "waiting up to 6 s for proxy outstanding 2" in proc.stderr, proc.stderr
+    assert "refused: still busy after 6 s: proxy outstanding 2" in proc.stderr, proc.stderr
+    assert "combined-0 running 2" in proc.stderr
+    assert waited >= 6
+    run = only_run(tmp_path)
+    assert run["rounds"] == [] and "refused" in run["refused"] and run["passed"] is False
+
+
+def test_an_sla_the_engine_cannot_meet_exits_1_naming_the_figure(
+    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+) -> None:
+    topology = tmp_path / "demo-pd.yml"
+    shutil.copy(PD, topology)
+    (tmp_path / "demo-pd.bench.yaml").write_text(
+        "bench:\n"
+        "  scenarios:\n"
+        "    - {name: tight, input: 128, output: 16, concurrency: [2], requests: 8,\n"
+        "       sla: {ttft_s: 3, tpot_ms: 2}}\n"  # 2 ms per token: the simulated engine takes 10
+    )
+    proc = bench(str(topology), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "runs"))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "SLA missed: tight c2: TPOT p90" in proc.stderr and "SLA <= 2 ms" in proc.stderr
+    assert "TTFT" not in proc.stderr.split("SLA missed:", 1)[1]  # the TTFT target was met
+    run = only_run(tmp_path / "runs")
+    assert run["passed"] is False
+    assert [v["figure"] for v in run["verdicts"]] == ["TPOT p90"]
