@@ -57,6 +57,14 @@ def bench() -> None:
 )
 @click.option("--proxy-url", help="Endpoint to load (default: the topology's proxy address).")
 @click.option(
+    "--engine-url",
+    "engine_urls",
+    multiple=True,
+    metavar="ENGINE=URL",
+    help="Where the controller reaches an engine, when not at the topology's address "
+    "(e.g. an SSH tunnel); repeat per engine.",
+)
+@click.option(
     "--tokenizer",
     help="Local tokenizer directory (the model's own) for AIPerf; default: AIPerf's built-in "
     "tiktoken encoding, which needs its cache offline.",
@@ -85,6 +93,7 @@ def run_cmd(
     names: tuple[str, ...],
     out_root: str,
     proxy_url: str | None,
+    engine_urls: tuple[str, ...],
     tokenizer: str | None,
     api_key_file: str | None,
     release_id: str | None,
@@ -112,10 +121,18 @@ def run_cmd(
     if tokenizer is not None and not Path(tokenizer, "tokenizer_config.json").is_file():
         click.echo(f"Error: {tokenizer}: no tokenizer_config.json (a model directory)", err=True)
         sys.exit(EXIT_NOT_RUN)
+    urls = {}
+    for item in engine_urls:
+        name, sep, url = item.partition("=")
+        if not sep or not url.startswith(("http://", "https://")):
+            click.echo(f"Error: --engine-url {item!r}: want ENGINE=http://HOST:PORT", err=True)
+            sys.exit(EXIT_NOT_RUN)
+        urls[name] = url
     api_key = Path(api_key_file).read_text().strip() if api_key_file else None
     opts = RunOptions(
         out_root=Path(out_root),
         proxy_url=proxy_url,
+        engine_urls=urls,
         tokenizer=tokenizer,
         api_key=api_key,
         release_id=release_id,

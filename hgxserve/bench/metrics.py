@@ -86,8 +86,18 @@ class Targets:
         return sum(e.gpus for e in self.engines if role is None or e.role == role)
 
 
-def targets(topo: Topology, *, proxy_url: str | None = None) -> Targets:
-    """The proxy's URL and every engine's, as seen from the controller."""
+def targets(
+    topo: Topology, *, proxy_url: str | None = None, engine_urls: dict[str, str] | None = None
+) -> Targets:
+    """The proxy's URL and every engine's, as seen from the controller (the topology's
+    addresses unless given, e.g. through an SSH tunnel)."""
+    engine_urls = engine_urls or {}
+    unknown = sorted(set(engine_urls) - set(topo.engines))
+    if unknown:
+        raise ValueError(
+            f"--engine-url names no engine of the topology: {', '.join(unknown)} "
+            f"(engines: {', '.join(topo.engines)})"
+        )
     if topo.proxy is None:
         raise ValueError(f"{topo.source_file}: the topology has no proxy to bench through")
     proxy = topo.proxy
@@ -97,7 +107,13 @@ def targets(topo: Topology, *, proxy_url: str | None = None) -> Targets:
             host = proxy.listen_host
         proxy_url = f"http://{host}:{proxy.listen_port}"
     engines = tuple(
-        EngineTarget(e.name, e.role, e.engine, engine_url(topo, e, from_host=""), e.world_size)
+        EngineTarget(
+            e.name,
+            e.role,
+            e.engine,
+            engine_urls.get(e.name, "").rstrip("/") or engine_url(topo, e, from_host=""),
+            e.world_size,
+        )
         for e in topo.engines.values()
     )
     return Targets(proxy_url.rstrip("/"), engines, topo.model.served_name)

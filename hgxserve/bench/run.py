@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ class RoundRefused(Exception):
 class RunOptions:
     out_root: Path
     proxy_url: str | None = None
+    engine_urls: dict[str, str] = field(default_factory=dict)
     tokenizer: str | None = None
     api_key: str | None = None
     release_id: str | None = None
@@ -140,7 +141,7 @@ def run_bench(
 ) -> tuple[Path, dict[str, Any]]:
     """Run every round; write run.json into a new run directory; return (dir, result)."""
     topo = spec.topology
-    t = metrics.targets(topo, proxy_url=opts.proxy_url)
+    t = metrics.targets(topo, proxy_url=opts.proxy_url, engine_urls=opts.engine_urls)
     gpus = t.gpus()
     started = datetime.now(UTC)
     run_id = f"{started:%Y%m%dT%H%M%SZ}-{topo.name}"

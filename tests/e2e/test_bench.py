@@ -166,7 +166,7 @@ def test_an_sla_the_engine_cannot_meet_exits_1_naming_the_figure(
     (tmp_path / "demo-pd.bench.yaml").write_text(
         "bench:\n"
         "  scenarios:\n"
-        "    - {name: tight, input: 128, output: 16, concurrency: [2], requests: 8,\n"
+        "    - {name: tight, input: 240, output: 16, concurrency: [2], requests: 8,\n"
         "       sla: {ttft_s: 3, tpot_ms: 2}}\n"  # 2 ms per token: the simulated engine takes 10
     )
     proc = bench(str(topology), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "runs"))
