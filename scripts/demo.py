@@ -121,6 +121,18 @@ def main() -> None:
         if combined != 1:
             raise SystemExit("demo: the short prompt did not go to the combined engine")
 
+        step("Bench the P/D path through the proxy: clean rounds, SLA, plots (AIPerf)")
+        tokenizer = Path(tempfile.mkdtemp(prefix="demo-tokenizer-"))  # the tiny model's own
+        subprocess.run(
+            [str(REPO / ".venv-aiperf/bin/python"), str(REPO / "testbed/tiny_llama.py"),
+             "--tokenizer-only", str(tokenizer)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        run(str(BIN / "hgxserve"), "bench", PD, "--scenario", "pd-long",
+            "--tokenizer", str(tokenizer), "--inventory", "inventory/testhosts.py",
+            "--out", "bench-runs")  # fmt: skip
+        print("   kept: bench-runs/<time>-demo-pd/ run.json, report.md, throughput/ttft/tpot.png")
+
         step("Back to the baseline, all hosts together")
         pyinfra("deploys/rollback.py", "--data", "to=baseline")
         complete("10.77.0.11", "Only answer: hello")

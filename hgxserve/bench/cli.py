@@ -74,7 +74,18 @@ def bench() -> None:
     type=click.Path(dir_okay=False, exists=True),
     help="File holding the proxy's API key (never put the key on the command line).",
 )
-@click.option("--release-id", help="Release the hosts run, recorded with the results.")
+@click.option(
+    "--release-id",
+    help="Release the hosts run, recorded with the results (default: read from the hosts "
+    "with --inventory, else 'unknown').",
+)
+@click.option(
+    "--inventory",
+    "-i",
+    envvar="HGXSERVE_PYINFRA_INVENTORY",
+    type=click.Path(dir_okay=False),
+    help="pyinfra inventory: read each host's running release over SSH (read-only).",
+)
 @click.option(
     "--drain-timeout",
     type=click.FloatRange(0, 3600),
@@ -97,6 +108,7 @@ def run_cmd(
     tokenizer: str | None,
     api_key_file: str | None,
     release_id: str | None,
+    inventory: str | None,
     drain_timeout: float | None,
     round_timeout: float,
 ) -> None:
@@ -129,6 +141,8 @@ def run_cmd(
             sys.exit(EXIT_NOT_RUN)
         urls[name] = url
     api_key = Path(api_key_file).read_text().strip() if api_key_file else None
+    if release_id is None and inventory is not None:
+        release_id = _running_releases(spec.topology, inventory)
     opts = RunOptions(
         out_root=Path(out_root),
         proxy_url=proxy_url,
@@ -151,6 +165,35 @@ def run_cmd(
         for miss in result["verdicts"]:
             click.echo(f"SLA missed: {report.miss_text(miss)}", err=True)
         sys.exit(EXIT_SLA_MISSED)
+
+
+def _running_releases(topo: object, inventory: str) -> str:
+    """`host=release id` of every host the topology uses, as `hgxserve release status` says."""
+    import json
+
+    from hgxserve.paths import AGENT
+    from hgxserve.status.remote import InventoryError, Sessions, load_inventory
+
+    names = topo.hosts_in_use()  # type: ignore[attr-defined]
+    try:
+        hosts = load_inventory(inventory).select(names)
+    except InventoryError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(EXIT_NOT_RUN)
+    parts = []
+    with Sessions(hosts) as sessions:
+        results = sessions.run_all(f"{AGENT} release status", 30)
+    for name in names:
+        result = results.get(name)
+        running = "unknown"
+        if result is not None and result.ok and result.exit_status == 0:
+            try:
+                state = json.loads(result.stdout)
+                running = (state.get("pending") or {}).get("id") or state.get("current") or "none"
+            except (ValueError, AttributeError):
+                pass
+        parts.append(f"{name}={running}")
+    return " ".join(parts)
 
 
 @bench.command("compare")

@@ -37,7 +37,7 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
         testbed.ssh(name, demo.FORGET_RELEASES, check=True)
     demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
     proc = testbed.pyinfra(
-        "deploys/site.py", "--data", f"topology={PD}", "--data", "stages=weights,engines",
+        "deploys/site.py", "--data", f"topology={PD}", "--data", "stages=runtime,weights,engines",
         "--data", "health_timeout=75", "--data", "confirm_within=120",
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -83,12 +83,18 @@ def test_two_scenarios_through_the_proxy_with_plots(
     lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
 ) -> None:
     proc = bench(str(PD), "--tokenizer", str(tokenizer), "--out", str(tmp_path),
-                 "--release-id", "demo-pd-e2e")  # fmt: skip
+                 "--inventory", "inventory/testhosts.py")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = only_run(tmp_path)
     run_dir = tmp_path / run["run_id"]
     assert run["passed"] is True and run["topology"]["gpus"] == 10  # 4 + 4 + 2
-    assert run["topology"]["digest"] and run["release_id"] == "demo-pd-e2e"
+    assert run["topology"]["digest"]
+    current = {
+        h: json.loads(lab.ssh(h, "/opt/hgxserve/bin/hgxserve release status").stdout)["current"]
+        for h in ("hgx-a", "hgx-b", "hgx-c")
+    }  # the release each host runs, read over SSH with the inventory
+    assert run["release_id"] == " ".join(f"{h}={r}" for h, r in current.items()), run
+    assert all(current.values())
     assert set(run["engine_versions"]) == {"prefill-0", "decode-0", "combined-0"}
     assert [(p["scenario"], p["label"]) for p in run["points"]] == [
         ("pd-long", "c1"), ("pd-long", "c4"), ("combined-short", "c1"), ("combined-short", "c4"),
