@@ -207,7 +207,7 @@ def engine_figures(t: Targets, before: Snapshot, after: Snapshot, seconds: float
             "gpus": gpus,
             "prefill_tok_s_per_gpu": computed / seconds / gpus if gpus else None,
             "output_tok_s_per_gpu": gen / seconds / gpus if gpus else None,
-            "tpot_ms_mean": sum(tpots) / len(tpots) if tpots else None,  # type: ignore[arg-type]
+            "tpot_ms_mean": sum(tpots) / len(tpots) if tpots else None,
             "kv_transfers": sum(float(m["kv_transfers"] or 0) for m in members),
             "kv_transfer_failures": sum(float(m["kv_transfer_failures"] or 0) for m in members),
         }

@@ -41,7 +41,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("render", ("hgxserve.render", "hgxserve.caches", "hgxserve.runtime")),
     ("release", ("hgxserve.release",)),
-    ("deploy helpers and status", ("hgxserve.deploying", "hgxserve.stages", "hgxserve.status")),
+    (
+        "deploy helpers and status",
+        ("hgxserve.deploying", "hgxserve.stages", "hgxserve.status", "hgxserve.bench"),
+    ),
     ("command line", ("hgxserve.cli", "*.cli")),
     ("roles", ("roles",)),
     ("deploys", ("deploys",)),
