@@ -136,8 +136,7 @@ def measure(
         tail = (deploy.stdout + deploy.stderr)[-3000:]
         raise SystemExit(f"deploy on {count} hosts failed:\n{tail}")
     loop = "; ".join(
-        shlex.join(bed.ssh_argv(name, f"{AGENT} release status")) + " >/dev/null"
-        for name in names
+        shlex.join(bed.ssh_argv(name, f"{AGENT} release status")) + " >/dev/null" for name in names
     )
     cases = {
         "hgxserve status --json": ([HGXSERVE, "status", str(topology), "-i", inventory,

@@ -13,16 +13,25 @@ from hgxserve.deploying import (
     secret_values,
     topology_from_data,
 )
-from hgxserve.release.plan import gate_host
+from hgxserve.release import CONFIRM_WITHIN_S
+from hgxserve.release.evidence import RDMA_SYSFS, rdma_roles
+from hgxserve.release.plan import gate_host, switch_bound_s
+from hgxserve.release.switch import SWITCH_OVERHEAD_S
+from hgxserve.weights.placement import pin_digest
 from roles.agent import agent
 from roles.releases import release
 
-topology = topology_from_data(host)
+# a pinned weights digest (`--data weights_digest=`, as for the weights stage) reaches the units
+topology = pin_digest(topology_from_data(host), host.data.get("weights_digest"))
 active = list(inventory.iter_activated_hosts())
 require_all_reachable(list(inventory), active)
-plans = release_plans(topology, active, float(host.data.get("health_timeout", 900)))
+cap = host.data.get("health_timeout")  # seconds; default: each engine's start_timeout_s
+plans = release_plans(topology, active, float(cap) if cap else None)
 coord = plan_switch(f"release:{topology.digest}", active, {n: p.id for n, p in plans.items()})
 plan = plans[host.name]
+coord.rdma_roles = rdma_roles(topology)
+rdma_root = str(host.data.get("rdma_sysfs", RDMA_SYSFS))
+devices = list(topology.hosts[host.name].rdma) if host.name in topology.hosts else []
 
 agent()
 release(
@@ -31,5 +40,7 @@ release(
     switch=host.name in coord.switching,
     coord=coord,
     gate=bool(coord.switching) and host.name == gate_host(topology),
-    confirm_within=int(host.data.get("confirm_within", 300)),
+    confirm_within=int(host.data.get("confirm_within", CONFIRM_WITHIN_S)),
+    peers_within=switch_bound_s(plans, SWITCH_OVERHEAD_S),
+    rdma=(rdma_root, devices) if host.name in coord.rdma_roles else None,
 )

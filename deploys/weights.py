@@ -3,8 +3,9 @@
     pyinfra inventory/lab.py deploys/weights.py --data topology=topologies/h20-v4flash-tp8.yml
 
 Optional `--data` keys: `weights_digest=sha256:...` pins the manifest digest the hosts must
-verify against; `agent=/opt/hgxserve/bin/hgxserve` where the agent lives. The agent itself is
-installed by `roles.agent` first.
+verify against (default: the topology's `model.digest`; the engine units check the same one);
+`agent=/opt/hgxserve/bin/hgxserve` where the agent lives. The agent itself is installed by
+`roles.agent` first.
 """
 
 from pyinfra import host
@@ -22,6 +23,6 @@ if host.name not in topology.hosts:
 agent()
 weights(
     model=topology.model,
-    digest=host.data.get("weights_digest"),
+    digest=host.data.get("weights_digest") or topology.model.digest,  # --data overrides the pin
     agent=str(host.data.get("agent", AGENT)),
 )

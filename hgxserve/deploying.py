@@ -42,7 +42,7 @@ def require_all_reachable(all_hosts: list[Host], active: list[Host]) -> None:
 
 
 def release_plans(
-    topo: Topology, hosts: list[Host], health_timeout_s: float
+    topo: Topology, hosts: list[Host], health_timeout_s: float | None
 ) -> dict[str, HostRelease]:
     """Every host's release for `topo`, rendered once per run (each host's deploy asks)."""
     key = ("release-plans", topo.digest, tuple(h.name for h in hosts), health_timeout_s)
@@ -135,6 +135,7 @@ def cache_entries(topo: Topology, host: Host) -> list[dict[str, Any]]:
                 "key": cache_key(topo, engine),
                 "full_key": cache_key(topo, engine, host_facts=facts),
                 "facts": facts,
+                "multi_node": engine.is_multi_node,
             }
         )
     return entries

@@ -31,6 +31,9 @@ CREDENTIALS_DIR = f"{CONFIG_DIR}/credentials"
 UNIT_DIR = "/etc/systemd/system"
 RUN_CREDENTIALS_DIR = "/run/credentials"
 
+# RDMA NIC port counters (<dev>/ports/<n>/counters/port_{xmit,rcv}_data): the gate's P/D evidence.
+RDMA_SYSFS = "/sys/class/infiniband"
+
 # JIT/compile caches, one directory per cache key.
 CACHE_ROOT = "/var/cache/hgxserve"
 

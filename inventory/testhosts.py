@@ -9,7 +9,9 @@ Groups: ``testhosts`` (all hosts), ``h200`` / ``h20`` (by simulated GPU kind). H
 ``ssh_strict_host_key_checking`` (how to reach the host), ``testbed_gpu`` (the simulated GPU
 kind, ``h200`` or ``h20``), and ``runtime_find_links`` / ``runtime_no_index``: the runtime stage
 builds its wheelhouse only from the simulated engine wheels the harness builds
-($HGXSERVE_TESTBED_DIR/wheels), never from an index. The state file is
+($HGXSERVE_TESTBED_DIR/wheels), never from an index; ``rdma_sysfs``: where the release's RDMA
+evidence reads port counters (the hosts' SIMULATED counters, not /sys/class/infiniband). The
+state file is
 $HGXSERVE_TESTBED_DIR/state.json (default /var/lib/hgxserve-testbed/state.json).
 """
 
@@ -40,6 +42,8 @@ def _hosts() -> list[tuple[str, dict[str, str]]]:
                 "testbed_gpu": host["gpu"],
                 "runtime_find_links": str(_STATE.parent / "wheels"),
                 "runtime_no_index": True,
+                # simulated RDMA port counters (testbed/hosts.py SIM_RDMA_DIR)
+                "rdma_sysfs": "/var/lib/hgxserve-sim/infiniband",
             },
         )
         for host in state["hosts"]

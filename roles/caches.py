@@ -28,7 +28,7 @@ def caches(
     engines: list[dict[str, Any]],
     topology: str,
     store: str,
-    policy: str = "restore",
+    policy: str = "auto",
     distribute: str = "controller",
     root: str = DEFAULT_ROOT,
     bakers: dict[str, str] | None = None,
@@ -39,7 +39,8 @@ def caches(
     + engines: one dict per engine on this host: engine, key (render-time), full_key, facts
     + topology: topology file on the controller (uploaded to the baker for `cache bake`)
     + store: controller directory holding archives per full key
-    + policy: off | restore (only restore archives that exist) | bake (bake missing ones)
+    + policy: off | restore (only restore archives that exist) | bake (bake missing ones) |
+      auto (as bake, but a multi-node engine's missing cache is left to its first start)
     + distribute: controller (s3 is not available yet)
     + root: cache root on hosts
     + bakers: full key -> host that bakes it (one per GPU kind and key)
@@ -61,7 +62,14 @@ def caches(
             continue
         seen.add(full_key)
         in_store = store_index(store, full_key) is not None
-        if not in_store and policy == "bake" and (bakers or {}).get(full_key) == host.name:
+        if not in_store and policy == "auto" and entry.get("multi_node"):
+            host.noop(
+                f"no cache for {key} ({entry['engine']}) yet and none is baked: a multi-node "
+                "bake needs every node of the engine started together; its first start compiles"
+            )
+            continue
+        baking = policy in ("bake", "auto")
+        if not in_store and baking and (bakers or {}).get(full_key) == host.name:
             baked(
                 name=f"Bake JIT cache {key} ({entry['engine']})",
                 key=key,

@@ -11,7 +11,16 @@ from pyinfra.operations import files, python, systemd
 
 from hgxserve.credfiles import secret_file
 from hgxserve.paths import RELEASE_ROOT
-from hgxserve.release.ops import Coordination, run_gate, settle, switched
+from hgxserve.release import CONFIRM_WITHIN_S
+from hgxserve.release.ops import (
+    Coordination,
+    arm_deadman,
+    read_rdma_counters,
+    run_gate,
+    settle,
+    start_proxy,
+    switched,
+)
 from hgxserve.release.plan import HostRelease
 
 RECONCILE_UNIT = (
@@ -31,7 +40,9 @@ def release(
     switch: bool,
     coord: Coordination,
     gate: bool,
-    confirm_within: int = 300,
+    confirm_within: int = CONFIRM_WITHIN_S,
+    peers_within: int = 0,
+    rdma: tuple[str, list[str]] | None = None,
     root: str = RELEASE_ROOT,
 ) -> None:
     """Stage `plan` under releases/<id>, switch to it when `switch`, gate and settle.
@@ -86,6 +97,8 @@ def release(
         switch=switch,
         gate=gate,
         confirm_within=confirm_within,
+        peers_within=peers_within,
+        rdma=rdma,
         root=root,
     )
 
@@ -97,19 +110,50 @@ def switch_to(
     coord: Coordination,
     switch: bool,
     gate: bool,
-    confirm_within: int = 300,
+    confirm_within: int = CONFIRM_WITHIN_S,
+    peers_within: int = 0,
+    rdma: tuple[str, list[str]] | None = None,
     root: str = RELEASE_ROOT,
 ) -> None:
     """Switch to an already staged release (rollback), with the same gate and settle steps.
 
     + release_id: the staged release (e.g. the host's previous or baseline)
+    + confirm_within: seconds the gate has, from the moment every host switched
+    + peers_within: seconds the slowest host may take to switch (see switch_bound_s)
+    + rdma: (counters root, devices) when this host's RDMA counters are P/D evidence
     """
+    gating = bool(coord.switching)
     if switch:
         switched(
             name=f"Switch to release {release_id} (pending confirmation)",
             release_id=release_id,
             confirm_within=confirm_within,
+            peers_within=peers_within,
             root=root,
+        )
+        python.call(
+            name="All engines healthy and warm: start the proxy where it was left stopped",
+            function=start_proxy,
+            coord=coord,
+            release_id=release_id,
+            root=root,
+        )
+        python.call(
+            name=f"All hosts switched: each reverts in {confirm_within}s unless confirmed",
+            function=arm_deadman,
+            coord=coord,
+            release_id=release_id,
+            confirm_within=confirm_within,
+            root=root,
+        )
+    if gating and rdma is not None:
+        python.call(
+            name="Read the RDMA port counters before the gate (P/D KV evidence)",
+            function=read_rdma_counters,
+            coord=coord,
+            when="before",
+            root=rdma[0],
+            devices=rdma[1],
         )
     if gate:
         python.call(
@@ -119,7 +163,24 @@ def switch_to(
             release_id=release_id,
             root=root,
         )
+    if gating and rdma is not None:
+        python.call(
+            name="Read the RDMA port counters after the gate: they must have grown",
+            function=read_rdma_counters,
+            coord=coord,
+            when="after",
+            root=rdma[0],
+            devices=rdma[1],
+        )
     if switch:
+        python.call(
+            name="Gate done: check no host reverted on its own, hold the timer for the settle",
+            function=arm_deadman,
+            coord=coord,
+            release_id=release_id,
+            confirm_within=confirm_within,
+            root=root,
+        )
         python.call(
             name=f"Confirm release {release_id}, or roll back if any host or the gate failed",
             function=settle,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import importlib.util
 import json
 import os
 import shlex
@@ -406,6 +408,22 @@ def build_engine_wheels() -> bool:
     return True
 
 
+# Simulated RDMA NIC port counters inside each host (there is no /sys/class/infiniband in a
+# container): the simulated engine adds the bytes of every cross-host KV transfer it makes over
+# "RDMA" (not when its UCX_TLS names no RDMA transport), and the inventory points the release's
+# RDMA evidence (`rdma_sysfs`) here.
+SIM_RDMA_DIR = "/var/lib/hgxserve-sim/infiniband"
+
+
+def rdma_devices(kind: str) -> list[str]:
+    """The RDMA devices the host kind's simulated ibv_devinfo lists (from the real capture)."""
+    spec = importlib.util.spec_from_file_location("_ibv_devinfo", FAKES_DIR / "ibv_devinfo.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [block[0].split()[1] for block in module.blocks(kind)]
+
+
 def install_simulation(host: Host) -> bool:
     """Copy the fake GPU tools into a host and build the simulated engine wheels on the
     controller; False if there is no simengine yet.
@@ -420,6 +438,11 @@ def install_simulation(host: Host) -> bool:
     share = root / "usr/local/share/hgxserve-testbed/fixtures"
     for fixture in sorted((FAKES_DIR / "fixtures").glob("*.txt")):
         _write(share / fixture.name, fixture.read_bytes())
+    for device in rdma_devices(host.gpu):
+        counters = root / SIM_RDMA_DIR.lstrip("/") / device / "ports/1/counters"
+        for counter in ("port_xmit_data", "port_rcv_data"):
+            if not (counters / counter).exists():  # counters only grow, as on a real NIC
+                _write(counters / counter, "0\n")
     # Engines used to be placed here by hand; now only the runtime stage installs them.
     for legacy in ("opt/vllm-sim", "opt/sglang-sim"):
         if (root / legacy / "bin/python").is_symlink() and not (
@@ -447,9 +470,66 @@ def _optional_binds() -> list[str]:
     return []
 
 
+def _cgroup2_mount() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted (a hybrid host: /sys/fs/cgroup/unified)."""
+    for path in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+        if (path / "cgroup.controllers").is_file():
+            return path
+    return None
+
+
+def host_cgroup(host: Host) -> Path | None:
+    """The host's own cgroup: `<this process's cgroup>/hgxtb-<name>` in the v2 hierarchy.
+
+    Why: nspawn with --keep-unit makes the container's cgroup tree `<its cgroup>/payload`.
+    Started from one process, every host got the SAME `/payload`: the hosts' systemds then shared
+    one tree, and a unit name running on two hosts (hgxserve-combined-0.service on hgx-a and on
+    hgx-c) shared one cgroup. One host stopping its unit removed the cgroup the other was
+    starting in: `Failed to attach to cgroup ...: No such file or directory`, status=219/CGROUP
+    between ExecStartPre= and ExecStart=. Each host in its own cgroup cannot collide.
+    """
+    mount = _cgroup2_mount()
+    if mount is None:
+        return None
+    own = next(
+        (
+            line[3:].strip()
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if line.startswith("0::")
+        ),
+        "/",
+    )
+    return mount / own.lstrip("/") / f"{NETNS_PREFIX}{host.name.removeprefix('hgx-')}"
+
+
+def _enter_cgroup(path: str) -> None:
+    """preexec_fn: move the child (the nspawn about to exec) into its host's cgroup."""
+    with open(f"{path}/cgroup.procs", "w", encoding="ascii") as fh:
+        fh.write("0")
+
+
+def remove_cgroup(path: Path | None) -> None:
+    """Remove a stopped host's cgroup tree, deepest first (each must be empty)."""
+    if path is None or not path.is_dir():
+        return
+    for sub in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):
+            sub.rmdir()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
 def start_host(host: Host) -> None:
-    """Boot the host: systemd-nspawn in its own session, console to a log file."""
+    """Boot the host: systemd-nspawn in its own session and cgroup, console to a log file."""
     host.log.parent.mkdir(parents=True, exist_ok=True)
+    cgroup = host_cgroup(host)
+    preexec = None
+    if cgroup is not None:
+        try:
+            cgroup.mkdir(exist_ok=True)
+            preexec = functools.partial(_enter_cgroup, str(cgroup))
+        except OSError as exc:
+            say(f"{host.name}: cannot create its cgroup {cgroup} ({exc}); sharing this one")
     with host.log.open("wb") as log:
         proc = subprocess.Popen(
             [
@@ -472,6 +552,7 @@ def start_host(host: Host) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=preexec,
             # cgroup v2 inside the host: on the v1 hierarchy a unit's ExecStopPost= cannot
             # attach to the service cgroup once the main process is gone (status=219/CGROUP)
             env={**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"},
@@ -753,6 +834,7 @@ def _up_locked(count: int, kinds: list[str]) -> Testbed:
 def _down_locked(bed: Testbed) -> None:
     for host in bed.hosts:
         stop_host(host, bed.boot_id)
+        remove_cgroup(host_cgroup(host))
     errors = []
     for host in bed.hosts:
         try:
@@ -912,6 +994,7 @@ def crash(name: str) -> None:
             time.sleep(0.1)
         else:
             raise TestbedError(f"{name}: nspawn PID {host.pid} does not exit")
+        remove_cgroup(host_cgroup(host))  # emptied by the kill; boot() starts a fresh one
         say(f"{name}: crashed (SIGKILL), disk kept")
 
 

@@ -14,7 +14,9 @@ TCP side channel, real GPU-memory bookkeeping that a fake `nvidia-smi` reads bac
 Python 3 standard library only (test hosts run Debian's python3 with no pip packages).
 
 Environment knobs (all optional):
-  HGXSERVE_SIM_START_SECONDS   seconds before the HTTP port opens (default 2)
+  HGXSERVE_SIM_START_SECONDS   seconds before the HTTP port opens (default 2), spent printing
+                               the real engine's start lines (weight shards n%, compile, CUDA
+                               graphs) so the release shows progress as with a real engine
   HGXSERVE_SIM_STOP_SECONDS    seconds GPU memory stays held after SIGTERM (default 1)
   HGXSERVE_SIM_GPU_DIR         GPU memory files dir (default /run/hgxserve-sim/gpus)
   HGXSERVE_SIM_GPU_TOTAL_MIB   per-GPU memory used to size "used_mib" (default 143771, H200)
@@ -24,6 +26,12 @@ Environment knobs (all optional):
                                127.0.0.1); lets one machine play several hosts: a side channel
                                advertised as localhost/127.0.0.1 resolves to this address
   HGXSERVE_SIM_BOOTSTRAP_WAIT  seconds an SGLang decode waits for its room (default 10)
+  HGXSERVE_SIM_JIT=1           log TileLang's kernel-compile line (seed 003 §8.2) the first time a
+                               prompt-length bucket (next power of two) is served
+  HGXSERVE_SIM_RDMA_DIR        simulated RDMA NIC port counters, <dev>/ports/<n>/counters/
+                               port_{xmit,rcv}_data (default /var/lib/hgxserve-sim/infiniband):
+                               a cross-host KV transfer adds its bytes there unless UCX_TLS
+                               names no RDMA transport (a TCP fallback moves no counter)
   HGXSERVE_SIM_FAIL            failure injection, comma-separated:
       never_healthy   port opens, /health (and generation) answer 503 forever
       crash_on_start  exit 1 after the start delay, port never opens
@@ -354,6 +362,7 @@ class State:
         self.nixl_desc = Histogram(NIXL_DESC_BUCKETS)
         self.sgl_xfer_ms = Histogram(SGL_LAT_MS_BUCKETS)
         self.slots: asyncio.Semaphore | None = None
+        self.jit_buckets: set[int] = set()
 
     def inc(self, key: str, value: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + value
@@ -691,6 +700,49 @@ async def health_generate() -> None:
 # --------------------------------------------------------------------------- KV transfer
 
 
+RDMA_TRANSPORTS = {"all", "rc", "rc_x", "rc_v", "rc_mlx5", "ud", "ud_x", "ud_v", "ud_mlx5", "dc",
+                   "dc_x", "dc_mlx5", "ib"}  # fmt: skip
+_said_tcp = False
+
+
+def rdma_count(counter: str, nbytes: int, local: str, peer: str) -> None:
+    """SIMULATED RDMA NIC: add a cross-host KV transfer's bytes to this host's port counter
+    (`port_xmit_data` on the sender, `port_rcv_data` on the receiver; 4-byte words, as the
+    InfiniBand counters count). Nothing moves for a transfer inside one host (CUDA IPC), or
+    when UCX_TLS names no RDMA transport (UCX then sends the KV over TCP)."""
+    global _said_tcp
+    if nbytes <= 0 or peer == local or peer.startswith("127.") or peer in ("::1", "localhost"):
+        return
+    tls = [t.strip().lower() for t in os.environ.get("UCX_TLS", "").split(",") if t.strip()]
+    if tls and not RDMA_TRANSPORTS.intersection(tls):
+        if not _said_tcp:
+            log(f"UCX_TLS={','.join(tls)} has no RDMA transport: KV goes over TCP (simulated)")
+            _said_tcp = True
+        return
+    root = os.environ.get("HGXSERVE_SIM_RDMA_DIR") or "/var/lib/hgxserve-sim/infiniband"
+    wanted = os.environ.get("UCX_NET_DEVICES", "all").split(",")[0].strip()
+    device, _, port = wanted.partition(":")
+    if device in ("", "all"):
+        found = sorted(os.listdir(root)) if os.path.isdir(root) else []
+        device, port = (found[0] if found else ""), "1"
+    path = os.path.join(root, device, "ports", port or "1", "counters", counter)
+    if not device or not os.path.isfile(path):
+        return  # no (simulated) NIC here: the transfer went over TCP
+    with open(path, encoding="ascii") as fh:
+        value = int(fh.read().strip() or 0)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="ascii") as fh:
+        fh.write(f"{value + nbytes // 4}\n")
+    os.replace(tmp, path)
+
+
+def _ends(writer: asyncio.StreamWriter) -> tuple[str, str]:
+    """(local address, peer address) of a connection."""
+    sock = writer.get_extra_info("sockname") or ("",)
+    peer = writer.get_extra_info("peername") or ("",)
+    return str(sock[0]), str(peer[0])
+
+
 async def nixl_pull(params: dict[str, Any]) -> tuple[bool, str, int]:
     """Decode side: fetch the blocks from the prefill's side channel. Returns (ok, why, bytes)."""
     remote_tp = int(params.get("tp_size") or 1)
@@ -716,12 +768,14 @@ async def nixl_pull(params: dict[str, Any]) -> tuple[bool, str, int]:
         writer.write(json.dumps(ask).encode() + b"\n")
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), timeout)
+        ends = _ends(writer)
         writer.close()
         answer = json.loads(line or b"{}")
     except (TimeoutError, OSError, ValueError) as exc:
         return False, f"handshake_setup_failed with {host}:{port}: {exc!r}", 0
     if not answer.get("ok"):
         return False, f"remote refused transfer: {answer.get('error')}", 0
+    rdma_count("port_rcv_data", int(answer.get("bytes", 0)), *ends)
     return True, "", int(answer.get("bytes", 0))
 
 
@@ -741,6 +795,7 @@ async def nixl_side_channel(reader: asyncio.StreamReader, writer: asyncio.Stream
         else:
             STATE.held_blocks.pop(blocks[0], None)
             answer = {"ok": True, "bytes": held["bytes"], "num_descriptors": len(blocks)}
+            rdma_count("port_xmit_data", held["bytes"], *_ends(writer))
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
     except (OSError, ValueError):
@@ -780,6 +835,7 @@ async def sglang_bootstrap(reader: asyncio.StreamReader, writer: asyncio.StreamW
             kv = STATE.rooms.pop(room)
             STATE.room_events.pop(room, None)
             answer = {"ok": True, "tokens": kv["tokens"], "bytes": kv["tokens"] * 70272}
+            rdma_count("port_xmit_data", answer["bytes"], *_ends(writer))
         except TimeoutError:
             STATE.room_events.pop(room, None)
             answer = {"ok": False, "error": f"room {room} never prefilled here"}
@@ -806,12 +862,14 @@ async def sglang_pull(body: dict[str, Any]) -> tuple[bool, str, str]:
         writer.write(json.dumps({"room": body.get("bootstrap_room")}).encode() + b"\n")
         await writer.drain()
         answer = json.loads(await asyncio.wait_for(reader.readline(), wait + 5) or b"{}")
+        ends = _ends(writer)
     except (TimeoutError, OSError, ValueError) as exc:
         return False, f"transfer failed: {exc!r}", "transfer_failed_reqs"
     finally:
         writer.close()
     if not answer.get("ok"):
         return False, f"transfer failed: {answer.get('error')}", "transfer_failed_reqs"
+    rdma_count("port_rcv_data", int(answer.get("bytes", 0)), *ends)
     return True, "", ""
 
 
@@ -863,12 +921,22 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
         "kv_transfer_params_in": body.get("kv_transfer_params"),
         "bootstrap_room": body.get("bootstrap_room"),
         "prompt_tokens": prompt_tokens,
+        "ignore_eos": bool(body.get("ignore_eos")),
+        "at": time.time(),
         "kv": "local",
         "aborted": False,
         "status": 200,
     }
     s.record(entry)
     s.inc("requests")
+    if os.environ.get("HGXSERVE_SIM_JIT") == "1":
+        bucket = 1 << max(0, prompt_tokens - 1).bit_length()
+        if bucket not in s.jit_buckets:  # a shape never run before compiles its kernel
+            s.jit_buckets.add(bucket)
+            log(
+                "[TileLang:tilelang.jit.kernel:INFO]: TileLang begins to compile kernel `main` "
+                f"with `out_idx=[-1]` (simulated, prompt bucket {bucket})"
+            )
     kv_in = body.get("kv_transfer_params") or {}
     nixl = s.kv.get("kv_connector") == "NixlConnector"
     prefill_time = prompt_tokens / 1000 * env_float("HGXSERVE_SIM_PREFILL_SECONDS_PER_1K", 0.02)
@@ -1239,6 +1307,44 @@ def configure(args: dict[str, Any]) -> None:
     args["_host"] = args.get("--host") or default_host
 
 
+def start_phases(total: float, eager: bool) -> list[tuple[str, float]]:
+    """The start's log lines, as the real engine prints them, and the time after each: weights
+    (40%), compile (20%), CUDA graphs (40%; none with --enforce-eager / --disable-cuda-graph)."""
+    shards, graphs = 8, 10
+    weights = total * (0.4 if not eager else 0.7)
+    compile_s = total * (0.2 if not eager else 0.3)
+    capture = total - weights - compile_s
+    out: list[tuple[str, float]] = []
+    if STATE.engine == "sglang":
+        out.append(("Load weight begin. avail mem=139.70 GB", 0.0))
+    for i in range(shards + 1):
+        bar = f"{100 * i // shards:3d}% Completed | {i}/{shards}"
+        out.append((f"Loading safetensors checkpoint shards: {bar}", weights / (shards + 1)))
+    if STATE.engine == "vllm":
+        out.append((f"Loading weights took {weights:.2f} seconds", 0.0))
+        out.append(("Compiling a graph for dynamic shape takes (simulated)", compile_s))
+        out.append((f"torch.compile takes {compile_s:.2f} s in total", 0.0))
+    else:
+        out.append(("Load weight end. type=simulated, avail mem=30.00 GB", compile_s))
+    if eager:
+        return out
+    if STATE.engine == "vllm":
+        for i in range(graphs + 1):
+            pct = 100 * i // graphs
+            out.append(
+                (f"Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): {pct:3d}%|"
+                 f" {i}/{graphs}", capture / (graphs + 1))
+            )  # fmt: skip
+        out.append((f"Graph capturing finished in {capture:.0f} secs, took 0.49 GiB", 0.0))
+    else:
+        out.append(("Capture cuda graph begin. This can take up to several minutes.", 0.0))
+        for i in range(graphs + 1):
+            bar = f"Capturing batches (bs={2 ** (graphs - i)} avail_mem=2.91 GB): "
+            out.append((bar + f"{100 * i // graphs:3d}%| {i}/{graphs}", capture / (graphs + 1)))
+        out.append((f"Capture cuda graph end. Time elapsed: {capture:.2f} s", 0.0))
+    return out
+
+
 async def serve(args: dict[str, Any]) -> int:
     s = STATE
     loop = asyncio.get_running_loop()
@@ -1260,12 +1366,16 @@ async def serve(args: dict[str, Any]) -> int:
     s.slots = asyncio.Semaphore(s.max_num_seqs)
     start_delay = env_float("HGXSERVE_SIM_START_SECONDS", 2.0)
     log(f"loading model {s.model_path} (simulated, {start_delay:g}s)")
-    try:
-        await asyncio.wait_for(stop.wait(), start_delay)
-        log("stopped before ready")
-        return 0
-    except TimeoutError:
-        pass
+    eager = args.get("--enforce-eager") is True or args.get("--disable-cuda-graph") is True
+    for line, seconds in start_phases(start_delay, eager):
+        if line:
+            log(line)
+        try:
+            await asyncio.wait_for(stop.wait(), seconds)
+            log("stopped before ready")
+            return 0
+        except TimeoutError:
+            pass
     if "error" in s.fail:
         return print_captured_failure(s.fail["error"])
     if "crash_on_start" in s.fail:
@@ -1309,6 +1419,8 @@ async def serve(args: dict[str, Any]) -> int:
                 f"Application startup complete. serving {s.served_names} on "
                 f"http://{host or '0.0.0.0'}:{args['_port']}"
             )
+            if s.engine == "sglang":
+                log("The server is fired up and ready to roll!")
         await stop.wait()
     except OSError as exc:
         log(f"cannot listen: {exc}")

@@ -141,3 +141,56 @@ def served_model(base_url: str, timeout: float = 10) -> str | None:
         return str(data["data"][0]["id"])
     except (OSError, ValueError, KeyError, IndexError):
         return None
+
+
+def shapes_arg(shapes: list[Shape]) -> str:
+    """Shapes as one command-line word: `128x64x8,4096x128x4:chat` (input x output x concurrency).
+
+    >>> shapes_arg([Shape(128, 64, 8), Shape(4096, 128, 4, "chat")])
+    '128x64x8,4096x128x4:chat'
+    """
+    return ",".join(
+        f"{s.input}x{s.output}x{s.concurrency}" + (":chat" if s.api == "chat" else "")
+        for s in shapes
+    )
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """The inverse of shapes_arg; ValueError on anything else.
+
+    >>> [(s.input, s.api) for s in parse_shapes("16x8x4,128x16x2:chat")]
+    [(16, 'completions'), (128, 'chat')]
+    """
+    shapes = []
+    for item in filter(None, text.split(",")):
+        dims, _, api = item.partition(":")
+        parts = dims.split("x")
+        if (
+            len(parts) != 3
+            or not all(p.isdigit() and int(p) > 0 for p in parts)
+            or api
+            not in (
+                "",
+                "chat",
+            )
+        ):
+            raise ValueError(f"not a warm-up shape (INPUTxOUTPUTxCONCURRENCY[:chat]): {item!r}")
+        shapes.append(Shape(int(parts[0]), int(parts[1]), int(parts[2]), api or "completions"))
+    return shapes
+
+
+def warm_up(base_url: str, shapes: list[Shape], log: Any, timeout: float = 600) -> list[str]:
+    """Send every shape to the engine at `base_url` (before any proxy admits it); return the
+    errors (empty when every request of every shape was answered)."""
+    model = served_model(base_url)
+    if model is None:
+        return [f"{base_url}/v1/models names no model"]
+    errors: list[str] = []
+    for shape in shapes:
+        result = run_shape(base_url, model, shape, round_no=0, timeout=timeout)
+        log(
+            f"hgxserve warm-up: {shape.input}x{shape.output}x{shape.concurrency} {shape.api} "
+            f"({shape.label}): {result.ok}/{shape.concurrency} answered in {result.seconds:.2f} s"
+        )
+        errors += [f"{shape.input}x{shape.output}: {e}" for e in result.errors]
+    return errors

@@ -592,9 +592,13 @@ def parse_ibdev2netdev(text: str) -> list[dict[str, Any]]:
 # Error diagnosis
 # ---------------------------------------------------------------------------------------------
 
-_DIAGNOSES: tuple[tuple[str, re.Pattern[str], str], ...] = (
+# (code, severity, pattern, what it means and the fix). Errors first: the first error found is
+# the named cause of a failed switch or gate. Patterns are the engines' and libraries' own lines
+# (seeds 000-003, fixtures/real).
+_DIAGNOSES: tuple[tuple[str, str, re.Pattern[str], str], ...] = (
     (
         "cuda-802",
+        "error",
         re.compile(r"Error 802|system not yet initialized|cudaErrorSystemNotReady", re.I),
         "CUDA error 802 (system not yet initialized): fabric manager missing or version != "
         "driver; on NVSwitch hosts install nvidia-fabricmanager at exactly the driver's version "
@@ -602,34 +606,111 @@ _DIAGNOSES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     ),
     (
         "memlock",
-        re.compile(r"ibv_reg_mr.*Cannot allocate memory", re.I),
+        "error",
+        re.compile(
+            r"ibv_reg_mr.*Cannot allocate memory|RLIMIT_MEMLOCK|memlock limit|"
+            r"Failed to register memory.*(?:Cannot allocate|ENOMEM)",
+            re.I,
+        ),
         "RDMA memory registration failed: the engine unit's memlock limit is too low; set "
         "LimitMEMLOCK=infinity (DefaultLimitMEMLOCK=infinity for all units)",
     ),
     (
         "nixl-engine-id",
+        "error",
         re.compile(r"Remote NIXL agent engine ID mismatch", re.I),
         "NIXL handshake reached a different engine than the one the proxy named: the side "
         "channel host/port of prefill and decode overlap or point at a stale engine",
+    ),
+    (
+        "nixl-handshake",
+        "error",
+        re.compile(
+            r"handshake_setup_failed|Handshake failed for request|NIXL.{0,80}handshake.{0,80}"
+            r"(?:timed? ?out|timeout)|zmq\.error\.Again|zmq.{0,80}(?:timed? ?out|timeout)",
+            re.I,
+        ),
+        "NIXL handshake / ZMQ timeout: the decode cannot reach the prefill's side channel "
+        "(seed 003 §11.3: VLLM_NIXL_SIDE_CHANNEL_HOST defaulted to loopback); set kv.side_channel "
+        "host: auto (the host's routable address) and open side_channel port + DP rank between "
+        "the hosts",
+    ),
+    (
+        "tp-not-divisible",
+        "error",
+        re.compile(r"Local tensor parallel size \d+ is not divisible by remote tensor parallel"),
+        "P/D TP mismatch (seed 000 §5.3: prefill TP2, decode TP1): the decode's TP must be a "
+        "multiple of the prefill's; give decode tp >= prefill tp with decode tp % prefill tp == 0",
+    ),
+    (
+        "sparse-backend",
+        "error",
+        re.compile(r"Selected backend \S+ is not valid for this configuration.*sparse not supp"),
+        "the attention backend does not support sparse attention (DSA, DeepSeek V3.2/V4; seed 002: "
+        "CUTLASS_MLA, FLASHMLA, TRITON_MLA all refused): drop VLLM_ATTENTION_BACKEND / "
+        "args.attention_backend so vLLM picks FLASHMLA_SPARSE on Hopper",
+    ),
+    (
+        "mtp-pd",
+        "error",
+        re.compile(
+            r"Invalid reshape for topk_indices|shape '\[\d+, -1, \d+\]' is invalid for input of "
+            r"size|batch_size_next_n == batch_size \* next_n"
+        ),
+        "MTP speculative decoding with P/D (seed 000 §5.3.3): requests without draft results "
+        "were padded wrongly in sparse_attn_indexer; fixed in vLLM PR 32175: use a vLLM with it "
+        "or leave speculative_config off the P/D engines",
+    ),
+    (
+        "cuda-oom",
+        "error",
+        re.compile(
+            r"CUDA out of memory|torch\.OutOfMemoryError|OutOfMemoryError: CUDA|"
+            r"cudaErrorMemoryAllocation|No available memory for the cache blocks",
+            re.I,
+        ),
+        "CUDA out of memory: lower gpu_memory_utilization (SGLang --mem-fraction-static), "
+        "max_num_seqs, max_num_batched_tokens or max_model_len, and check that no stray process "
+        "holds GPU memory (hgxserve gpus check-free)",
+    ),
+    (
+        "nccl",
+        "error",
+        re.compile(
+            r"NCCL error|ncclSystemError|ncclInternalError|ncclUnhandledCudaError|"
+            r"ncclRemoteError|NCCL WARN",
+        ),
+        "NCCL failed: check NCCL_IB_HCA / NCCL_SOCKET_IFNAME name devices that are up (ibstat), "
+        "the hosts reach each other on the rpc port, and fabric manager is active; rerun with "
+        "NCCL_DEBUG=INFO for the failing transport",
+    ),
+    (
+        "dp-cpu-allreduce",
+        "warning",
+        re.compile(r"Using CPU all reduce to synchroni[sz]e DP padding", re.I),
+        "DP padding is synchronised over CPU all-reduce (seed 000 §4.4.1, seed 001): with "
+        "async scheduling and DP this costs throughput; set args.async_scheduling: false (or keep "
+        "NCCL for DP synchronisation, args.disable_nccl_for_dp_synchronization: false)",
     ),
 )
 
 
 def diagnose_errors(text: str) -> list[dict[str, str]]:
-    """Recognise known failure lines in engine or test output and say what they mean.
+    """Recognise known failure lines in engine or test output and say what they mean and how to
+    fix them; errors before warnings, so the first entry is the named cause.
 
     Example:
         >>> diagnose_errors("Error 802: system not yet initialized")[0]["code"]
         'cuda-802'
     """
     found = []
-    for code, pattern, diagnosis in _DIAGNOSES:
+    for code, severity, pattern, diagnosis in _DIAGNOSES:
         match = pattern.search(text)
         if match:
             line = next(
                 (ln.strip() for ln in text.splitlines() if pattern.search(ln)), match.group(0)
             )
-            found.append({"code": code, "line": line, "diagnosis": diagnosis})
+            found.append({"code": code, "severity": severity, "line": line, "diagnosis": diagnosis})
     return found
 
 

@@ -10,3 +10,6 @@ Host layout (DESIGN.md "Host conventions")::
     /var/lib/hgxserve/baseline -> releases/<id>    last confirmed topology marked `baseline: true`
     /var/lib/hgxserve/pending.json                 switched but not yet confirmed (dead-man timer)
 """
+
+# Seconds the gate has, once every host switched, before a pending host reverts on its own.
+CONFIRM_WITHIN_S = 300

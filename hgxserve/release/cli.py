@@ -12,7 +12,19 @@ from hgxserve.errors import UsageError, cli_errors
 from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release.gate import GateError, GateSpec, run_gate
 from hgxserve.release.store import ReleaseError, Store, check_release_id
-from hgxserve.release.switch import confirm, reconcile, revert, rollback_target, switch
+from hgxserve.release.switch import (
+    GPU_TIMEOUT_S,
+    Systemd,
+    arm,
+    confirm,
+    diagnosis,
+    reconcile,
+    revert,
+    rollback_target,
+    start_proxy,
+    switch,
+    wait_ready,
+)
 
 
 def _store(root: str) -> Store:
@@ -69,10 +81,28 @@ def status(root: str) -> None:
     default=0,
     help="Leave the switch pending; revert it unless confirmed within this many seconds.",
 )
-@click.option("--gpu-timeout", type=float, default=300.0, show_default=True)
+@click.option(
+    "--peers-within",
+    type=int,
+    default=0,
+    help="Seconds the other hosts may still take to switch: added to the first timer.",
+)
+@click.option(
+    "--defer-proxy",
+    is_flag=True,
+    help="Leave the proxy stopped: `start-proxy` starts it once every host's engines are warm.",
+)
+@click.option("--gpu-timeout", type=float, default=GPU_TIMEOUT_S, show_default=True)
 @root_option
 @cli_errors
-def switch_cmd(release_id: str, confirm_within: int, gpu_timeout: float, root: str) -> None:
+def switch_cmd(
+    release_id: str,
+    confirm_within: int,
+    peers_within: int,
+    defer_proxy: bool,
+    gpu_timeout: float,
+    root: str,
+) -> None:
     """Stop the running release, start RELEASE_ID, wait for health; roll back on failure."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # finish (or roll back) even if SSH drops
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
@@ -80,6 +110,8 @@ def switch_cmd(release_id: str, confirm_within: int, gpu_timeout: float, root: s
         _store(root),
         release_id,
         confirm_within_s=confirm_within or None,
+        peers_within_s=peers_within,
+        defer_proxy=defer_proxy,
         gpu_timeout_s=gpu_timeout,
         log=_log,
     )
@@ -95,13 +127,33 @@ def confirm_cmd(release_id: str, root: str) -> None:
     _log(confirm(_store(root), release_id))
 
 
-@release.command("revert")
+@release.command("start-proxy")
 @click.argument("release_id", callback=_checked_id)
 @root_option
 @cli_errors
-def revert_cmd(release_id: str, root: str) -> None:
+def start_proxy_cmd(release_id: str, root: str) -> None:
+    """Start RELEASE_ID's proxy (left stopped by `switch --defer-proxy`) and wait for it."""
+    _log(start_proxy(_store(root), release_id, log=_log))
+
+
+@release.command("arm")
+@click.argument("release_id", callback=_checked_id)
+@click.option("--confirm-within", type=int, required=True, help="Seconds from now.")
+@root_option
+@cli_errors
+def arm_cmd(release_id: str, confirm_within: int, root: str) -> None:
+    """Re-arm the dead-man timer of the pending switch to RELEASE_ID (every host switched)."""
+    _log(arm(_store(root), release_id, confirm_within))
+
+
+@release.command("revert")
+@click.argument("release_id", callback=_checked_id)
+@click.option("--by-timer", is_flag=True, help="Called by the dead-man timer: record it.")
+@root_option
+@cli_errors
+def revert_cmd(release_id: str, by_timer: bool, root: str) -> None:
     """Undo a pending switch to RELEASE_ID (the dead-man timer calls this too)."""
-    _log(revert(_store(root), release_id, log=_log))
+    _log(revert(_store(root), release_id, log=_log, by_timer=by_timer))
 
 
 @release.command("rollback")
@@ -128,6 +180,50 @@ def gate_cmd(release_id: str, root: str) -> None:
     except GateError as exc:
         raise GateError(f"gate failed: {exc}") from None
     _log("GATE-OK " + json.dumps(result, sort_keys=True))
+
+
+@release.command("diagnose")
+@click.argument("release_id", callback=_checked_id)
+@root_option
+@cli_errors
+def diagnose_cmd(release_id: str, root: str) -> None:
+    """Search the journals of RELEASE_ID's units (since its switch) for known failures and
+    print each named cause with its fix, errors first (the deploy runs this when a gate fails)."""
+    store = _store(root)
+    spec = store.load(release_id)
+    pending = store.pending() or {}
+    since = pending.get("since") if pending.get("id") == release_id else None
+    systemd = Systemd()
+    found = [line for unit in spec.units for line in diagnosis(systemd, unit.name, since)]
+    for line in sorted(found, key=lambda line: not line.startswith("CAUSE")):
+        _log(line)
+    if not found:
+        _log(f"no known failure signature in the journals of {len(spec.units)} unit(s)")
+
+
+@release.command("wait-ready")
+@click.argument("url")
+@click.option("--timeout", type=float, default=1800.0, show_default=True)
+@click.option("--warmup", "shapes", help="Shapes to send once healthy: 128x64x8,4096x128x4:chat")
+@cli_errors
+def wait_ready_cmd(url: str, timeout: float, shapes: str | None) -> None:
+    """Wait until URL (an engine's /health) answers 200, then send it the warm-up shapes: an
+    engine unit's ExecStartPost=, so the unit is `activating` until the engine serves warm and
+    TimeoutStartSec= bounds the whole start."""
+    from hgxserve.caches.warmup import parse_shapes, warm_up
+
+    try:
+        plan = parse_shapes(shapes or "")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not wait_ready(url, timeout):
+        raise ReleaseError(f"{url} did not answer 200 within {timeout:.0f}s")
+    _log(f"{url} answers 200")
+    if plan:
+        errors = warm_up(url.removesuffix("/health"), plan, _log)
+        if errors:
+            raise ReleaseError(f"warm-up failed: {'; '.join(errors[:3])}")
+        _log(f"hgxserve warm-up done: {len(plan)} shape(s)")
 
 
 @release.command("reconcile")

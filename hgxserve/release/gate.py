@@ -1,10 +1,16 @@
 """The topology-wide health gate, run on the proxy's host after every host switched.
 
 A green `/health` is not enough (seed 003 §11.3-11.4: HTTP 200 and both engines busy while
-decode silently recomputed every prompt). The gate checks, in order: the proxy's /health,
-/v1/models names the served model, one deterministic completion through the proxy returns the
-same non-empty text twice, and for vLLM P/D that decode really pulled KV over NIXL (its
-transfer count grew and no transfer failed) instead of recomputing locally.
+decode silently recomputed every prompt; §11.3 a Ray executor answered 200 with garbage). The
+gate checks, in order: the proxy's /health, /v1/models names the served model, every engine is
+in the proxy's rotation, a completion at temperature 0 returns the same non-empty text twice,
+the topology's probe (`gate:` prompt) answers the expected text through chat and through the
+streaming path (at the prompt lengths that reach the combined engines and P/D), a reasoning and
+a tool-call probe when the engines parse them, and for P/D that the KV really moved: vLLM's
+decode pulled it over NIXL (transfer count grew, no transfer failed), SGLang's decode saw no
+failed bootstrap or transfer and its prefill served the P/D requests. That the bytes crossed
+the hosts over RDMA, not a TCP fallback, is checked around the gate by the deploy (the hosts'
+port counters, `hgxserve.release.evidence`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,24 @@ from hgxserve.errors import Found
 # vLLM's NIXL connector metrics (KV transfer evidence on the decode side).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 XFER_FAILED = "vllm:nixl_num_failed_transfers_total"
+# SGLang's disaggregation metrics (sglang/srt/metrics/collector.py): failures on either side, and
+# the prefill's request count (the prefill must have served the P/D probes).
+SGL_FAILED = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
+SGL_REQUESTS = "sglang:num_requests_total"
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TOOL_PROMPT = "What is the weather in Paris right now? Call the get_weather tool."
+NO_THINKING = {"thinking": False, "enable_thinking": False}
 
 
 class GateError(Found):
@@ -35,9 +59,16 @@ class GateSpec:
     api_key_file: str | None = None
     pd_engine: str | None = None  # vllm when the topology has vLLM P/D routes
     decode_metrics: list[str] = field(default_factory=list)
+    prefill_metrics: list[str] = field(default_factory=list)
     prompt_words: int = 64  # long enough to pass the proxy's prompt-length bucket
     timeout_s: float = 120.0
     instances_timeout_s: float = 60.0  # for the proxy's own health checks to admit every engine
+    probe: dict[str, Any] = field(default_factory=dict)  # prompt, expect, expect_regex, max_tokens
+    lengths: list[str] = field(default_factory=lambda: ["short"])  # short: combined, long: P/D
+    chat: bool = True  # probes on /v1/chat/completions, else /v1/completions
+    stream: bool = True
+    reasoning: bool = False
+    tool_call: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GateSpec:
@@ -110,15 +141,23 @@ def metric_sum(text: str, name: str) -> float:
     return sum(value for sample, _, value in parse_samples(text) if sample == name)
 
 
-def _kv_counters(spec: GateSpec) -> tuple[float, float]:
-    ok = failed = 0.0
-    for url in spec.decode_metrics:
+def _metrics_sum(urls: list[str], names: tuple[str, ...]) -> float:
+    total = 0.0
+    for url in urls:
         status, text = _request(url, timeout=10)
         if status != 200:
             raise GateError(f"{url}: HTTP {status}")
-        ok += metric_sum(text, XFER_COUNT)
-        failed += metric_sum(text, XFER_FAILED)
-    return ok, failed
+        total += sum(metric_sum(text, name) for name in names)
+    return total
+
+
+def _kv_counters(spec: GateSpec) -> tuple[float, float]:
+    """(transfers or P/D requests served, failures) for the topology's P/D engine."""
+    if spec.pd_engine == "vllm":
+        ok = _metrics_sum(spec.decode_metrics, (XFER_COUNT,))
+        return ok, _metrics_sum(spec.decode_metrics, (XFER_FAILED,))
+    ok = _metrics_sum(spec.prefill_metrics, (SGL_REQUESTS,))
+    return ok, _metrics_sum(spec.decode_metrics + spec.prefill_metrics, SGL_FAILED)
 
 
 INSTANCE_HEALTHY = "hgxserve_proxy_instance_healthy"
@@ -146,6 +185,144 @@ def wait_instances_admitted(base: str, timeout_s: float, log: Any) -> None:
         time.sleep(1)
 
 
+def _padded(prompt: str, length: str, words: int) -> str:
+    """The probe's prompt, for `long` preceded by filler so the proxy routes it through P/D."""
+    if length == "short":
+        return prompt
+    filler = " ".join(f"Context line {i} can be ignored." for i in range(words // 5 + 1))
+    return f"{filler}\n{prompt}"
+
+
+def _check_answer(spec: GateSpec, text: str, what: str) -> None:
+    answer = text.strip()
+    regex = spec.probe.get("expect_regex")
+    if regex:
+        if not re.search(regex, answer):
+            raise GateError(f"{what} answered {answer[:200]!r}, not matching /{regex}/")
+        return
+    expect = str(spec.probe.get("expect") or "")
+    if expect not in answer:
+        raise GateError(f"{what} answered {answer[:200]!r}, expected {expect!r}")
+
+
+def _as_endpoint(spec: GateSpec, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(path, body) for the probe: chat messages, or for `chat: false` the plain prompt."""
+    body = {"model": spec.served_name, "temperature": 0, **body}
+    if spec.chat or "tools" in body:
+        return "/v1/chat/completions", body
+    text = "\n".join(m["content"] for m in body.pop("messages"))
+    body.pop("chat_template_kwargs", None)
+    return "/v1/completions", {**body, "prompt": text}
+
+
+def _chat(spec: GateSpec, base: str, key: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    """The answer's message (for `chat: false`, {"content": the completion's text})."""
+    path, body = _as_endpoint(spec, body)
+    status, text = _request(f"{base}{path}", body=body, key=key, timeout=spec.timeout_s)
+    if status != 200:
+        raise GateError(f"{path} through the proxy answered HTTP {status}: {text[:300]}")
+    choice: dict[str, Any] = (json.loads(text).get("choices") or [{}])[0]
+    if path == "/v1/completions":
+        return {"content": choice.get("text") or ""}
+    message: dict[str, Any] = choice.get("message") or {}
+    return message
+
+
+def _stream(spec: GateSpec, base: str, key: str | None, body: dict[str, Any]) -> str:
+    """A streamed probe: the content deltas joined; fails without a final `data: [DONE]`."""
+    path, body = _as_endpoint(spec, {"stream": True, **body})
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(), headers=headers)
+    parts: list[str] = []
+    chunks, done = 0, False
+    try:
+        with urllib.request.urlopen(req, timeout=spec.timeout_s) as resp:
+            for raw in resp:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunks += 1
+                for choice in json.loads(data).get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    parts.append(str(delta.get("content") or choice.get("text") or ""))
+    except urllib.error.HTTPError as exc:
+        raise GateError(f"streamed {path} through the proxy answered HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise GateError(f"streamed {path} through the proxy broke off: {exc}") from None
+    if not done:
+        raise GateError(f"streamed {path} ended after {chunks} chunks without data: [DONE]")
+    return "".join(parts)
+
+
+def _probe_pass(spec: GateSpec, base: str, key: str | None, log: Any) -> int:
+    """The expected-answer, streaming, reasoning and tool-call probes; returns how many
+    requests went at the long (P/D) length."""
+    prompt = str(spec.probe.get("prompt") or "")
+    max_tokens = int(spec.probe.get("max_tokens") or 32)
+    long_requests = 0
+    for length in spec.lengths:
+        text = _padded(prompt, length, spec.prompt_words)
+        ask = {
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "chat_template_kwargs": NO_THINKING,
+        }
+        where = "through P/D" if length == "long" else "on the combined path"
+        kind = "chat" if spec.chat else "completion"
+        message = _chat(spec, base, key, ask)
+        _check_answer(spec, str(message.get("content") or ""), f"the {kind} probe ({where})")
+        log(f"gate: {kind} probe {where} answered {str(message.get('content')).strip()[:60]!r}")
+        long_requests += length == "long"
+        if spec.stream:
+            _check_answer(spec, _stream(spec, base, key, ask), f"the streamed probe ({where})")
+            log(f"gate: streamed {kind} probe {where} ok")
+            long_requests += length == "long"
+    length = spec.lengths[-1]
+    if spec.reasoning:
+        ask = {
+            "messages": [{"role": "user", "content": _padded(prompt, length, spec.prompt_words)}],
+            "max_tokens": max(max_tokens, 256),
+        }
+        message = _chat(spec, base, key, ask)
+        thought = message.get("reasoning_content") or message.get("reasoning")
+        if not thought:
+            raise GateError(
+                "the reasoning probe got no reasoning content: the reasoning parser does not "
+                f"split the model's thinking (message keys: {sorted(message)})"
+            )
+        log(f"gate: reasoning probe returned {len(str(thought))} characters of reasoning")
+        long_requests += length == "long"
+    if spec.tool_call:
+        ask = {
+            "messages": [
+                {"role": "user", "content": _padded(TOOL_PROMPT, length, spec.prompt_words)}
+            ],
+            "max_tokens": max(max_tokens, 256),
+            "tools": [TOOL],
+            "tool_choice": "auto",
+            "chat_template_kwargs": NO_THINKING,
+        }
+        calls = _chat(spec, base, key, ask).get("tool_calls") or []
+        names = [(c.get("function") or {}).get("name") for c in calls]
+        if "get_weather" not in names:
+            raise GateError(f"the tool-call probe got tool calls {names}, not get_weather")
+        arguments = (calls[names.index("get_weather")].get("function") or {}).get("arguments")
+        try:
+            if not isinstance(json.loads(arguments or ""), dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            raise GateError(f"the tool call's arguments are not a JSON object: {exc}") from None
+        log(f"gate: tool-call probe called get_weather({arguments})")
+        long_requests += length == "long"
+    return long_requests
+
+
 def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
     """Run every check; return a summary or raise GateError naming the failed check."""
     key = None
@@ -156,7 +333,7 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
     status, _ = _request(f"{base}/health", timeout=10)
     if status != 200:
         raise GateError(f"proxy /health answered HTTP {status}")
-    log("gate: proxy /health ok")
+    log(f"gate: proxy /health ok ({base})")
     status, text = _request(f"{base}/v1/models", key=key, timeout=10)
     if status != 200:
         raise GateError(f"proxy /v1/models answered HTTP {status}: {text[:200]}")
@@ -165,7 +342,7 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
         raise GateError(f"/v1/models lists {names}, not the served model '{spec.served_name}'")
     log(f"gate: /v1/models lists {spec.served_name}")
     wait_instances_admitted(base, spec.instances_timeout_s, log)
-    before = _kv_counters(spec) if spec.pd_engine == "vllm" else (0.0, 0.0)
+    before = _kv_counters(spec) if spec.pd_engine else (0.0, 0.0)
     prompt = " ".join(f"hgxserve gate check {i}." for i in range(spec.prompt_words // 4 + 1))
     body = {"model": spec.served_name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
     texts = []
@@ -182,19 +359,30 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
         raise GateError(f"completion at temperature 0 is not deterministic: {texts!r}")
     log(f"gate: deterministic completion {texts[0]!r}")
     result: dict[str, Any] = {"completion": texts[0]}
-    if spec.pd_engine == "vllm":
+    pd_requests = 2 if spec.pd_engine else 0
+    if spec.probe:
+        long_requests = _probe_pass(spec, base, key, log)
+        pd_requests += long_requests if spec.pd_engine else 0
+    if spec.pd_engine:
         after = _kv_counters(spec)
         transfers, failures = after[0] - before[0], after[1] - before[1]
         if failures > 0:
             raise GateError(
                 f"decode reported {failures:.0f} failed KV transfers: it recomputed the prompt "
                 "instead of pulling KV (check the NIXL side channel address and P/D TP)"
+                if spec.pd_engine == "vllm"
+                else f"SGLang reported {failures:.0f} failed KV bootstraps/transfers "
+                "(check the prefill's bootstrap port and --disaggregation-ib-device)"
             )
-        if transfers < 2:
+        if transfers < pd_requests:
+            what = "decode pulled KV" if spec.pd_engine == "vllm" else "prefill served"
             raise GateError(
-                f"decode pulled KV {transfers:.0f} times for 2 P/D requests: requests were served "
-                "without P/D KV transfer (silent local recompute)"
+                f"{what} {transfers:.0f} times for {pd_requests} P/D requests: requests were "
+                "served without P/D KV transfer (silent local recompute or no P/D routing)"
             )
-        log(f"gate: decode pulled KV over NIXL {transfers:.0f} times, 0 failures")
+        if spec.pd_engine == "vllm":
+            log(f"gate: decode pulled KV over NIXL {transfers:.0f} times, 0 failures")
+        else:
+            log(f"gate: SGLang prefill served {transfers:.0f} P/D requests, 0 failed transfers")
         result["kv_transfers"] = transfers
     return result

@@ -8,11 +8,12 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyinfra.api import FactBase, operation
+from pyinfra.api import FactBase, FunctionCommand, operation
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
 from hgxserve.paths import AGENT, RELEASE_ROOT
+from hgxserve.release import CONFIRM_WITHIN_S, evidence
 from hgxserve.runstate import per_run
 
 
@@ -67,12 +68,25 @@ def needs_switch(state: dict[str, Any], release_id: str) -> bool:
     )
 
 
+def _run_streamed(state: State, host: Host, command: str) -> bool:
+    """Run `command` on the host, printing its lines as they come: a switch waits minutes for
+    real engines, and its progress lines (each engine's start phase) are the deploy's output."""
+    ok, _ = host.run_shell_command(command, print_output=True)
+    return bool(ok)
+
+
 @operation()
-def switched(release_id: str, confirm_within: int = 300, root: str = RELEASE_ROOT):
+def switched(
+    release_id: str,
+    confirm_within: int = CONFIRM_WITHIN_S,
+    peers_within: int = 0,
+    root: str = RELEASE_ROOT,
+):
     """Switch the host to a staged release, pending confirmation.
 
     + release_id: the staged release to run
-    + confirm_within: seconds before the host reverts on its own unless confirmed
+    + confirm_within: seconds, once every host switched, before the host reverts on its own
+    + peers_within: seconds the other hosts may still take to switch (added to the first timer)
 
     **Example:**
 
@@ -86,10 +100,11 @@ def switched(release_id: str, confirm_within: int = 300, root: str = RELEASE_ROO
     if not needs_switch(current, release_id):
         host.noop(f"release {release_id} is already current")
         return
-    yield (
+    command = (
         f"{AGENT} release switch {shlex.quote(release_id)} --confirm-within {int(confirm_within)} "
-        f"--root {shlex.quote(root)}"
+        f"--peers-within {int(peers_within)} --defer-proxy --root {shlex.quote(root)}"
     )
+    yield FunctionCommand(_run_streamed, (command,), {})
 
 
 @dataclass
@@ -100,6 +115,13 @@ class Coordination:
     switching: dict[str, str] = field(default_factory=dict)  # hosts that switch in this run
     verdict: tuple[bool, str] | None = None
     planned: bool = False
+    reverted_on_own: dict[str, str] = field(default_factory=dict)  # host -> what it said
+    # RDMA evidence: host -> counters that must grow (sent/received), and the readings
+    rdma_roles: dict[str, set[str]] = field(default_factory=dict)
+    rdma_root: str = evidence.RDMA_SYSFS
+    rdma_before: dict[str, dict[str, int]] = field(default_factory=dict)
+    rdma_after: dict[str, dict[str, int]] = field(default_factory=dict)
+    rdma_note: str | None = None
 
 
 def coordination(state: State, key: str) -> Coordination:
@@ -117,11 +139,85 @@ def _failed_switches(state: State, coord: Coordination) -> list[str]:
     return sorted(h.name for h in state.failed_hosts if h.name in coord.switching)
 
 
+def start_proxy(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
+    """python.call on every switched host once all of them switched: start the proxy the
+    switch left stopped, so it admits engines only when all are healthy and warmed up."""
+    failed = _failed_switches(state, coord)
+    if failed:
+        host.log_styled(f"proxy left stopped: host(s) {', '.join(failed)} failed to switch")
+        return True
+    return _run_streamed(
+        state,
+        host,
+        f"{AGENT} release start-proxy {shlex.quote(release_id)} --root {shlex.quote(root)}",
+    )
+
+
+def _self_reverted(coord: Coordination) -> str | None:
+    if not coord.reverted_on_own:
+        return None
+    names = ", ".join(sorted(coord.reverted_on_own))
+    return f"host(s) {names} reverted on their own (dead-man timer) before the gate's verdict"
+
+
+def arm_deadman(
+    state: State, host: Host, coord: Coordination, release_id: str, confirm_within: int, root: str
+) -> bool:
+    """python.call on every switched host once all of them switched (and again right after
+    the gate): the dead-man timer counts `confirm_within` from now. A host that already
+    reverted on its own is named, and the whole release then goes back."""
+    if host.name in coord.reverted_on_own:
+        return True  # said when it was found; settle fails this host
+    ok, output = host.run_shell_command(
+        f"{AGENT} release arm {shlex.quote(release_id)} --confirm-within {int(confirm_within)} "
+        f"--root {shlex.quote(root)}"
+    )
+    lines = [line for line in (output.stdout_lines + output.stderr_lines) if line.strip()]
+    if ok:
+        host.log_styled(lines[-1] if lines else "dead-man timer re-armed", fg="blue")
+        return True
+    detail = " ".join(lines).removeprefix("Error: ")
+    if "REVERTED ON ITS OWN" in detail:
+        # named here; the host stays in the run so that settle reports it and reverts the rest
+        coord.reverted_on_own[host.name] = f"{host.name} {detail}"
+        host.log_styled(coord.reverted_on_own[host.name], fg="red")
+        return True
+    return _fail(host, f"{host.name}: {detail}")
+
+
+def read_rdma_counters(
+    state: State, host: Host, coord: Coordination, when: str, root: str, devices: list[str]
+) -> bool:
+    """python.call on the P/D hosts right before and right after the gate: their RDMA port
+    counters (`when` is "before" or "after")."""
+    ok, output = host.run_shell_command(evidence.counters_command(root, devices))
+    counters = evidence.parse_counters(output.stdout_lines) if ok else {}
+    (coord.rdma_before if when == "before" else coord.rdma_after)[host.name] = counters
+    coord.rdma_root = root
+    host.log_styled(f"RDMA port counters {when} the gate: {len(counters)} read under {root}")
+    return True
+
+
+def _rdma_evidence(coord: Coordination) -> None:
+    """Fail a passed gate whose P/D KV did not move over RDMA (once per run)."""
+    if not coord.rdma_roles or coord.rdma_note is not None:
+        return
+    if coord.verdict is None or not coord.verdict[0]:
+        return
+    ok, message = evidence.verdict(
+        coord.rdma_roles, coord.rdma_before, coord.rdma_after, coord.rdma_root
+    )
+    coord.rdma_note = message
+    if not ok:
+        coord.verdict = (False, f"gate failed: {message}")
+
+
 def run_gate(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call: on the gate host, after every host switched: run the gate, keep the verdict."""
     failed = _failed_switches(state, coord)
-    if failed:
-        coord.verdict = (False, f"host(s) {', '.join(failed)} failed to switch")
+    if failed or coord.reverted_on_own:
+        why = _self_reverted(coord) or f"host(s) {', '.join(failed)} failed to switch"
+        coord.verdict = (False, why)
         return True  # the gate itself did not fail; settle reports the reason on every host
     ok, output = host.run_shell_command(
         f"{AGENT} release gate {shlex.quote(release_id)} --root {shlex.quote(root)}"
@@ -136,7 +232,13 @@ def run_gate(state: State, host: Host, coord: Coordination, release_id: str, roo
 def settle(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call on every switched host: confirm when the gate passed, else revert."""
     failed = _failed_switches(state, coord)
-    if failed:
+    own = _self_reverted(coord)
+    _rdma_evidence(coord)
+    if host.name in coord.reverted_on_own:
+        return _fail(host, coord.reverted_on_own[host.name])
+    if own:
+        verdict = (False, own)
+    elif failed:
         verdict = (False, f"host(s) {', '.join(failed)} failed to switch")
     elif coord.verdict is None:
         verdict = (False, "the gate did not run (its host failed or was unreachable)")
@@ -146,9 +248,16 @@ def settle(state: State, host: Host, coord: Coordination, release_id: str, root:
     if verdict[0]:
         ok, output = host.run_shell_command(f"{AGENT} release confirm {q_id} --root {q_root}")
         if not ok:
-            return _fail(host, f"confirm failed: {' '.join(output.stderr_lines)}")
+            detail = " ".join(output.stderr_lines).removeprefix("Error: ")
+            return _fail(host, f"confirm failed on {host.name}: {detail}")
+        if coord.rdma_note:
+            host.log_styled(coord.rdma_note, fg="green")
         host.log_styled(f"release {release_id} confirmed", fg="green")
         return True
+    ok, output = host.run_shell_command(f"{AGENT} release diagnose {q_id} --root {q_root}")
+    for line in output.stdout_lines if ok else []:
+        if line.startswith(("CAUSE", "NOTE")):
+            host.log_styled(line, fg="red" if line.startswith("CAUSE") else "yellow")
     ok, output = host.run_shell_command(f"{AGENT} release revert {q_id} --root {q_root}")
     if not ok:
         detail = " ".join(output.stderr_lines)

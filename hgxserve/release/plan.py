@@ -10,7 +10,7 @@ from hgxserve.digests import tree_digest
 from hgxserve.release.store import ReleaseSpec, UnitSpec
 from hgxserve.render import credential_for, render_host
 from hgxserve.topology import Topology
-from hgxserve.topology.model import SecretRef, is_loopback
+from hgxserve.topology.model import Engine, Proxy, SecretRef, is_loopback
 from hgxserve.topology.ports import engine_url
 
 
@@ -43,38 +43,86 @@ def _credential_source(ref: SecretRef) -> str:
 
 
 def gate_host(topo: Topology) -> str | None:
-    """The host that runs the topology-wide gate: the proxy's host."""
-    return topo.proxy.host if topo.proxy else None
+    """The host that runs the topology-wide gate: `gate.from`, else the proxy's host."""
+    if topo.proxy is None:
+        return None
+    return topo.gate.from_host or topo.proxy.host
+
+
+def _proxy_url(topo: Topology, proxy: Proxy, gate_host_name: str) -> str:
+    """The proxy as the gate host reaches it: loopback on its own host, else its address."""
+    if gate_host_name == proxy.host:
+        return _local_url(proxy.listen_host, proxy.listen_port, "")
+    address = proxy.listen_host
+    if address in (None, "", "0.0.0.0", "::") or is_loopback(address or ""):
+        address = topo.hosts[proxy.host].address
+    return f"http://{address}:{proxy.listen_port}"
+
+
+def _enabled(setting: str, engines: list[Engine], *args: str) -> bool:
+    if setting != "auto":
+        return setting == "on"
+    return any(all(e.args.get(a) for a in args) for e in engines)
 
 
 def gate_spec(topo: Topology) -> dict[str, object] | None:
     proxy = topo.proxy
-    if proxy is None:
+    host = gate_host(topo)
+    if proxy is None or host is None:
         return None
-    decode_metrics = []
+    decode_metrics, prefill_metrics = [], []
     pd_engine = None
+
+    def metrics(engine: Engine) -> str:
+        addr = "127.0.0.1" if engine.head == host else topo.hosts[engine.head].address
+        return f"http://{addr}:{engine.port}/metrics"
+
     for route in proxy.routes:
         for name in route.decode:
-            engine = topo.engines[name]
-            pd_engine = engine.engine
-            addr = "127.0.0.1" if engine.head == proxy.host else topo.hosts[engine.head].address
-            decode_metrics.append(f"http://{addr}:{engine.port}/metrics")
+            pd_engine = topo.engines[name].engine
+            decode_metrics.append(metrics(topo.engines[name]))
+        for name in route.prefill:
+            prefill_metrics.append(metrics(topo.engines[name]))
     words = max(64, proxy.pd_min_prompt_tokens * 2)  # an English word is >= 1 token
     api_key_file = None
     if proxy.api_key is not None:
-        # the gate runs as root on the proxy's host and reads the key where the unit loads it from
+        # the gate runs as root on its host and reads the key where the unit loads it from
         api_key_file = _credential_source(proxy.api_key)
+    gate = topo.gate
+    served = [topo.engines[n] for n in proxy.combined] + [
+        topo.engines[n] for r in proxy.routes for n in (*r.prefill, *r.decode)
+    ]
+    lengths = (["short"] if proxy.combined or not proxy.routes else []) + (
+        ["long"] if proxy.routes else []
+    )
     return {
-        "proxy_url": _local_url(proxy.listen_host, proxy.listen_port, ""),
+        "proxy_url": _proxy_url(topo, proxy, host),
         "served_name": topo.model.served_name,
         "api_key_file": api_key_file,
         "pd_engine": pd_engine if proxy.routes else None,
         "decode_metrics": sorted(set(decode_metrics)),
+        "prefill_metrics": sorted(set(prefill_metrics)),
         "prompt_words": words if proxy.routes else 16,
+        "timeout_s": float(gate.timeout_s),
+        "probe": {
+            "prompt": gate.prompt,
+            "expect": gate.expect,
+            "expect_regex": gate.expect_regex,
+            "max_tokens": gate.max_tokens,
+        },
+        "lengths": lengths,
+        "chat": gate.chat,
+        "stream": gate.stream,
+        "reasoning": _enabled(gate.reasoning, served, "reasoning_parser"),
+        "tool_call": _enabled(
+            gate.tool_call, served, "tool_call_parser", "enable_auto_tool_choice"
+        ),
     }
 
 
-def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) -> HostRelease:
+def plan_release(
+    topo: Topology, host: str, *, health_timeout_s: float | None = None
+) -> HostRelease:
     """The release `host` gets for `topo` (an empty one when the topology leaves it unused)."""
     files: dict[str, tuple[str, int]] = {}
     units: list[UnitSpec] = []
@@ -93,10 +141,16 @@ def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) 
             engine = topo.engines[unit.engine]
             if host == engine.head:
                 url = engine_url(topo, engine, from_host=host) + "/health"
-                units.append(UnitSpec(unit.name, "engine", url, list(unit.gpus)))
+                units.append(
+                    UnitSpec(unit.name, "engine", url, list(unit.gpus), engine.start_timeout_s)
+                )
             else:
                 units.append(UnitSpec(unit.name, "worker", None, list(unit.gpus)))
     gate = gate_spec(topo) if host == gate_host(topo) else None
+    proxy = topo.proxy
+    if gate and proxy and proxy.api_key and host != proxy.host and proxy.api_key.kind == "env":
+        # `gate.from` another host: it needs the proxy's key where the gate reads it
+        secrets[_credential_source(proxy.api_key)] = proxy.api_key
     tree = tree_digest(files)
     identity = json.dumps(
         {
@@ -121,3 +175,18 @@ def plan_release(topo: Topology, host: str, *, health_timeout_s: float = 900.0) 
         tree_digest=tree,
     )
     return HostRelease(host, spec, files, secrets)
+
+
+def switch_bound_s(plans: dict[str, HostRelease], overhead_s: float) -> int:
+    """The longest any host of the run may take to switch: `overhead_s` (stopping the old
+    units, waiting for their GPUs, starting the proxy) plus its slowest engine's start (capped
+    by `--data health_timeout`). A host that switched early keeps its dead-man timer beyond
+    this, so it never reverts on its own while the others still start."""
+    from hgxserve.release.switch import start_timeout
+
+    longest = 0.0
+    for plan in plans.values():
+        for unit in plan.spec.units:
+            if unit.start_timeout_s is not None:
+                longest = max(longest, start_timeout(unit, plan.spec.health_timeout_s))
+    return int(overhead_s + longest) + 1

@@ -52,6 +52,7 @@ class UnitSpec:
     kind: UnitKind
     health_url: str | None = None
     gpus: list[int] = field(default_factory=list)
+    start_timeout_s: float | None = None  # the engine's TimeoutStartSec= (topology start_timeout_s)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class ReleaseSpec:
     host: str
     units: list[UnitSpec]
     files: dict[str, int]  # absolute path on the host -> mode
-    health_timeout_s: float = 900.0
+    health_timeout_s: float | None = None  # `--data health_timeout`: caps every unit's wait
     gate: dict[str, Any] | None = None  # only on the host that runs the topology's gate
     # digest of the files (hgxserve.digests.tree_digest): what `hgxserve render` prints
     tree_digest: str | None = None
@@ -145,6 +146,22 @@ class Store:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, sort_keys=True))
         tmp.replace(path)
+
+    def last_revert(self) -> dict[str, Any] | None:
+        """The last revert this host did on its own (its dead-man timer fired), if any."""
+        try:
+            data: dict[str, Any] = json.loads((self.root / "reverted.json").read_text())
+            return data
+        except FileNotFoundError:
+            return None
+
+    def set_last_revert(self, data: dict[str, Any] | None) -> None:
+        if data is None:
+            (self.root / "reverted.json").unlink(missing_ok=True)
+            return
+        tmp = self.root / ".reverted.json.tmp"
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        tmp.replace(self.root / "reverted.json")
 
     def status(self) -> dict[str, Any]:
         """What ReleaseState reports: links, pending switch and staged releases."""

@@ -14,10 +14,24 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hgxserve.caches.logscan import scan
+from hgxserve.defaults import schema_default
+from hgxserve.facts.parsers import diagnose_errors
 from hgxserve.paths import UNIT_DIR
-from hgxserve.release.store import ReleaseError, ReleaseSpec, Store
+from hgxserve.release.progress import phase
+from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
 
 DEADMAN_UNIT = "hgxserve-release-deadman"
+PROGRESS_EVERY_S = 30.0  # repeat an engine's unchanged start phase this often
+JOURNAL_EVERY_S = 3.0  # read the starting engines' journals this often
+JOURNAL_LINES = 40
+DIAGNOSE_LINES = 2000  # journal lines searched for a known failure's signature
+GPU_TIMEOUT_S = 300.0  # waiting for the old units' GPUs to hold no memory
+# What a switch spends besides its engines' starts: stopping the old units (TimeoutStopSec=180
+# in the rendered units), waiting for their GPUs, starting and checking the proxy.
+SWITCH_OVERHEAD_S = 180 + GPU_TIMEOUT_S + 60
+# A unit still `inactive` this long after its (non-blocking) start was queued never started.
+START_GRACE_S = 30.0
 Log = Callable[[str], None]
 
 
@@ -38,10 +52,10 @@ class Systemd:
         self.run("systemctl", "stop", unit, check=False)
 
     def start(self, unit: str) -> None:
-        # Blocking: returns once ExecStartPre= ran and the main process is forked (or the start
-        # failed), so an `is-active` right after never sees a start job that is still queued.
-        # Failures are read from the unit's state and journal by the health wait.
-        self.run("systemctl", "start", unit, check=False)
+        # Not blocking: an engine unit's start job lasts until its ExecStartPost= saw /health
+        # (TimeoutStartSec= bounds that), minutes on real GPUs; the health wait follows every
+        # starting unit at once, reading state, result and journal.
+        self.run("systemctl", "start", "--no-block", unit, check=False)
 
     def reset_failed(self, unit: str) -> None:
         self.run("systemctl", "reset-failed", unit, check=False)
@@ -52,11 +66,19 @@ class Systemd:
     def state(self, unit: str) -> str:
         return self.run("systemctl", "is-active", unit, check=False).stdout.strip()
 
-    def journal(self, unit: str, lines: int = 15) -> str:
+    def show(self, unit: str) -> dict[str, str]:
+        """ActiveState, SubState, Result, NRestarts and ExecMainStatus of `unit`."""
         proc = self.run(
-            "journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat", check=False
-        )
-        return proc.stdout.strip()
+            "systemctl", "show", unit, "-p", "ActiveState,SubState,Result,NRestarts,ExecMainStatus",
+            check=False,
+        )  # fmt: skip
+        return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+
+    def journal(self, unit: str, lines: int = 15, since: float | None = None) -> str:
+        args = ["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"]
+        if since is not None:
+            args += ["--since", f"@{int(since)}"]
+        return self.run(*args, check=False).stdout.strip()
 
     def arm_deadman(self, seconds: int, command: Sequence[str]) -> None:
         self.disarm_deadman()
@@ -79,6 +101,16 @@ def _healthy(url: str) -> bool:
             return bool(resp.status == 200)
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def wait_ready(url: str, timeout_s: float, interval_s: float = 1.0) -> bool:
+    """Poll `url` until it answers 200 (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(url):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
 
 
 def wait_gpus_free(gpus: set[int], timeout_s: float, log: Log) -> None:
@@ -112,22 +144,22 @@ def start_units(
     spec: ReleaseSpec,
     systemd: Systemd,
     log: Log,
-    timeout_s: float,
     keep: frozenset[str] = frozenset(),
+    defer_proxy: bool = False,
 ) -> None:
-    """Start engines (then wait for their health) and then the proxy, in release order.
-    Units in `keep` are already running; they are only health-checked."""
-    deadline = time.monotonic() + timeout_s
+    """Start engines (then wait for their health and warm-up) and then the proxy, in release
+    order; with `defer_proxy` the proxy stays stopped (`start_proxy` later). Units in `keep`
+    are already running; they are only health-checked."""
     engines = [u for u in spec.units if u.kind != "proxy"]
     proxies = [u for u in spec.units if u.kind == "proxy"]
-    for group in (engines, proxies):
+    for group in (engines, [] if defer_proxy else proxies):
         for unit in group:
             if unit.name in keep:
                 continue
             systemd.reset_failed(unit.name)
             log(f"starting {unit.name}")
             systemd.start(unit.name)
-        _wait_healthy(group, systemd, log, deadline)
+        _wait_healthy(group, systemd, log, spec.health_timeout_s)
 
 
 def unchanged_units(store: Store, old: ReleaseSpec | None, new: ReleaseSpec) -> frozenset[str]:
@@ -168,6 +200,7 @@ def _transition(
     systemd: Systemd,
     log: Log,
     gpu_timeout_s: float,
+    defer_proxy: bool = False,
 ) -> None:
     """Go from `old` to `new`: stop what changes, wait for its GPUs, install, start."""
     keep = unchanged_units(store, old, new)
@@ -178,27 +211,121 @@ def _transition(
     wait_gpus_free(moving, gpu_timeout_s, log)
     store.install(new, old)
     systemd.daemon_reload()
-    start_units(new, systemd, log, new.health_timeout_s, keep)
+    start_units(new, systemd, log, keep, defer_proxy)
 
 
-def _wait_healthy(units: list, systemd: Systemd, log: Log, deadline: float) -> None:
+def start_timeout(unit: UnitSpec, cap_s: float | None) -> float:
+    """Seconds to wait for `unit`: its engine's start timeout (the unit's TimeoutStartSec=),
+    capped by `--data health_timeout` when the deploy gives one."""
+    limits = [t for t in (unit.start_timeout_s, cap_s) if t]
+    return min(limits) if limits else float(schema_default("engine", "start_timeout_s"))
+
+
+def diagnosis(systemd: Systemd, unit: str, since: float | None) -> list[str]:
+    """Known failures in the unit's journal (hgxserve facts diagnose), errors first: one line
+    each, `CAUSE <unit> [code]: what it means and the fix (log: the line)`."""
+    text = systemd.journal(unit, lines=DIAGNOSE_LINES, since=since)
+    return [
+        f"{'CAUSE' if d['severity'] == 'error' else 'NOTE'} {unit} [{d['code']}]: "
+        f"{d['diagnosis']} (log: {d['line'][:300]})"
+        for d in diagnose_errors(text)
+    ]
+
+
+def after_ready(journal: str) -> list[str]:
+    """What happened between an engine's ready line and now: its warm-up (ExecStartPost=) and
+    the JIT/compile lines it logged after ready (`hgxserve cache scan`): each such line is a
+    shape the warm-up (or a baked cache) did not cover, and a user would have waited for it."""
+    lines = journal.splitlines()
+    ready = [i for i, line in enumerate(lines) if phase([line]) == "ready"]
+    if not ready:
+        return []
+    later = lines[ready[0] + 1 :]
+    out = [line.strip() for line in later if line.lstrip().startswith("hgxserve warm-up")]
+    hits = scan("\n".join(later))
+    if hits:
+        sources = ", ".join(sorted({h.source for h in hits}))
+        out.append(
+            f"JIT/compile after ready: {len(hits)} line(s) ({sources}), first: {hits[0].line}"
+        )
+    else:
+        out.append("JIT/compile after ready: none")
+    return out
+
+
+def _failure(systemd: Systemd, unit: str, since: float, message: str) -> ReleaseError:
+    """The error for a unit that failed to start: the diagnosed cause first, then what
+    happened and the journal's last lines."""
+    cause = diagnosis(systemd, unit, since)
+    tail = systemd.journal(unit, since=since)
+    head = "".join(line + "\n" for line in cause)
+    return ReleaseError(f"{head}{message}; last log lines:\n{tail}")
+
+
+def _why(info: dict[str, str]) -> str:
+    result, status = info.get("Result", ""), info.get("ExecMainStatus", "")
+    why = f"result {result}" if result and result != "success" else "stopped"
+    return why + (f", exit status {status}" if status not in ("", "0") else "")
+
+
+def _wait_healthy(
+    units: list[UnitSpec], systemd: Systemd, log: Log, cap_s: float | None = None
+) -> None:
+    """Wait until every unit is active and its /health answers 200, printing each engine's
+    start phase from its journal (loading weights n%, compiling, capturing CUDA graphs) when
+    it changes and every PROGRESS_EVERY_S; fail on the first unit that fails or runs late."""
+    started, since = time.monotonic(), time.time() - 1
     waiting = {u.name: u for u in units}
-    started = time.monotonic()
+    deadlines = {u.name: started + start_timeout(u, cap_s) for u in units}
+    said: dict[str, tuple[str, float]] = {}
+    restarts: dict[str, int] = {}
+    last_read = 0.0
     while waiting:
+        now = time.monotonic()
+        read_journal = now - last_read >= JOURNAL_EVERY_S
+        last_read = now if read_journal else last_read
         for name, unit in list(waiting.items()):
-            state = systemd.state(name)
-            if state in ("failed", "inactive"):
-                tail = systemd.journal(name)
-                raise ReleaseError(f"{name} is {state} while starting; last log lines:\n{tail}")
+            info = systemd.show(name)
+            state = info.get("ActiveState", "")
+            result = info.get("Result", "success") or "success"
+            if state == "failed" or (
+                state == "inactive" and (result != "success" or now - started > START_GRACE_S)
+            ):
+                what = f"{name} is {state} while starting ({_why(info)})"
+                raise _failure(systemd, name, since, what)
+            count = int(info.get("NRestarts") or 0)
+            if info.get("SubState") == "auto-restart" and restarts.get(name) != count:
+                restarts[name] = count  # it exited; systemd starts it again after RestartSec=
+                if any(line.startswith("CAUSE") for line in diagnosis(systemd, name, since)):
+                    # a known failure, not a flake: starting it again would only fail again
+                    what = f"{name} failed while starting ({_why(info)}; systemd would restart it)"
+                    raise _failure(systemd, name, since, what)
+                log(f"{name}: exited while starting ({_why(info)}); systemd restarts it")
             if state == "active" and (unit.health_url is None or _healthy(unit.health_url)):
-                log(f"{name} is healthy after {time.monotonic() - started:.1f}s")
+                log(f"{name} is healthy after {now - started:.1f}s")
+                if unit.health_url is not None:
+                    for line in after_ready(systemd.journal(name, DIAGNOSE_LINES, since)):
+                        log(f"{name}: {line}")
                 del waiting[name]
-        if not waiting:
-            return
-        if time.monotonic() > deadline:
-            names = ", ".join(waiting)
-            raise ReleaseError(f"{names} did not become healthy in time")
-        time.sleep(0.5)
+                continue
+            if now > deadlines[name]:
+                last = said.get(name, ("", 0.0))[0] or state
+                raise _failure(
+                    systemd,
+                    name,
+                    since,
+                    f"{name} did not become healthy in time ({deadlines[name] - started:.0f}s, "
+                    f"last seen: {last})",
+                )
+            if unit.health_url is not None and read_journal:
+                text = systemd.journal(name, lines=JOURNAL_LINES, since=since)
+                current = phase(text.splitlines()) or f"{state}, no engine progress line yet"
+                previous, at = said.get(name, ("", 0.0))
+                if current != previous or now - at >= PROGRESS_EVERY_S:
+                    log(f"{name}: {current} ({now - started:.0f}s)")
+                    said[name] = (current, now)
+        if waiting:
+            time.sleep(0.5)
 
 
 def _activate(
@@ -208,9 +335,10 @@ def _activate(
     systemd: Systemd,
     log: Log,
     gpu_timeout_s: float,
+    defer_proxy: bool = False,
 ) -> None:
     store.verify_tree(new)
-    _transition(store, old, new, systemd, log, gpu_timeout_s)
+    _transition(store, old, new, systemd, log, gpu_timeout_s, defer_proxy)
 
 
 def switch(
@@ -218,14 +346,20 @@ def switch(
     release_id: str,
     *,
     confirm_within_s: int | None,
+    peers_within_s: int = 0,
+    defer_proxy: bool = False,
     systemd: Systemd | None = None,
-    gpu_timeout_s: float = 300.0,
+    gpu_timeout_s: float = GPU_TIMEOUT_S,
     log: Log = print,
 ) -> str:
     """Switch to `release_id`; on failure go back to the old release and raise ReleaseError.
 
     With `confirm_within_s` the switch is left pending and a timer reverts it unless
-    `confirm()` is called in time; without it the switch is confirmed at once.
+    `confirm()` is called in time; without it the switch is confirmed at once. The timer first
+    runs `peers_within_s + confirm_within_s`: the other hosts of the topology may still be
+    starting their engines for up to `peers_within_s` (the controller's bound on the slowest
+    host); once every host has switched the controller re-arms it to `confirm_within_s`
+    (`arm()`), so a host never reverts on its own while the gate still waits for the others.
     """
     systemd = systemd or Systemd()
     new = store.load(release_id)
@@ -241,7 +375,7 @@ def switch(
     previous_id = pending["previous"] if pending else current_id
     log(f"switching {new.host} from {current_id or 'nothing'} to {release_id} ({new.topology})")
     try:
-        _activate(store, new, old, systemd, log, gpu_timeout_s)
+        _activate(store, new, old, systemd, log, gpu_timeout_s, defer_proxy)
     except ReleaseError as exc:
         reason = str(exc)
         log(f"switch to {release_id} failed: {reason}")
@@ -253,19 +387,46 @@ def switch(
             f"{previous_id or 'nothing'}: {reason}"
         ) from None
     if confirm_within_s:
+        window = confirm_within_s + max(0, peers_within_s)
+        store.set_last_revert(None)  # an earlier run's own revert no longer explains anything
         since = time.time()
         store.set_pending(
             {
                 "id": release_id,
                 "previous": previous_id,
                 "since": since,
-                "deadline": since + confirm_within_s,  # when the dead-man timer reverts it
+                "deadline": since + window,  # when the dead-man timer reverts it
             }
         )
-        systemd.arm_deadman(confirm_within_s, [_agent(), "release", "revert", release_id])
-        return f"switched to {release_id}; revert in {confirm_within_s}s unless confirmed"
+        systemd.arm_deadman(window, _deadman_command(release_id))
+        return (
+            f"switched to {release_id}; reverts on its own in {window}s unless confirmed "
+            f"({confirm_within_s}s once every host has switched)"
+        )
     _commit(store, new, previous_id)
     return f"switched to {release_id}"
+
+
+def start_proxy(
+    store: Store, release_id: str, systemd: Systemd | None = None, log: Log = print
+) -> str:
+    """Start the proxy units of the switched release `release_id` that are not running (the
+    switch left them stopped until every host's engines were healthy and warm)."""
+    systemd = systemd or Systemd()
+    pending = store.pending()
+    running = pending["id"] if pending else store.link("current")
+    if running != release_id:
+        raise ReleaseError(f"release {release_id} is not the one switched to here ({running})")
+    spec = store.load(release_id)
+    stopped = [u for u in spec.units if u.kind == "proxy" and systemd.state(u.name) != "active"]
+    if not stopped:
+        return f"release {release_id}: no proxy to start here"
+    for unit in stopped:
+        systemd.reset_failed(unit.name)
+        log(f"starting {unit.name} (every engine of the release is healthy and warm)")
+        systemd.start(unit.name)
+    _wait_healthy(stopped, systemd, log, spec.health_timeout_s)
+    return f"release {release_id}: proxy started"
 
 
 def _restart_stopped(spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:
@@ -276,10 +437,11 @@ def _restart_stopped(spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:
     names = ", ".join(u.name for u in stopped)
     log(f"release {spec.id} is current but {names} not running; starting them")
     start_units(
-        ReleaseSpec(spec.id, spec.topology, "", False, spec.host, stopped, {}),
+        ReleaseSpec(
+            spec.id, spec.topology, "", False, spec.host, stopped, {}, spec.health_timeout_s
+        ),
         systemd,
         log,
-        spec.health_timeout_s,
     )
     return f"release {spec.id} is current; restarted {names}"
 
@@ -313,6 +475,40 @@ def _commit(store: Store, spec: ReleaseSpec, previous_id: str | None) -> None:
     store.set_pending(None)
 
 
+def _deadman_command(release_id: str) -> list[str]:
+    return [_agent(), "release", "revert", release_id, "--by-timer"]
+
+
+def _not_pending(store: Store, release_id: str) -> ReleaseError:
+    """Why `release_id` is not pending here: named when this host reverted it on its own."""
+    last = store.last_revert()
+    if last and last.get("id") == release_id:
+        at = time.strftime("%H:%M:%S UTC", time.gmtime(float(last.get("at", 0))))
+        return ReleaseError(
+            f"REVERTED ON ITS OWN: this host's dead-man timer fired at {at} and reverted "
+            f"{release_id} to {last.get('previous') or 'nothing'} before the confirmation came "
+            "(raise confirm_within if the gate needs longer)"
+        )
+    return ReleaseError(f"no pending switch to {release_id} (it may have been reverted)")
+
+
+def arm(store: Store, release_id: str, seconds: int, systemd: Systemd | None = None) -> str:
+    """(Re)arm the dead-man timer of the pending switch to `release_id`: revert on its own
+    `seconds` from now unless confirmed. The controller calls this once every host switched."""
+    systemd = systemd or Systemd()
+    pending = store.pending()
+    last = store.last_revert()
+    if last and last.get("id") == release_id:  # its timer fired (the revert may still run)
+        raise _not_pending(store, release_id)
+    if not pending and store.link("current") == release_id:
+        return f"release {release_id} is current (stopped units restarted): nothing pending"
+    if not pending or pending["id"] != release_id:
+        raise _not_pending(store, release_id)
+    systemd.arm_deadman(seconds, _deadman_command(release_id))
+    store.set_pending({**pending, "deadline": time.time() + seconds})
+    return f"release {release_id} pending; reverts on its own in {seconds}s unless confirmed"
+
+
 def confirm(store: Store, release_id: str, systemd: Systemd | None = None) -> str:
     """Make a pending switch current (the topology-wide gate passed)."""
     systemd = systemd or Systemd()
@@ -320,7 +516,7 @@ def confirm(store: Store, release_id: str, systemd: Systemd | None = None) -> st
     if not pending or pending["id"] != release_id:
         if store.link("current") == release_id:
             return f"release {release_id} is already current"
-        raise ReleaseError(f"no pending switch to {release_id} (it may have been reverted)")
+        raise _not_pending(store, release_id)
     systemd.disarm_deadman()
     _commit(store, store.load(release_id), pending.get("previous"))
     return f"release {release_id} confirmed"
@@ -331,17 +527,23 @@ def revert(
     release_id: str,
     *,
     systemd: Systemd | None = None,
-    gpu_timeout_s: float = 300.0,
+    gpu_timeout_s: float = GPU_TIMEOUT_S,
     log: Log = print,
+    by_timer: bool = False,
 ) -> str:
-    """Undo a pending switch to `release_id` (gate failed, or no confirmation in time)."""
+    """Undo a pending switch to `release_id` (gate failed, or no confirmation in time: then
+    `by_timer`, and the host records that it reverted on its own for the controller to name)."""
     systemd = systemd or Systemd()
     pending = store.pending()
     if not pending or pending["id"] != release_id:
         return f"nothing to revert: no pending switch to {release_id}"
-    systemd.disarm_deadman()
+    if not by_timer:
+        systemd.disarm_deadman()
     failed = store.load(release_id)
     previous_id = pending.get("previous")
+    if by_timer:
+        store.set_last_revert({"id": release_id, "previous": previous_id, "at": time.time()})
+        log(f"dead-man timer: no confirmation for {release_id} in time; reverting on its own")
     back = store.load(previous_id) if previous_id else None
     log(f"reverting {release_id}, back to {previous_id or 'nothing'}")
     try:
@@ -366,7 +568,7 @@ def reconcile(
     store: Store,
     *,
     systemd: Systemd | None = None,
-    gpu_timeout_s: float = 300.0,
+    gpu_timeout_s: float = GPU_TIMEOUT_S,
     log: Log = print,
 ) -> str:
     """At boot: undo a switch that was never confirmed, make the installed files exactly those

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from hgxserve import paths
 from hgxserve.caches.key import cache_key
 from hgxserve.caches.layout import ENV_SUBDIRS, cache_env
+from hgxserve.caches.warmup import Shape, shapes_arg, warmup_plan
 from hgxserve.paths import AGENT, CREDENTIALS_DIR
 from hgxserve.render.engines import NodePlan, engine_args, engine_program, node_plan
 from hgxserve.render.proxy import render_proxy
@@ -43,6 +44,8 @@ from hgxserve.render.types import (
     unit_name,
 )
 from hgxserve.topology.model import Engine, SecretRef, Topology
+from hgxserve.topology.ports import engine_url
+from hgxserve.weights.placement import check_marker_args, serving_tree
 
 __all__ = [
     "CredentialSpec",
@@ -170,6 +173,17 @@ def secret_wrapper(
     return lines, prefix
 
 
+def engine_warmup(topo: Topology, engine: Engine) -> list[Shape]:
+    """The warm-up an engine gets before the proxy admits it: the topology's shapes plus one
+    near its max_model_len (seed 003 §8.2); none for SGLang's disaggregated engines, which only
+    serve requests paired through a bootstrap room."""
+    if not topo.warmup or (engine.engine == "sglang" and engine.role in ("prefill", "decode")):
+        return []
+    shapes = [Shape(w.input, w.output, w.concurrency, w.api) for w in topo.warmup]
+    limit = engine.args.get("max_model_len")
+    return warmup_plan(shapes, int(limit) if limit else None)
+
+
 @dataclass
 class _Exec:
     """The Exec*= lines of an engine unit, built up as the runtime asks."""
@@ -186,6 +200,7 @@ def _engine_unit(
         raise RenderError(f"engine {engine.name}: no runtime (set runtime.venv or runtime.image)")
     plan = node_plan(topo, engine, host)
     name = unit_name(engine.name)
+    weights_tree, _ = serving_tree(topo.model)
     key = cache_key(topo, engine)
     env = engine_env(topo, engine, plan, key)
     gpus = ",".join(str(g) for g in plan.gpus)
@@ -204,7 +219,9 @@ def _engine_unit(
         )
     else:
         argv = command
-    execs.start_pre.append(exec_line([AGENT, "weights", "check-marker", topo.model.path]))
+    execs.start_pre.append(
+        exec_line([AGENT, "weights", "check-marker", *check_marker_args(topo.model)])
+    )
     if used_files:
         # the files the runtime stage shipped, as the topology pins them
         checks = [f"{path}={shipped[path].sha256}" for path in used_files]
@@ -215,6 +232,22 @@ def _engine_unit(
             [AGENT, "gpus", "wait-free", "--gpus", gpus, "--timeout", str(GPU_WAIT_TIMEOUT_S)]
         )
     )
+    exec_start_post: list[str] = []
+    if plan.is_head:
+        # The unit stays `activating` until the engine serves, so TimeoutStartSec= bounds the
+        # whole start (weights, compile, CUDA graphs), not only the fork of the main process.
+        health = engine_url(topo, engine, from_host=host) + "/health"
+        wait = [AGENT, "release", "wait-ready", health, "--timeout", str(engine.start_timeout_s)]
+        shapes = engine_warmup(topo, engine)
+        if shapes:
+            # sent to the engine itself before the unit is active, and the proxy only starts
+            # once every engine of the release is: no user request meets a cold shape
+            wait += ["--warmup", shapes_arg(shapes)]
+        elif topo.warmup:
+            plan.notes.append(
+                "no warm-up before admission: SGLang prefill/decode serve only P/D-paired requests"
+            )
+        exec_start_post.append(exec_line(wait))
     if engine.dp > 1 and engine.kv is not None and "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         base = engine.kv.side_channel_port
         ranks = engine.dp_ranks_on(host)
@@ -235,9 +268,11 @@ def _engine_unit(
             credentials=credential_lines,
             exec_start_pre=execs.start_pre,
             exec_start=exec_line([*wrapper, *argv]),
+            exec_start_post=exec_start_post,
+            start_timeout_s=engine.start_timeout_s,
             exec_stop=execs.stop,
             exec_stop_post=execs.stop_post,
-            read_only_paths=path_list([topo.model.path], optional=True),
+            read_only_paths=path_list([weights_tree], optional=True),
             read_write_paths=path_list([key_dir, rundir], optional=True),
         )
     )
@@ -288,7 +323,8 @@ def _container_argv(
     ]
     for gpu in plan.gpus:
         argv += ["--device", f"nvidia.com/gpu={gpu}"]
-    argv += ["--volume", f"{topo.model.path}:{topo.model.path}:ro"]
+    weights_tree, _ = serving_tree(topo.model)
+    argv += ["--volume", f"{weights_tree}:{weights_tree}:ro"]
     for path in writable:
         argv += ["--volume", f"{path}:{path}"]
     for path in read_only:

@@ -23,6 +23,7 @@ from hgxserve.topology.ports import (
     side_channel_host,
     uses_nixl_side_channel,
 )
+from hgxserve.weights.placement import serving_tree
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,6 @@ class NodePlan:
 VLLM_CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 SGLANG_KV_CACHE_DTYPES = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float16": "auto"}
-
 
 
 def compact_json(value: Any) -> str:
@@ -135,7 +135,7 @@ def _switch(args: dict[str, Any], engine: EngineKind, key: str) -> list[str]:
 def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     """`vllm serve` arguments (without the program) for one node."""
     args = engine.args
-    argv: list[str] = [topo.model.path, "--served-model-name", topo.model.served_name]
+    argv: list[str] = [serving_tree(topo.model)[0], "--served-model-name", topo.model.served_name]
     if plan.is_head:
         argv += ["--host", plan.bind, "--port", str(engine.port)]
     argv += ["--tensor-parallel-size", str(engine.tp)]
@@ -256,7 +256,12 @@ def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     tp = engine.tp
     argv: list[str] = []
     argv += _switch(args, "sglang", "trust_remote_code")
-    argv += ["--model-path", topo.model.path, "--served-model-name", topo.model.served_name]
+    argv += [
+        "--model-path",
+        serving_tree(topo.model)[0],
+        "--served-model-name",
+        topo.model.served_name,
+    ]
     argv += ["--tp", str(tp)]
     if engine.dp > 1:
         argv += ["--dp", str(engine.dp)]

@@ -1027,3 +1027,27 @@ def engine_path_provided(topo: Topology) -> Iterator[Finding]:
                 f"{TOPOLOGY_FILES_DIR}/{name}, or use a path inside the model "
                 f"({topo.model.path}) or the runtime",
             )
+
+
+@rule("gate", "error", "The gate's regex compiles, its host exists, its probes can run.")
+def gate_settings(topo: Topology) -> Iterator[Finding]:
+    gate = topo.gate
+    if gate.expect_regex is not None:
+        try:
+            re.compile(gate.expect_regex)
+        except re.error as exc:
+            yield ("gate", "expect_regex"), f"not a valid regular expression: {exc}"
+    if gate.from_host is not None and gate.from_host not in topo.hosts:
+        known = ", ".join(topo.hosts)
+        yield (
+            ("gate", "from"),
+            f"unknown host '{gate.from_host}'; define it under hosts (hosts are: {known})",
+        )
+    if gate.from_host is not None and topo.proxy is None:
+        yield ("gate", "from"), "the gate runs through the proxy: this topology has none"
+    for key, arg in (("reasoning", "reasoning_parser"), ("tool_call", "tool_call_parser")):
+        if getattr(gate, key) == "on" and not any(e.args.get(arg) for e in topo.engines.values()):
+            yield (
+                ("gate", key),
+                f"the {key} probe is on but no engine sets args.{arg}: it would always fail",
+            )

@@ -43,7 +43,6 @@ SecretKind = Literal["env", "file", "credential"]
 ContainerTool = Literal["podman", "docker"]
 
 
-
 def is_loopback(address: str) -> bool:
     return address.startswith(LOOPBACK)
 
@@ -132,6 +131,7 @@ class Model:
     manifest: str
     config: str | None = None  # config.json for the fit estimate (hgxserve.topology.fit)
     integrity: str = "sha256"  # sha256 | size-etag (explicit opt-out)
+    digest: str | None = None  # pinned manifest digest (sha256:...)
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,7 @@ class Engine:
     extra_args: tuple[str, ...]
     env: dict[str, str]
     secret_env: dict[str, SecretRef]
+    start_timeout_s: int  # TimeoutStartSec= and the release's health wait
 
     @property
     def hosts(self) -> list[str]:
@@ -302,6 +303,39 @@ class TopologyFile:
 
 
 @dataclass(frozen=True)
+class GatePolicy:
+    """`gate:`: what the release gate must see (defaults from the schema)."""
+
+    prompt: str
+    expect: str
+    expect_regex: str | None
+    max_tokens: int
+    chat: bool
+    stream: bool
+    reasoning: str  # auto | on | off
+    tool_call: str  # auto | on | off
+    rdma: str  # auto | off
+    from_host: str | None
+    timeout_s: int
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> GatePolicy:
+        return cls(
+            prompt=_get(data, "gate", "prompt"),
+            expect=_get(data, "gate", "expect"),
+            expect_regex=data.get("expect_regex"),
+            max_tokens=_get(data, "gate", "max_tokens"),
+            chat=_get(data, "gate", "chat"),
+            stream=_get(data, "gate", "stream"),
+            reasoning=_get(data, "gate", "reasoning"),
+            tool_call=_get(data, "gate", "tool_call"),
+            rdma=_get(data, "gate", "rdma"),
+            from_host=data.get("from"),
+            timeout_s=_get(data, "gate", "timeout_s"),
+        )
+
+
+@dataclass(frozen=True)
 class Topology:
     """A validated topology."""
 
@@ -314,6 +348,7 @@ class Topology:
     proxy: Proxy | None
     warmup: tuple[Warmup, ...]
     cache: CachePolicy
+    gate: GatePolicy
     files: dict[str, TopologyFile] = field(default_factory=dict)
     source_file: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -401,6 +436,7 @@ def _model(data: dict[str, Any]) -> Model:
         manifest=_get(data, "model", "manifest"),
         config=data.get("config"),
         integrity=_get(data, "model", "integrity"),
+        digest=data.get("digest"),
     )
 
 
@@ -452,6 +488,7 @@ def _engine(name: str, data: dict[str, Any]) -> Engine:
         extra_args=tuple(data.get("extra_args", ())),
         env={k: _env_text(v) for k, v in data.get("env", {}).items()},
         secret_env={k: SecretRef.parse(v) for k, v in data.get("secret_env", {}).items()},
+        start_timeout_s=_get(data, "engine", "start_timeout_s"),
     )
 
 
@@ -517,6 +554,7 @@ def build_topology(data: dict[str, Any], source_file: str = "") -> Topology:
             s3_prefix=cache_data.get("s3_prefix"),
         ),
         files=_files(data.get("files", {}), source_file),
+        gate=GatePolicy.parse(data.get("gate", {})),
         source_file=source_file,
         raw=data,
     )

@@ -22,6 +22,7 @@ from hgxserve.weights.errors import CredentialsError
 
 _ENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
 
+
 def load_env_file(path: str) -> dict[str, str]:
     """Read KEY=VALUE lines from a 0600 env file (systemd EnvironmentFile syntax, no expansion).
 

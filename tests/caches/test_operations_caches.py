@@ -102,6 +102,22 @@ def test_role_bakes_on_the_baker_and_restores_elsewhere(tmp_path):
     assert [name for name, _ in ops] == ["Restore JIT caches | Restore JIT cache k1 (combined-0)"]
 
 
+def test_role_policy_auto_bakes_like_bake_but_not_multi_node_engines(tmp_path):
+    topo = tmp_path / "t.yml"
+    topo.write_text("name: t\n")
+    entry = {"engine": "combined-0", "key": "k1", "full_key": "full-1", "facts": {}}
+    kwargs = {
+        "engines": [entry],
+        "topology": str(topo),
+        "store": str(tmp_path),
+        "bakers": {"full-1": "testhost"},
+    }  # policy: the default, auto
+    ops = run_deploy(caches, kwargs, facts({}))
+    assert [name for name, _ in ops] == ["Restore JIT caches | Bake JIT cache k1 (combined-0)"]
+    kwargs["engines"] = [{**entry, "multi_node": True}]
+    assert run_deploy(caches, kwargs, facts({})) == []  # nothing to restore, nothing baked
+
+
 def test_role_policy_off_does_nothing(tmp_path):
     ops = run_deploy(
         caches, {"engines": [], "topology": "t", "store": str(tmp_path), "policy": "off"}, {}

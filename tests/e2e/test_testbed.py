@@ -316,6 +316,27 @@ def test_simulated_engine_comes_as_wheels_not_preplaced(testbed):
 
 
 @pytest.mark.e2e
+def test_each_host_has_its_own_cgroup_tree(testbed):
+    # One shared tree made a unit name running on two hosts share one cgroup, and one host's
+    # stop removed it under the other's start (status=219/CGROUP); see hosts.host_cgroup.
+    trees = {}
+    for host in testbed.hosts:
+        leader = hosts.container_leader(host.pid)
+        assert leader is not None, host.name
+        line = next(
+            ln
+            for ln in Path(f"/proc/{leader}/cgroup").read_text().splitlines()
+            if ln.startswith("0::")
+        )
+        trees[host.name] = line[3:]
+        assert f"/hgxtb-{host.name.removeprefix('hgx-')}/" in line, line
+    assert len(set(trees.values())) == len(trees), trees
+    # inside, each host's systemd sees only its own units
+    for name in testbed.names:
+        out = testbed.ssh(name, "cat /proc/1/cgroup", check=True).stdout
+        assert "0::/init.scope" in out, out
+
+
 def test_up_again_reuses_the_running_hosts(testbed):
     before = {h.name: h.pid for h in hosts.require().hosts}
     again = hosts.up(len(before), [h.gpu for h in testbed.hosts])

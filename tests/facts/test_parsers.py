@@ -356,8 +356,76 @@ def test_cuda_802_means_fabric_manager(capture, name, line):
 
 
 def test_nixl_engine_id_mismatch(capture):
-    (found,) = parsers.diagnose_errors(capture("gpu-unstated_vllm-nixl-handshake-failure.txt"))
-    assert found["code"] == "nixl-engine-id"
+    found = parsers.diagnose_errors(capture("gpu-unstated_vllm-nixl-handshake-failure.txt"))
+    assert [f["code"] for f in found] == ["nixl-engine-id", "nixl-handshake"]
+    assert found[1]["line"].endswith("Handshake failed for request chatcmpl")
+
+
+# Real log lines from the seeds (the file and section each comes from).
+SEED_LINES = [
+    # seed 000 §5.3 (figure 5.3f)
+    (
+        "AssertionError: Local tensor parallel size 1 is not divisible by remote tensor "
+        "parallel size 2",
+        "tp-not-divisible",
+        "decode's TP must be a multiple",
+    ),
+    # seed 000 §4.4.1 / seed 001
+    (
+        "INFO DP Using CPU all reduce to synchronize DP padding between ranks.",
+        "dp-cpu-allreduce",
+        "async_scheduling: false",
+    ),
+    # seed 002, attention backends on DeepSeek V3.2
+    (
+        "ValueError: Selected backend AttentionBackendEnum.FLASHMLA is not valid for this "
+        "configuration. Reason: ['sparse not supported']",
+        "sparse-backend",
+        "FLASHMLA_SPARSE",
+    ),
+    # seed 001 §5.3.3, MTP + P/D error one and two
+    (
+        "(Worker_DP0_TP1_EP1 pid=886837) ERROR 01-09 15:05:37 [v1/executor/multiproc_executor.py"
+        ":822] RuntimeError: shape '[2, -1, 2048]' is invalid for input of size 6144",
+        "mtp-pd",
+        "PR 32175",
+    ),
+    (
+        "(Worker_DP0_TP1_EP1 pid=978655) ERROR 01-09 15:49:58 [v1/executor/multiproc_executor.py"
+        ":822] RuntimeError: Assertion error (csrc/apis/attention.hpp:192): batch_size_next_n == "
+        "batch_size * next_n",
+        "mtp-pd",
+        "PR 32175",
+    ),
+    # seed 003 §11.3 names the state handshake_setup_failed (the report's words, not a capture)
+    ("ERROR [nixl_connector.py] handshake_setup_failed for 8 TP ranks", "nixl-handshake", "auto"),
+    (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "cuda-oom",
+        "gpu_memory_utilization",
+    ),
+    ("NCCL WARN NET/IB : Got completion with error 12", "nccl", "NCCL_IB_HCA"),
+    # UCX's registration failure as in openucx/ucx#6264 (no H-class capture found, INDEX.md)
+    (
+        "UCX  ERROR ibv_reg_mr(address=0x7f, length=4096, access=0xf) failed: Cannot allocate "
+        "memory",
+        "memlock",
+        "LimitMEMLOCK=infinity",
+    ),
+]
+
+
+@pytest.mark.parametrize(("line", "code", "fix"), SEED_LINES, ids=[c for _, c, _ in SEED_LINES])
+def test_signature_names_the_cause_and_the_fix(line, code, fix):
+    found = parsers.diagnose_errors(f"INFO starting\n{line}\nINFO shutting down\n")
+    assert found[0]["code"] == code
+    assert found[0]["line"] == line.strip()
+    assert fix in found[0]["diagnosis"]
+
+
+def test_errors_come_before_warnings():
+    text = "DP Using CPU all reduce to synchronize DP padding\nCUDA out of memory\n"
+    assert [f["code"] for f in parsers.diagnose_errors(text)] == ["cuda-oom", "dp-cpu-allreduce"]
 
 
 def test_no_diagnosis_for_healthy_output(capture):

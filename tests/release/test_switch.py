@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
-from hgxserve.release.switch import confirm, revert, rollback_target, switch
+from hgxserve.release.switch import (
+    after_ready,
+    arm,
+    confirm,
+    revert,
+    rollback_target,
+    start_proxy,
+    switch,
+)
 
 
 class FakeSystemd:
@@ -16,6 +24,8 @@ class FakeSystemd:
         self.active: set[str] = set()
         self.failing = failing or set()
         self.deadman: int | None = None
+        self.deadman_command: list[str] = []
+        self.journals: dict[str, str] = {}
 
     def stop(self, unit: str) -> None:
         self.calls.append(("stop", unit))
@@ -36,11 +46,17 @@ class FakeSystemd:
             return "failed"
         return "active" if unit in self.active else "inactive"
 
-    def journal(self, unit: str, lines: int = 15) -> str:
-        return f"{unit}: simulated crash"
+    def show(self, unit: str) -> dict[str, str]:
+        state = self.state(unit)
+        result = "exit-code" if state == "failed" else "success"
+        return {"ActiveState": state, "Result": result, "NRestarts": "0"}
+
+    def journal(self, unit: str, lines: int = 15, since: float | None = None) -> str:
+        return self.journals.get(unit, f"{unit}: simulated crash")
 
     def arm_deadman(self, seconds: int, command: list[str]) -> None:
         self.deadman = seconds
+        self.deadman_command = list(command)
 
     def disarm_deadman(self) -> None:
         self.deadman = None
@@ -173,6 +189,14 @@ def test_prune_keeps_linked_releases(store: Store) -> None:
     assert len(store.status()["releases"]) == 5
 
 
+def test_arm_on_a_current_release_is_a_no_op(store: Store) -> None:
+    # a re-apply that only restarted a stopped unit leaves nothing pending to arm
+    stage(store, "r1", ["hgxserve-combined-0.service"])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    assert "nothing pending" in arm(store, "r1", 30, systemd=sd) and sd.deadman is None
+
+
 def test_current_release_with_a_stopped_unit_restarts_only_that_unit(store: Store) -> None:
     stage(store, "r1", ["hgxserve-combined-0.service", "hgxserve-proxy.service"])
     sd = FakeSystemd()
@@ -245,3 +269,111 @@ def test_rollback_restarts_only_what_the_failed_release_changed(store: Store) ->
     moves = [c for c in sd.calls if c[0] in ("stop", "start")]
     assert moves == [("start", "hgxserve-decode-0.service"), ("stop", "hgxserve-decode-0.service")]
     assert set(installed(store)) == {"hgxserve-combined-0.service"}
+
+
+def test_deadman_waits_for_the_other_hosts_then_counts_from_the_rearm(store: Store) -> None:
+    stage(store, "r1", ["hgxserve-combined-0.service"])
+    stage(store, "r2", ["hgxserve-prefill-0.service"])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    msg = switch(store, "r2", confirm_within_s=20, peers_within_s=2400, systemd=sd, log=print)
+    assert sd.deadman == 2420 and "2420s" in msg  # the others may take up to 2400 s more
+    assert sd.deadman_command[-3:] == ["revert", "r2", "--by-timer"]
+    assert "in 20s" in arm(store, "r2", 20, systemd=sd)
+    assert sd.deadman == 20  # once every host switched, the gate has confirm_within
+
+
+def test_a_host_that_reverted_on_its_own_is_named(store: Store) -> None:
+    stage(store, "r1", ["hgxserve-combined-0.service"])
+    stage(store, "r2", ["hgxserve-prefill-0.service"])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    switch(store, "r2", confirm_within_s=5, systemd=sd, log=lambda m: None)
+    revert(store, "r2", systemd=sd, log=lambda m: None, by_timer=True)  # the timer fired
+    with pytest.raises(ReleaseError, match="REVERTED ON ITS OWN.*dead-man timer.*back|r1"):
+        arm(store, "r2", 5, systemd=sd)
+    with pytest.raises(ReleaseError, match="REVERTED ON ITS OWN"):
+        confirm(store, "r2", systemd=sd)
+    assert store.link("current") == "r1"
+    # a later switch to the same release forgets the old own revert
+    switch(store, "r2", confirm_within_s=5, systemd=sd, log=lambda m: None)
+    revert(store, "r2", systemd=sd, log=lambda m: None)  # the gate failed: not on its own
+    with pytest.raises(ReleaseError, match="no pending switch") as err:
+        confirm(store, "r2", systemd=sd)
+    assert "ON ITS OWN" not in str(err.value)
+
+
+def test_health_wait_prints_engine_progress_and_names_the_late_unit(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hgxserve.release.switch as sw
+
+    monkeypatch.setattr(sw, "JOURNAL_EVERY_S", 0.0)
+    stage(store, "r1", ["hgxserve-decode-0.service"])
+    spec = store.load("r1")
+    spec.units[0].health_url = "http://127.0.0.1:9/health"  # nothing listens: never healthy
+    spec.units[0].start_timeout_s = 1
+    (store.release_dir("r1") / "release.json").write_text(spec.to_json())
+    sd = FakeSystemd()
+    sd.journals["hgxserve-decode-0.service"] = (
+        "Loading safetensors checkpoint shards:  25% Completed | 12/48 [00:03<00:09]\r"
+        "Loading safetensors checkpoint shards:  50% Completed | 24/48 [00:06<00:06]"
+    )
+    said: list[str] = []
+    with pytest.raises(ReleaseError, match="did not become healthy in time") as err:
+        switch(store, "r1", confirm_within_s=None, systemd=sd, log=said.append)
+    assert "last seen: loading weights 50% (24/48 shards)" in str(err.value)
+    assert any("hgxserve-decode-0.service: loading weights 50%" in line for line in said)
+
+
+def test_a_failed_switch_names_the_diagnosed_cause_first(store: Store) -> None:
+    stage(store, "r1", ["hgxserve-combined-0.service"])
+    stage(store, "r2", ["hgxserve-decode-0.service"])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd.failing = {"hgxserve-decode-0.service"}
+    sd.journals["hgxserve-decode-0.service"] = (
+        "Loading weights took 25.31 seconds\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    )
+    with pytest.raises(ReleaseError) as err:
+        switch(store, "r2", confirm_within_s=60, systemd=sd, log=lambda m: None)
+    message = str(err.value)
+    cause = message.index("CAUSE hgxserve-decode-0.service [cuda-oom]")
+    assert cause < message.index("is failed while starting") < message.index("last log lines")
+    assert "lower gpu_memory_utilization" in message
+
+
+def test_deferred_proxy_starts_only_when_asked(store: Store) -> None:
+    stage(store, "r1", ["hgxserve-combined-0.service", "hgxserve-proxy.service"])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=30, defer_proxy=True, systemd=sd, log=lambda m: None)
+    assert [c[1] for c in sd.calls if c[0] == "start"] == ["hgxserve-combined-0.service"]
+    said: list[str] = []
+    assert start_proxy(store, "r1", systemd=sd, log=said.append) == "release r1: proxy started"
+    assert [c[1] for c in sd.calls if c[0] == "start"][-1] == "hgxserve-proxy.service"
+    assert "no proxy to start" in start_proxy(store, "r1", systemd=sd, log=said.append)
+    with pytest.raises(ReleaseError, match="not the one switched to"):
+        start_proxy(store, "r2", systemd=sd)
+
+
+def test_after_ready_reports_warm_up_and_jit_after_ready() -> None:
+    journal = "\n".join(
+        [
+            "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%| 10/10",
+            "torch.compile takes 12.00 s in total",  # before ready: not reported
+            "INFO:     Application startup complete.",
+            "http://127.0.0.1:8100/health answers 200",
+            "hgxserve warm-up: 16x8x4 completions (topology): 4/4 answered in 0.21 s",
+            "[TileLang:tilelang.jit.kernel:INFO]: TileLang begins to compile kernel `main`",
+            "hgxserve warm-up: 240x16x1 completions (topology): 1/1 answered in 9.02 s",
+        ]
+    )
+    lines = after_ready(journal)
+    assert lines[:2] == [
+        "hgxserve warm-up: 16x8x4 completions (topology): 4/4 answered in 0.21 s",
+        "hgxserve warm-up: 240x16x1 completions (topology): 1/1 answered in 9.02 s",
+    ]
+    assert lines[2].startswith("JIT/compile after ready: 1 line(s) (tilelang), first: [TileLang")
+    assert after_ready("INFO:     Application startup complete.\n")[-1].endswith("none")
+    assert after_ready("still loading\n") == []

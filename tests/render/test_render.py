@@ -49,7 +49,6 @@ def test_units_in_start_order_and_files_keyed_by_host_path():
 REQUIRED_ENGINE_LINES = [
     "LimitMEMLOCK=infinity",
     "LimitNOFILE=1048576",
-    "TimeoutStartSec=1800",
     "KillMode=control-group",
     "Restart=on-failure",
     "StartLimitBurst=3",
@@ -70,6 +69,8 @@ def test_engine_units_carry_limits_checks_and_pinned_caches(path: Path):
             lines = unit.content.splitlines()
             for line in REQUIRED_ENGINE_LINES:
                 assert line in lines, (unit.name, line)
+            engine = topo.engines[unit.engine]
+            assert f"TimeoutStartSec={engine.start_timeout_s}" in lines
             gpus = ",".join(map(str, unit.gpus))
             assert (
                 f"ExecStartPre=/opt/hgxserve/bin/hgxserve weights check-marker {topo.model.path}"

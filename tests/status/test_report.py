@@ -54,16 +54,32 @@ def healthy(topo: Any, host: str) -> dict[str, Any]:
     engines = topo.engines_on(host)
     snap: dict[str, Any] = {
         "host": host,
-        "release": {"current": plan.id, "previous": None, "baseline": None, "pending": None,
-                    "releases": [plan.id], "running": plan.id, "error": None,
-                    "topology": topo.name},  # fmt: skip
+        "release": {
+            "current": plan.id,
+            "previous": None,
+            "baseline": None,
+            "pending": None,
+            "releases": [plan.id],
+            "running": plan.id,
+            "error": None,
+            "topology": topo.name,
+        },  # fmt: skip
         "units": units,
         "drift": {"modified": [], "missing": [], "stray_units": []},
         "gpus": {"status": "ok", "driver_version": "570.158.01", "gpus": gpus},
-        "weights": {"path": "/models/tiny", "marker": MARKER, "intact": True,
-                    "source": "s3://models/tiny/", "detail": "ok"} if engines else None,
-        "caches": {cache_key(topo, e): {"present": True, "restored": False, "baked": False}
-                   for e in engines},  # fmt: skip
+        "weights": {
+            "path": "/models/tiny",
+            "marker": MARKER,
+            "intact": True,
+            "source": "s3://models/tiny/",
+            "detail": "ok",
+        }
+        if engines
+        else None,
+        "caches": {
+            cache_key(topo, e): {"present": True, "restored": False, "baked": False}
+            for e in engines
+        },  # fmt: skip
         "proxy": None,
     }
     if host == topo.proxy.host:
@@ -72,8 +88,13 @@ def healthy(topo: Any, host: str) -> dict[str, Any]:
             "known": True,
             "started": NOW - 120,
             "instances": [
-                {"url": engine_url(topo, e), "role": e.role, "in_rotation": True,
-                 "since": NOW - 100, "outstanding": 0}
+                {
+                    "url": engine_url(topo, e),
+                    "role": e.role,
+                    "in_rotation": True,
+                    "since": NOW - 100,
+                    "outstanding": 0,
+                }
                 for e in topo.engines.values()
             ],  # fmt: skip
             "kv_handoffs": {"ok": 4},

@@ -1,0 +1,129 @@
+"""Release time against the number of test hosts: how the control plane scales.
+
+For each host count (default 3, 6, 9) it boots that many test hosts (`testbed up --hosts N`),
+renders a topology with one combined engine (TP2, simulated, ready in 2 s) per host and the proxy
+on the first host, and times, with the real pyinfra CLI:
+
+- fresh:  `deploys/site.py --data stages=weights,engines` on hosts that never ran a release
+          (agent install, weights sync from the local S3, stage, switch, gate, confirm);
+- no-op:  the same command again (0 changes, nothing restarted);
+- switch: a topology whose engines all changed (every host stops and starts its engine);
+
+next to the floor of any pyinfra run on the same hosts (`pyinfra exec -- true`: connect, one
+command, disconnect). Needs root and the e2e lock (it uses the shared test hosts):
+
+    flock /tmp/hgxserve-e2e.lock .venv/bin/python benchmarks/bench_release_scale.py [--hosts 3,6,9]
+
+Prints a table; asserts nothing about the time. The hosts are left down afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from testbed import demo  # noqa: E402
+from testbed import hosts as testbed_hosts  # noqa: E402
+
+PYINFRA = [str(REPO / ".venv/bin/pyinfra"), "-y", "inventory/testhosts.py"]
+
+
+def topology(names: list[str], addresses: dict[str, str], marker: str) -> str:
+    """One combined TP2 engine per host, the proxy on the first host; `marker` (an engine env
+    value) changes every engine when it changes."""
+    hosts = "\n".join(f"  {n}: {{address: {addresses[n]}, gpu: H200, gpus: 8}}" for n in names)
+    engines = "\n".join(
+        f"  combined-{i}:\n    role: combined\n    place: {{{n}: [0, 1]}}\n    tp: 2\n"
+        f"    port: 8100\n    env: {{HGXSERVE_BENCH: {marker}}}"
+        for i, n in enumerate(names)
+    )
+    combined = ", ".join(f"combined-{i}" for i in range(len(names)))
+    return f"""name: bench-scale-{len(names)}
+hosts:
+{hosts}
+model:
+  name: tiny
+  served_name: tiny
+  path: /models/tiny
+  source:
+    s3:
+      endpoint: {demo.S3_ENDPOINT}
+      bucket: {demo.BUCKET}
+      prefix: {demo.PREFIX}
+      addressing: path
+      credentials: {{env_file: /etc/hgxserve/s3.env}}
+defaults:
+  engine: vllm
+  runtime: {{venv: /opt/vllm-sim}}
+  args: {{max_model_len: 256, max_num_seqs: 8, block_size: 16}}
+engines:
+{engines}
+proxy:
+  host: {names[0]}
+  listen: 0.0.0.0:8000
+  combined: [{combined}]
+"""
+
+
+def timed(args: list[str], expect_noop: bool = False) -> float:
+    started = time.monotonic()
+    proc = subprocess.run([*PYINFRA, *args], cwd=REPO, capture_output=True, text=True)
+    elapsed = time.monotonic() - started
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise SystemExit(f"pyinfra {' '.join(args)} failed:\n{text[-3000:]}")
+    if expect_noop:
+        match = re.search(r"Grand total\s+\S+\s+(\S+)\s+(\S+)", text)
+        if not match or match.groups() != ("-", "-"):
+            raise SystemExit(f"not a no-op run: {match.group(0) if match else text[-2000:]}")
+    return elapsed
+
+
+def measure(count: int, work: Path) -> dict[str, float]:
+    bed = testbed_hosts.up(count, "h200")
+    for name in bed.names:
+        bed.ssh(name, demo.FORGET_RELEASES, check=True)
+    demo.prepare(bed.names, work / f"demo-{count}")
+    first, second = work / f"a-{count}.yml", work / f"b-{count}.yml"
+    first.write_text(topology(bed.names, bed.addresses, "a"))
+    second.write_text(topology(bed.names, bed.addresses, "b"))
+    site = ["deploys/site.py", "--data", "stages=weights,engines"]
+    out = {"pyinfra floor": timed(["exec", "--", "true"])}
+    out["fresh"] = timed([*site, "--data", f"topology={first}"])
+    out["no-op"] = timed([*site, "--data", f"topology={first}"], expect_noop=True)
+    out["switch"] = timed(["deploys/engines.py", "--data", f"topology={second}"])
+    for name in bed.names:
+        bed.ssh(name, demo.FORGET_RELEASES)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hosts", default="3,6,9", help="host counts, comma-separated")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.hosts.split(",")]
+    results: dict[int, dict[str, float]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            for count in counts:
+                results[count] = measure(count, Path(work))
+    finally:
+        demo.stop_s3()
+        testbed_hosts.down()
+    cases = ["pyinfra floor", "fresh", "no-op", "switch"]
+    print("\nrelease time (s) against the number of test hosts (one engine per host)")
+    print(f"{'hosts':>5} " + " ".join(f"{c:>14}" for c in cases))
+    for count, row in results.items():
+        print(f"{count:>5} " + " ".join(f"{row[c]:14.1f}" for c in cases))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Where the engines read a model's weights, and where its verified marker lives.
+
+One place for both, used by the weights stage (which writes the marker) and by the rendered
+engine units (whose `ExecStartPre=hgxserve weights check-marker` reads it):
+
+- S3 / local sources, and CephFS with `stage: true`: the tree is `model.path` (synced or staged
+  onto local disk), the marker in `<model.path>/.hgxserve/`;
+- CephFS in place (the default): the tree is the read-only mount `source.mount`, the marker in
+  `/var/lib/hgxserve/weights/<model name>/` (the mount cannot be written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hgxserve.paths import weights_state_dir
+from hgxserve.topology.model import CephfsSource, Model, Topology
+
+
+def serving_tree(model: Model) -> tuple[str, str | None]:
+    """(the directory the engines read, the marker's state dir or None for the default)."""
+    source = model.source
+    if isinstance(source, CephfsSource) and not source.stage:
+        return source.mount, weights_state_dir(model.name)
+    return model.path, None
+
+
+def check_marker_args(model: Model) -> list[str]:
+    """`weights check-marker` arguments for the engine units (tree, state dir, pinned digest)."""
+    tree, state_dir = serving_tree(model)
+    args = [tree]
+    if state_dir:
+        args += ["--state-dir", state_dir]
+    if model.digest:
+        args += ["--digest", model.digest]
+    return args
+
+
+def pin_digest(topo: Topology, digest: str | None) -> Topology:
+    """`topo` with the weights pinned to `digest` (`--data weights_digest=`), if given."""
+    if not digest or digest == topo.model.digest:
+        return topo
+    return dataclasses.replace(topo, model=dataclasses.replace(topo.model, digest=digest))
