@@ -157,7 +157,7 @@ def switch_to(
         )
     if gate:
         python.call(
-            name="Gate the topology: proxy health, models, deterministic completion, KV transfer",
+            name="Gate the topology: proxy, models, probe answers (chat, stream), KV evidence",
             function=run_gate,
             coord=coord,
             release_id=release_id,

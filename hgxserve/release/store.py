@@ -131,15 +131,16 @@ class Store:
         tmp.symlink_to(Path("releases") / check_release_id(release_id))
         tmp.replace(path)  # atomic: readers see the old or the new link, never none
 
-    def pending(self) -> dict[str, Any] | None:
+    def _read(self, name: str) -> dict[str, Any] | None:
         try:
-            data: dict[str, Any] = json.loads((self.root / "pending.json").read_text())
+            data: dict[str, Any] = json.loads((self.root / name).read_text())
             return data
         except FileNotFoundError:
             return None
 
-    def set_pending(self, data: dict[str, Any] | None) -> None:
-        path = self.root / "pending.json"
+    def _write(self, name: str, data: dict[str, Any] | None) -> None:
+        """Replace (atomically) or remove one JSON state file under the root."""
+        path = self.root / name
         if data is None:
             path.unlink(missing_ok=True)
             return
@@ -147,21 +148,18 @@ class Store:
         tmp.write_text(json.dumps(data, sort_keys=True))
         tmp.replace(path)
 
+    def pending(self) -> dict[str, Any] | None:
+        return self._read("pending.json")
+
+    def set_pending(self, data: dict[str, Any] | None) -> None:
+        self._write("pending.json", data)
+
     def last_revert(self) -> dict[str, Any] | None:
         """The last revert this host did on its own (its dead-man timer fired), if any."""
-        try:
-            data: dict[str, Any] = json.loads((self.root / "reverted.json").read_text())
-            return data
-        except FileNotFoundError:
-            return None
+        return self._read("reverted.json")
 
     def set_last_revert(self, data: dict[str, Any] | None) -> None:
-        if data is None:
-            (self.root / "reverted.json").unlink(missing_ok=True)
-            return
-        tmp = self.root / ".reverted.json.tmp"
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        tmp.replace(self.root / "reverted.json")
+        self._write("reverted.json", data)
 
     def status(self) -> dict[str, Any]:
         """What ReleaseState reports: links, pending switch and staged releases."""
