@@ -304,7 +304,7 @@ def test_a_failed_switch_prints_the_diagnosed_cause_first(
     assert proc.returncode != 0
     text = output(proc)
     cause = text.index("CAUSE hgxserve-decode-0.service [cuda-802]: CUDA error 802")
-    assert cause < text.index("hgxserve-decode-0.service failed while starting")
+    assert cause < text.index("last log lines")  # the named cause first, then the journal
     assert "rolled back to the previous release: host(s) hgx-b failed to switch" in text
     assert {h: links(lab, h)["current"] for h in lab.names} == current
     assert "did not become healthy in time" not in text  # a known failure is not waited out
@@ -417,7 +417,7 @@ def test_explicit_rollback_to_baseline(lab: testbed_hosts.Testbed) -> None:
 def test_a_host_that_reverts_on_its_own_is_named(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
-    # The gate needs ~10 s (the decode makes each token in 0.6 s); every host's dead-man timer
+    # The gate needs ~10 s (the prefill takes ~5 s per P/D prompt); every host's dead-man timer
     # gets 3 s once all hosts switched: they revert on their own in the middle of the gate.
     current = {h: links(lab, h)["current"] for h in lab.names}
     slow_gate = variant(
@@ -425,7 +425,9 @@ def test_a_host_that_reverts_on_its_own_is_named(
         PD,
         "pd-slow-gate",
         {
-            "    port: 8200\n": "    port: 8200\n    env: {HGXSERVE_SIM_TOKEN_SECONDS: 0.6}\n",
+            "    port: 8100\n": (
+                "    port: 8100\n    env: {HGXSERVE_SIM_PREFILL_SECONDS_PER_1K: 25}\n"
+            ),
             "name: demo-pd\n": "name: demo-pd-slow-gate\n",
         },
     )

@@ -320,7 +320,9 @@ def test_each_host_has_its_own_cgroup_tree(testbed):
     # One shared tree made a unit name running on two hosts share one cgroup, and one host's
     # stop removed it under the other's start (status=219/CGROUP); see hosts.host_cgroup.
     trees = {}
-    for host in testbed.hosts:
+    bed = hosts.load()  # current PIDs: a host may have been crashed and booted again
+    assert bed is not None
+    for host in bed.hosts:
         leader = hosts.container_leader(host.pid)
         assert leader is not None, host.name
         line = next(
@@ -332,7 +334,7 @@ def test_each_host_has_its_own_cgroup_tree(testbed):
         assert f"/hgxtb-{host.name.removeprefix('hgx-')}/" in line, line
     assert len(set(trees.values())) == len(trees), trees
     # inside, each host's systemd sees only its own units
-    for name in testbed.names:
+    for name in bed.names:
         out = testbed.ssh(name, "cat /proc/1/cgroup", check=True).stdout
         assert "0::/init.scope" in out, out
 
