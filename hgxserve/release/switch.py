@@ -294,13 +294,16 @@ def _wait_healthy(
                 what = f"{name} is {state} while starting ({_why(info)})"
                 raise _failure(systemd, name, since, what)
             count = int(info.get("NRestarts") or 0)
-            if info.get("SubState") == "auto-restart" and restarts.get(name) != count:
-                restarts[name] = count  # it exited; systemd starts it again after RestartSec=
+            exited = result != "success" or count > 0 or info.get("SubState") == "auto-restart"
+            if exited and state != "active" and read_journal:
+                # it exited and systemd restarts it (Restart=): with a known cause in its journal
+                # it is not a flake, and starting it again would only fail again
                 if any(line.startswith("CAUSE") for line in diagnosis(systemd, name, since)):
-                    # a known failure, not a flake: starting it again would only fail again
                     what = f"{name} failed while starting ({_why(info)}; systemd would restart it)"
                     raise _failure(systemd, name, since, what)
-                log(f"{name}: exited while starting ({_why(info)}); systemd restarts it")
+                if restarts.get(name) != count:
+                    restarts[name] = count
+                    log(f"{name}: exited while starting ({_why(info)}); systemd restarts it")
             if state == "active" and (unit.health_url is None or _healthy(unit.health_url)):
                 log(f"{name} is healthy after {now - started:.1f}s")
                 if unit.health_url is not None:

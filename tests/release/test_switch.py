@@ -26,6 +26,7 @@ class FakeSystemd:
         self.deadman: int | None = None
         self.deadman_command: list[str] = []
         self.journals: dict[str, str] = {}
+        self.restarting: set[str] = set()
 
     def stop(self, unit: str) -> None:
         self.calls.append(("stop", unit))
@@ -47,6 +48,8 @@ class FakeSystemd:
         return "active" if unit in self.active else "inactive"
 
     def show(self, unit: str) -> dict[str, str]:
+        if unit in self.restarting:  # exited; systemd starts it again after RestartSec=
+            return {"ActiveState": "activating", "SubState": "auto-restart", "Result": "exit-code"}
         state = self.state(unit)
         result = "exit-code" if state == "failed" else "success"
         return {"ActiveState": state, "Result": result, "NRestarts": "0"}
@@ -377,3 +380,17 @@ def test_after_ready_reports_warm_up_and_jit_after_ready() -> None:
     assert lines[2].startswith("JIT/compile after ready: 1 line(s) (tilelang), first: [TileLang")
     assert after_ready("INFO:     Application startup complete.\n")[-1].endswith("none")
     assert after_ready("still loading\n") == []
+
+
+def test_an_engine_restarting_with_a_known_cause_fails_at_once(store: Store) -> None:
+    stage(store, "r1", ["hgxserve-combined-0.service"])
+    stage(store, "r2", ["hgxserve-decode-0.service"])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd.restarting = {"hgxserve-decode-0.service"}
+    sd.journals["hgxserve-decode-0.service"] = "RuntimeError: Error 802: system not yet initialized"
+    with pytest.raises(ReleaseError) as err:
+        switch(store, "r2", confirm_within_s=60, systemd=sd, log=lambda m: None)
+    assert "did not become healthy in time" not in str(err.value)  # not waited out
+    assert "CAUSE hgxserve-decode-0.service [cuda-802]" in str(err.value)
+    assert "failed while starting (result exit-code; systemd would restart it)" in str(err.value)
