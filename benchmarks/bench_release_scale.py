@@ -4,8 +4,9 @@ For each host count (default 3, 6, 9) it boots that many test hosts (`testbed up
 renders a topology with one combined engine (TP2, simulated, ready in 2 s) per host and the proxy
 on the first host, and times, with the real pyinfra CLI:
 
-- fresh:  `deploys/site.py --data stages=weights,engines` on hosts that never ran a release
-          (agent install, weights sync from the local S3, stage, switch, gate, confirm);
+- fresh:  `deploys/site.py --data stages=runtime,weights,engines` on hosts that never ran a
+          release (agent install, the simulated engine's wheels, weights sync from the local S3,
+          stage, switch, warm-up, gate, confirm);
 - no-op:  the same command again (0 changes, nothing restarted);
 - switch: a topology whose engines all changed (every host stops and starts its engine);
 
@@ -62,6 +63,7 @@ model:
       credentials: {{env_file: /etc/hgxserve/s3.env}}
 defaults:
   engine: vllm
+  version: 0.26.0
   runtime: {{venv: /opt/vllm-sim}}
   args: {{max_model_len: 256, max_num_seqs: 8, block_size: 16}}
 engines:
@@ -95,7 +97,7 @@ def measure(count: int, work: Path) -> dict[str, float]:
     first, second = work / f"a-{count}.yml", work / f"b-{count}.yml"
     first.write_text(topology(bed.names, bed.addresses, "a"))
     second.write_text(topology(bed.names, bed.addresses, "b"))
-    site = ["deploys/site.py", "--data", "stages=weights,engines"]
+    site = ["deploys/site.py", "--data", "stages=runtime,weights,engines"]
     out = {"pyinfra floor": timed(["exec", "--", "true"])}
     out["fresh"] = timed([*site, "--data", f"topology={first}"])
     out["no-op"] = timed([*site, "--data", f"topology={first}"], expect_noop=True)

@@ -446,6 +446,8 @@ def test_a_host_that_reverts_on_its_own_is_named(
 
 
 def test_sglang_pd_across_hosts_passes_the_gate_with_evidence(lab: testbed_hosts.Testbed) -> None:
+    runtime = lab.pyinfra("deploys/runtime.py", "--data", f"topology={SGLANG_PD}")
+    assert runtime.returncode == 0, output(runtime)[-3000:]  # the (simulated) SGLang wheels
     proc = deploy(lab, "deploys/engines.py", f"topology={SGLANG_PD}")
     text = output(proc)
     assert proc.returncode == 0, text[-4000:]
