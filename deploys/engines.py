@@ -17,7 +17,7 @@ from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.release.evidence import RDMA_SYSFS, rdma_roles
 from hgxserve.release.plan import gate_host, switch_bound_s
 from hgxserve.release.switch import SWITCH_OVERHEAD_S
-from hgxserve.weights.placement import pin_digest
+from hgxserve.topology.placement import pin_digest
 from roles.agent import agent
 from roles.releases import release
 

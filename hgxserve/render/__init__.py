@@ -44,8 +44,8 @@ from hgxserve.render.types import (
     unit_name,
 )
 from hgxserve.topology.model import Engine, SecretRef, Topology
+from hgxserve.topology.placement import check_marker_args, serving_tree
 from hgxserve.topology.ports import engine_url
-from hgxserve.weights.placement import check_marker_args, serving_tree
 
 __all__ = [
     "CredentialSpec",

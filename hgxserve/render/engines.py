@@ -17,13 +17,13 @@ from typing import Any
 from hgxserve.render.types import RenderError
 from hgxserve.topology.engine_args import flag, not_rendered
 from hgxserve.topology.model import Engine, EngineKind, Topology, is_loopback
+from hgxserve.topology.placement import serving_tree
 from hgxserve.topology.ports import (
     engine_bind,
     kv_crosses_hosts,
     side_channel_host,
     uses_nixl_side_channel,
 )
-from hgxserve.weights.placement import serving_tree
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 from hgxserve.paths import weights_state_dir
 from hgxserve.render import render_host
 from hgxserve.topology import load_topology
-from hgxserve.weights.placement import pin_digest, serving_tree
+from hgxserve.topology.placement import pin_digest, serving_tree
 
 REPO = Path(__file__).resolve().parents[2]
 DIGEST = "sha256:" + "ab" * 32
@@ -38,7 +38,7 @@ def test_in_place_units_read_the_mount_and_its_marker(tmp_path: Path) -> None:
     mount = topo.model.source.mount  # type: ignore[union-attr]
     assert serving_tree(topo.model) == (mount, weights_state_dir(topo.model.name))
     role = (REPO / "roles/weights.py").read_text()  # the weights stage writes it there
-    assert "state_dir=weights_state_dir(model_name)" in role
+    assert "weights_state_dir(model.name)" in role
     text = unit_text(path)
     assert f"check-marker {mount} --state-dir /var/lib/hgxserve/weights/{topo.model.name}\n" in text
     assert f" serve {mount} " in text  # the engine reads the mount
