@@ -1,7 +1,8 @@
 """`hgxserve bench`: SLA load tests of a deployed topology, and comparisons between runs.
 
-Exit status: 0 every SLA met, 1 an SLA missed (the failing figures are printed), 2 the bench
-could not run or a round was refused (not idle, unclean, generator failed, bad topology).
+Exit status (README "Exit codes"): 0 every SLA met; 1 an SLA missed (each failing figure
+printed); 2 bad arguments or scenarios; 3 the proxy's or an engine's /metrics unreachable; 6 a
+round refused (not idle, unclean) or the load generator failed.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from pathlib import Path
 import click
 
 from hgxserve.defaults import BENCH_RUNS_DIR
-
-EXIT_SLA_MISSED = 1
-EXIT_NOT_RUN = 2
+from hgxserve.errors import ExitCode, UsageError, cli_errors
 
 
 def _progress(message: str) -> None:
@@ -99,6 +98,7 @@ def bench() -> None:
     show_default=True,
     help="Seconds one round (one AIPerf run) may take.",
 )
+@cli_errors
 def run_cmd(
     topology: str,
     names: tuple[str, ...],
@@ -114,31 +114,24 @@ def run_cmd(
 ) -> None:
     """Run the topology's bench scenarios; exit 1 when an SLA is missed."""
     from hgxserve.bench import report
-    from hgxserve.bench.generator import GeneratorError
-    from hgxserve.bench.metrics import MetricsError
-    from hgxserve.bench.run import RoundRefused, RunOptions, run_bench
+    from hgxserve.bench.run import RunOptions, run_bench
     from hgxserve.bench.scenario import load_bench
     from hgxserve.topology import TopologyError
 
     try:
         spec = load_bench(topology)
-        scenarios = spec.pick(list(names))
     except TopologyError as exc:
         for problem in exc.problems:
             click.echo(problem.text(), err=True)
-        sys.exit(EXIT_NOT_RUN)
-    except ValueError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(EXIT_NOT_RUN)
+        sys.exit(ExitCode.USAGE)
+    scenarios = spec.pick(list(names))
     if tokenizer is not None and not Path(tokenizer, "tokenizer_config.json").is_file():
-        click.echo(f"Error: {tokenizer}: no tokenizer_config.json (a model directory)", err=True)
-        sys.exit(EXIT_NOT_RUN)
+        raise UsageError(f"{tokenizer}: no tokenizer_config.json (want the model's directory)")
     urls = {}
     for item in engine_urls:
         name, sep, url = item.partition("=")
         if not sep or not url.startswith(("http://", "https://")):
-            click.echo(f"Error: --engine-url {item!r}: want ENGINE=http://HOST:PORT", err=True)
-            sys.exit(EXIT_NOT_RUN)
+            raise UsageError(f"--engine-url {item!r}: want ENGINE=http://HOST:PORT")
         urls[name] = url
     api_key = Path(api_key_file).read_text().strip() if api_key_file else None
     if release_id is None and inventory is not None:
@@ -153,18 +146,14 @@ def run_cmd(
         round_timeout_s=round_timeout,
         drain_timeout_s=drain_timeout,
     )
-    try:
-        run_dir, result = run_bench(spec, scenarios, opts, _progress)
-    except (RoundRefused, GeneratorError, MetricsError, ValueError) as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(EXIT_NOT_RUN)
+    run_dir, result = run_bench(spec, scenarios, opts, _progress)
     path = report.write_report(run_dir, result)
     click.echo(path.read_text())
     click.echo(f"run: {run_dir}\nreport: {path}")
     if not result["passed"]:
         for miss in result["verdicts"]:
             click.echo(f"SLA missed: {report.miss_text(miss)}", err=True)
-        sys.exit(EXIT_SLA_MISSED)
+        sys.exit(ExitCode.FOUND)
 
 
 def _running_releases(topo: object, inventory: str) -> str:
@@ -178,8 +167,7 @@ def _running_releases(topo: object, inventory: str) -> str:
     try:
         hosts = load_inventory(inventory).select(names)
     except InventoryError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(EXIT_NOT_RUN)
+        raise UsageError(str(exc)) from None
     parts = []
     with Sessions(hosts) as sessions:
         results = sessions.run_all(f"{AGENT} release status", 30)
@@ -198,14 +186,11 @@ def _running_releases(topo: object, inventory: str) -> str:
 
 @bench.command("compare")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True))
+@cli_errors
 def compare_cmd(runs: tuple[str, ...]) -> None:
     """Kept runs side by side per scenario and load, with deltas against the first."""
     from hgxserve.bench import report
     from hgxserve.bench.run import load_run
 
-    try:
-        loaded = [load_run(r) for r in runs]
-    except ValueError as exc:
-        click.echo(f"Error: {exc}", err=True)
-        sys.exit(EXIT_NOT_RUN)
+    loaded = [load_run(r) for r in runs]
     click.echo(report.compare(loaded), nl=False)

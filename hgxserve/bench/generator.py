@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hgxserve.bench.scenario import LoadPoint, Scenario
+from hgxserve.errors import ExitCode, HgxserveError
 
 EXPORT_FILE = "profile_export_aiperf.json"
 # AIPerf metric tag -> our name; times in AIPerf's export are milliseconds.
@@ -43,8 +44,10 @@ _COUNTS = {
 }
 
 
-class GeneratorError(Exception):
+class GeneratorError(HgxserveError):
     """AIPerf could not run the round, or wrote nothing we can read."""
+
+    exit_code = ExitCode.FAILED
 
 
 def aiperf_command() -> list[str]:

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from hgxserve.errors import ExitCode, HgxserveError, UsageError
 from hgxserve.release.gate import parse_samples
 from hgxserve.topology import Topology
 from hgxserve.topology.ports import engine_url
@@ -38,8 +39,10 @@ KV_FAILED = {
 }
 
 
-class MetricsError(Exception):
+class MetricsError(HgxserveError):
     """An endpoint's /metrics could not be read."""
+
+    exit_code = ExitCode.SOURCE
 
 
 def fetch_text(url: str, timeout: float = 10.0) -> str:
@@ -94,12 +97,12 @@ def targets(
     engine_urls = engine_urls or {}
     unknown = sorted(set(engine_urls) - set(topo.engines))
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"--engine-url names no engine of the topology: {', '.join(unknown)} "
             f"(engines: {', '.join(topo.engines)})"
         )
     if topo.proxy is None:
-        raise ValueError(f"{topo.source_file}: the topology has no proxy to bench through")
+        raise UsageError(f"{topo.source_file}: the topology has no proxy to bench through")
     proxy = topo.proxy
     if proxy_url is None:
         host = topo.hosts[proxy.host].address

@@ -21,6 +21,7 @@ from typing import Any
 from hgxserve.bench import generator, metrics
 from hgxserve.bench.relay import RoundRelay
 from hgxserve.bench.scenario import BenchSpec, LoadPoint, Scenario
+from hgxserve.errors import ExitCode, HgxserveError, UsageError
 
 SCHEMA_VERSION = 1
 POLL_S = 1.0
@@ -28,8 +29,10 @@ POLL_S = 1.0
 SETTLE_TIMEOUT_S = 30.0
 
 
-class RoundRefused(Exception):
+class RoundRefused(HgxserveError):
     """A round could not start clean, or ended unclean; the message has the numbers."""
+
+    exit_code = ExitCode.FAILED
 
 
 @dataclass
@@ -316,7 +319,7 @@ def load_run(path: str | Path) -> dict[str, Any]:
     try:
         data: dict[str, Any] = json.loads(p.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{p}: not a bench run ({exc})") from None
+        raise UsageError(f"{p}: not a bench run ({exc})") from None
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{p}: not a bench run of schema version {SCHEMA_VERSION}")
+        raise UsageError(f"{p}: not a bench run of schema version {SCHEMA_VERSION}")
     return data

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hgxserve.defaults import BENCH_DRAIN_TIMEOUT_S, BENCH_PERCENTILE, topology_schema
+from hgxserve.errors import UsageError
 from hgxserve.topology import Topology, TopologyError, load_topology
 from hgxserve.topology.loader import Document, load_document
 from hgxserve.topology.problems import Problem, sort_problems
@@ -139,7 +140,7 @@ class BenchSpec:
         known = {s.name: s for s in self.scenarios}
         missing = [n for n in names if n not in known]
         if missing:
-            raise ValueError(
+            raise UsageError(
                 f"{self.source}: no scenario named {', '.join(missing)} "
                 f"(scenarios: {', '.join(known)})"
             )
@@ -234,7 +235,7 @@ def load_bench(topology_path: str | Path) -> BenchSpec:
     else:
         path = bench_file_for(topology_path)
         if not path.exists():
-            raise ValueError(
+            raise UsageError(
                 f"{topology_path}: no bench scenarios: add a `bench:` section or write {path}"
             )
         doc = load_document(path)

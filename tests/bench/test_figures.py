@@ -11,6 +11,7 @@ import pytest
 from hgxserve.bench import metrics, report
 from hgxserve.bench.run import _point, load_run, verdicts
 from hgxserve.bench.scenario import LoadPoint, Scenario, Sla
+from hgxserve.errors import UsageError
 
 T = metrics.Targets(
     "http://10.77.0.13:8000",
@@ -238,8 +239,8 @@ def test_compare_side_by_side_with_deltas(tmp_path: Path) -> None:
 
 def test_load_run_refuses_what_is_not_a_run(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text(json.dumps({"schema_version": 99}))
-    with pytest.raises(ValueError, match="not a bench run"):
+    with pytest.raises(UsageError, match="not a bench run"):
         load_run(tmp_path)
     bad = copy.deepcopy(tmp_path / "nothing")
-    with pytest.raises(ValueError, match="not a bench run"):
+    with pytest.raises(UsageError, match="not a bench run"):
         load_run(bad)

@@ -227,7 +227,7 @@ def test_a_leftover_client_makes_the_round_wait_then_refuse(lab: Lab, tmp_path: 
         stop.set()
         for t in threads:
             t.join(30)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 6, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "pd-long-c2-s0: waiting up to 3 s for proxy outstanding 2" in proc.stderr
     assert "refused: still busy after 3 s: proxy outstanding 2, combined-0 running 2" in (
         proc.stderr

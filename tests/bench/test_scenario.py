@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hgxserve.bench.scenario import bench_file_for, load_bench
+from hgxserve.errors import UsageError
 from hgxserve.topology import TopologyError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,13 +97,13 @@ def test_bench_file_errors_name_the_bench_file(tmp_path: Path) -> None:
 
 def test_no_scenarios_says_where_to_put_them(tmp_path: Path) -> None:
     path = _copy_topology(tmp_path)
-    with pytest.raises(ValueError, match=r"t\.bench\.yaml"):
+    with pytest.raises(UsageError, match=r"t\.bench\.yaml"):
         load_bench(path)
 
 
 def test_unknown_scenario_name_lists_the_known_ones() -> None:
     spec = load_bench(DEMO_PD)
-    with pytest.raises(ValueError, match="no scenario named nope"):
+    with pytest.raises(UsageError, match="no scenario named nope"):
         spec.pick(["nope"])
 
 

@@ -155,7 +155,7 @@ def test_a_leftover_client_makes_the_round_wait_then_refuse(
         stop.set()
         for t in threads:
             t.join(30)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 6, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "waiting up to 6 s for proxy outstanding 2" in proc.stderr, proc.stderr
     assert "refused: still busy after 6 s: proxy outstanding 2" in proc.stderr, proc.stderr
     assert "combined-0 running 2" in proc.stderr
