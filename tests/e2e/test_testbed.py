@@ -301,6 +301,8 @@ def test_simulated_engine_comes_as_wheels_not_preplaced(testbed):
     for venv in ("/opt/vllm-sim", "/opt/sglang-sim"):
         present = testbed.ssh(name, f"test -e {venv}").returncode == 0
         assert not present or testbed.ssh(name, f"test -f {venv}/pyvenv.cfg").returncode == 0
+    # the wheel directory is shared by every checkout on this machine: build from this one
+    assert hosts.build_engine_wheels()
     wheels = {p.name: p for p in hosts.WHEELS_DIR.glob("*.whl")}
     assert sorted(wheels) == [
         "mooncake_transfer_engine-0.3.13.post1+sim-py3-none-any.whl",
