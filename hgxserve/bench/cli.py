@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from hgxserve.defaults import BENCH_RUNS_DIR
-from hgxserve.errors import ExitCode, UsageError, cli_errors
+from hgxserve.errors import ExitCode, UsageError, cli_errors, register_secret
 
 
 def _progress(message: str) -> None:
@@ -134,6 +134,7 @@ def run_cmd(
             raise UsageError(f"--engine-url {item!r}: want ENGINE=http://HOST:PORT")
         urls[name] = url
     api_key = Path(api_key_file).read_text().strip() if api_key_file else None
+    register_secret(api_key)
     if release_id is None and inventory is not None:
         release_id = _running_releases(spec.topology, inventory)
     opts = RunOptions(

@@ -72,7 +72,6 @@ class RoundArgs:
     seed: int
     out_dir: Path
     tokenizer: str | None = None
-    api_key: str | None = None
 
 
 def argv(args: RoundArgs) -> list[str]:
@@ -158,9 +157,6 @@ def run_round(
     # Not HF_HUB_OFFLINE: AIPerf 0.13.0 then looks a local tokenizer path up as a hub repo id
     # and fails (HFValidationError); a local directory needs no network without it.
     env = {**os.environ, "HF_HUB_DISABLE_TELEMETRY": "1"}
-    if args.api_key:
-        env["OPENAI_API_KEY"] = args.api_key
-        cmd += ["--api-key", args.api_key]
     log_path = args.out_dir / "aiperf.log"
     started = time.monotonic()
     with log_path.open("wb") as log:

@@ -28,6 +28,7 @@ _SKIP = {
     "host",
     "content-length",
     "x-request-id",
+    "authorization",
 }
 
 
@@ -41,9 +42,11 @@ class RelayCounts:
 class RoundRelay:
     """Run in a thread: `with RoundRelay(upstream, prefix) as relay: use relay.url`."""
 
-    def __init__(self, upstream: str, prefix: str) -> None:
+    def __init__(self, upstream: str, prefix: str, api_key: str | None = None) -> None:
         self.upstream = upstream.rstrip("/")
         self.prefix = prefix
+        # the proxy's key is added here, so it is never on the generator's command line
+        self._api_key = api_key
         self.counts = RelayCounts()
         self._serial = 0
         self.url = ""
@@ -66,6 +69,8 @@ class RoundRelay:
         req_id = f"{self.prefix}-{self._serial:07d}"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP}
         headers["X-Request-Id"] = req_id
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
         body = await request.read()
         assert self._session is not None
         try:

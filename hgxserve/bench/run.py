@@ -179,7 +179,7 @@ def run_bench(
         f"results in {run_dir}"
     )
     try:
-        with RoundRelay(t.proxy_url, run_id) as relay:
+        with RoundRelay(t.proxy_url, run_id, opts.api_key) as relay:
             for scenario in scenarios:
                 for point in scenario.load_points():
                     rounds = []
@@ -236,7 +236,6 @@ def _round(
             seed=seed,
             out_dir=run_dir / "rounds" / label,
             tokenizer=opts.tokenizer,
-            api_key=opts.api_key,
         ),
         progress=progress,
         timeout_s=opts.round_timeout_s,
