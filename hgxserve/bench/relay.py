@@ -63,7 +63,8 @@ class RoundRelay:
         self._serial = 0
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        if request.method == "POST":  # generation; GET /v1/models etc. reach no engine
+        generation = request.method == "POST"  # GET /v1/models etc. reach no engine
+        if generation:
             self.counts.sent += 1
         self._serial += 1
         req_id = f"{self.prefix}-{self._serial:07d}"
@@ -86,9 +87,9 @@ class RoundRelay:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
                 await response.write_eof()
-                if upstream.status < 400:
+                if generation and upstream.status < 400:
                     self.counts.answered += 1
-                else:
+                elif generation:
                     self.counts.failed += 1
                 return response
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -48,7 +48,7 @@ def test_every_request_gets_the_round_prefix_and_the_key() -> None:
                     assert resp.headers["X-Request-Id"] == f"run1-a-c1-s0-{i + 1:07d}"
                     assert resp.read() == b'data: {"prompt": "p%d"}\n\ndata: [DONE]\n\n' % i
             urllib.request.urlopen(relay.url + "/v1/models", timeout=10).read()
-            assert (relay.counts.sent, relay.counts.answered) == (3, 3)  # GETs reach no engine
+            assert relay.counts.sent == 3  # GETs reach no engine
             relay.new_round("run1-b-c1-s0")
             urllib.request.urlopen(
                 urllib.request.Request(relay.url + "/v1/completions", data=b"{}"), timeout=10
