@@ -187,11 +187,23 @@ def _running_releases(topo: object, inventory: str) -> str:
 
 @bench.command("compare")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option(
+    "--max-regression",
+    type=click.FloatRange(0, 1000),
+    help="Exit 1 when a later run is worse than the first by more than this many percent "
+    "(throughput lower, TTFT/TPOT higher), naming each figure.",
+)
 @cli_errors
-def compare_cmd(runs: tuple[str, ...]) -> None:
+def compare_cmd(runs: tuple[str, ...], max_regression: float | None) -> None:
     """Kept runs side by side per scenario and load, with deltas against the first."""
     from hgxserve.bench import report
     from hgxserve.bench.run import load_run
 
     loaded = [load_run(r) for r in runs]
     click.echo(report.compare(loaded), nl=False)
+    if max_regression is not None:
+        worse = report.regressions(loaded, max_regression)
+        for line in worse:
+            click.echo(f"regression: {line}", err=True)
+        if worse:
+            sys.exit(ExitCode.FOUND)

@@ -130,6 +130,30 @@ def write_report(run_dir: Path, result: dict[str, Any]) -> Path:
     return path
 
 
+def regressions(runs: list[dict[str, Any]], margin_pct: float) -> list[str]:
+    """Figures of the later runs that are worse than the first run's by more than margin_pct
+    (lower throughput, higher latency), one line each."""
+    base = {(p["scenario"], p["label"]): p for p in runs[0]["points"]}
+    out = []
+    for run in runs[1:]:
+        for p in run["points"]:
+            ref = base.get((p["scenario"], p["label"]))
+            if ref is None:
+                continue
+            for key, label, higher_is_better in COMPARED:
+                old, new = figure(ref, key), figure(p, key)
+                if old is None or new is None or old == 0:
+                    continue
+                change = (new - old) / old * 100
+                worse = -change if higher_is_better else change
+                if worse > margin_pct:
+                    out.append(
+                        f"{run['run_id']} {p['scenario']} {p['label']}: {label} {new:.2f} vs "
+                        f"{old:.2f} ({change:+.1f}%, margin {margin_pct:g}%)"
+                    )
+    return out
+
+
 def compare(runs: list[dict[str, Any]]) -> str:
     """Runs side by side per scenario and load point; deltas against the first run."""
     base = runs[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,3 +246,22 @@ def test_load_run_refuses_what_is_not_a_run(tmp_path: Path) -> None:
     bad = copy.deepcopy(tmp_path / "nothing")
     with pytest.raises(UsageError, match="not a bench run"):
         load_run(bad)
+
+
+def test_compare_fails_on_a_regression_past_the_margin(tmp_path: Path) -> None:
+    a, b = _fake_run("a", ttft=20.0, tput=2.0), _fake_run("b", ttft=30.0, tput=2.0)
+    for run in (a, b):
+        (tmp_path / run["run_id"]).mkdir()
+        (tmp_path / run["run_id"] / "run.json").write_text(json.dumps(run))
+    worse = report.regressions([a, b], 10)
+    assert worse[0] == "b long c1: TTFT p50 ms 32.00 vs 22.00 (+45.5%, margin 10%)"
+    assert all("TTFT" in line for line in worse)  # throughput and TPOT did not change
+    assert report.regressions([a, b], 60) == [] and report.regressions([b, a], 10) == []
+    hgxserve = Path(sys.executable).with_name("hgxserve")
+    args = [str(hgxserve), "bench", "compare", str(tmp_path / "a"), str(tmp_path / "b")]
+    failed = subprocess.run([*args, "--max-regression", "10"], capture_output=True, text=True)
+    assert failed.returncode == 1 and "regression: b long c4: TTFT p90" in failed.stderr
+    passed = subprocess.run([*args, "--max-regression", "60"], capture_output=True, text=True)
+    assert passed.returncode == 0 and "(+" in passed.stdout
+    missing = subprocess.run([*args[:-1], str(tmp_path / "nope")], capture_output=True, text=True)
+    assert missing.returncode == 2
