@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from testbed import demo  # noqa: E402
 from testbed import hosts as testbed_hosts  # noqa: E402
+from testbed.util import TestbedError  # noqa: E402
 
 PD = REPO / "topologies/demo/demo-pd.yml"
 INVENTORY = "inventory/testhosts.py"
@@ -110,7 +111,7 @@ def inventory_of(bed: testbed_hosts.Testbed, names: list[str], work: Path) -> st
     return str(path)
 
 
-def wait_ssh(bed: testbed_hosts.Testbed, timeout: float = 90) -> None:
+def wait_ssh(bed: testbed_hosts.Testbed, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     for name in bed.names:
         while bed.ssh(name, "true", timeout=15).returncode != 0:
@@ -195,7 +196,10 @@ def main() -> None:
     finally:
         demo.stop_s3()
         if not args.keep:
-            testbed_hosts.down()
+            try:
+                testbed_hosts.down()
+            except TestbedError as exc:
+                print(f"testbed: {exc}", file=sys.stderr)
     print_table(results, args.rounds)
 
 

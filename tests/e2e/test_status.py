@@ -181,14 +181,14 @@ def test_logs_diagnose_names_a_simulated_engine_failure(lab: testbed_hosts.Testb
         f"mkdir -p {Path(FAIL_DROPIN).parent} && printf '%s\\n' '[Service]' "
         "'Environment=HGXSERVE_SIM_FAIL=error:h200_error-802_hf-jobs' "
         f"'Environment=HGXSERVE_SIM_START_SECONDS=0' > {FAIL_DROPIN} && "
-        f"systemctl daemon-reload && systemctl restart {DECODE}"
+        f"systemctl daemon-reload && systemctl restart --no-block {DECODE}"
     )
-    lab.ssh("hgx-b", dropin)
+    lab.ssh("hgx-b", dropin, check=True)
     try:
         wait_for(
             lambda: "Error 802" in lab.ssh("hgx-b", f"journalctl -u {DECODE} -n 50").stdout,
             "the simulated failure in the journal",
-            timeout=30,
+            timeout=120,
         )
         plain = hgxserve("logs", str(PD), "decode-0", "--inventory", INVENTORY, "-n", "30")
         assert plain.returncode == 0, plain.stderr
@@ -207,9 +207,9 @@ def test_logs_diagnose_names_a_simulated_engine_failure(lab: testbed_hosts.Testb
         lab.ssh(
             "hgx-b",
             f"rm -f {FAIL_DROPIN}; systemctl daemon-reload; systemctl reset-failed {DECODE}; "
-            f"systemctl restart {DECODE}",
+            f"systemctl restart --no-block {DECODE}",
         )
-    wait_for(healthy, "the decode healthy again", timeout=90)
+    wait_for(healthy, "the decode healthy again", timeout=150)
 
 
 def test_logs_follow_streams_every_host_until_interrupted(lab: testbed_hosts.Testbed) -> None:
