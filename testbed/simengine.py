@@ -42,10 +42,17 @@ Environment knobs (all optional):
                       test hosts' fixtures, e.g. h200_error-802_hf-jobs) and exit 1, as the
                       real engine failing that way would
 
+API keys are enforced as the real engines do: vLLM takes `--api-key` (one or more) or else
+VLLM_API_KEY from the environment and then answers 401 {"error": "Unauthorized"} on every /v1
+path without `Authorization: Bearer <key>` (/health and /metrics stay open); SGLang takes
+`--api-key` and guards everything but /health* and /metrics the same way.
+
 Prompts understood specially (deterministic, temperature 0):
   "Only answer: X" / "只输出：X" / "只回答：X"  -> the answer is exactly X
   a prompt containing FIRST_TOKEN_EOS          -> the first generated token is EOS (empty answer),
                                                   so a vLLM prefill returns no kv_transfer_params
+  a prompt containing SIM_DROP_REQUEST         -> the connection is closed without an answer (one
+                                                  request dropped; the engine stays up)
 
 Simulated-only debug endpoint: GET /sim/requests (recent requests: id, kind, KV outcome, aborted).
 """
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import math
 import os
@@ -108,7 +116,7 @@ BOOL_FLAGS = {
     "--no-enable-chunked-prefill",
 }
 # Flags taking one or more values (argparse nargs="+").
-MULTI_FLAGS = {"--served-model-name"}
+MULTI_FLAGS = {"--served-model-name", "--api-key"}
 
 TTFT_BUCKETS = [
     0.001,
@@ -342,6 +350,7 @@ class State:
         self.disagg_mode = "null"
         self.bootstrap_port = 8998
         self.health_generates = False
+        self.api_keys: list[bytes] = []  # sha256 digests, compared as vLLM does
         self.running = 0
         self.waiting = 0
         self.served = 0
@@ -569,6 +578,7 @@ class Conn:
 REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     411: "Length Required",
     500: "Internal Server Error",
@@ -628,8 +638,33 @@ async def handle_client(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         writer.close()
 
 
+def authorized(path: str, headers: dict[str, str]) -> bool:
+    """The engine's API-key check: vLLM guards /v1 paths, SGLang all but /health* and /metrics."""
+    s = STATE
+    if not s.api_keys or method_exempt(path):
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+    match = False
+    for key in s.api_keys:
+        match |= hmac.compare_digest(digest, key)
+    return match
+
+
+def method_exempt(path: str) -> bool:
+    if STATE.engine == "vllm":
+        return not path.startswith("/v1")
+    return path.startswith("/health") or path.startswith("/metrics")
+
+
 async def route(conn: Conn, method: str, path: str, headers: dict[str, str], raw: bytes) -> None:
     s = STATE
+    if method != "OPTIONS" and not authorized(path, headers):
+        s.inc("unauthorized")
+        await conn.send_json(401, {"error": "Unauthorized"})
+        return
     if path == "/health" and method == "GET":
         if "never_healthy" in s.fail:
             await conn.send(503, b"")
@@ -675,7 +710,9 @@ async def route(conn: Conn, method: str, path: str, headers: dict[str, str], raw
             body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("request body must be a JSON object")
-        except ValueError as exc:
+            # as vLLM's request parsing (pydantic): lone surrogates are not valid text
+            json.dumps(body, ensure_ascii=False).encode()
+        except ValueError as exc:  # UnicodeEncodeError included
             await conn.send_json(400, error_body(400, f"invalid JSON body: {exc}"))
             return
         await generate(conn, body, headers, chat=path.endswith("chat/completions"))
@@ -891,6 +928,11 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
     except ValueError as exc:
         await conn.send_json(400, error_body(400, str(exc)))
         return
+    if "SIM_DROP_REQUEST" in text:
+        s.inc("dropped")
+        s.record({"request_id": req_id, "dropped": True})
+        conn.writer.transport.abort()
+        raise Aborted()
     prompt_tokens = count_prompt_tokens(body, text, chat)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     if max_tokens is None:
@@ -1300,6 +1342,12 @@ def configure(args: dict[str, Any]) -> None:
         s.health_generates = flag not in ("0", "false", "no", "off")
         default_port = 30000
         default_host = "127.0.0.1"
+    keys = args.get("--api-key")
+    if isinstance(keys, str):
+        keys = [keys]
+    if not keys and s.engine == "vllm" and os.environ.get("VLLM_API_KEY"):
+        keys = [os.environ["VLLM_API_KEY"]]
+    s.api_keys = [hashlib.sha256(k.encode()).digest() for k in keys or [] if k]
     names = args.get("--served-model-name")
     s.served_names = names if isinstance(names, list) else ([names] if names else [s.model_path])
     s.max_model_len = int(args.get("--max-model-len") or args.get("--context-length") or 8192)

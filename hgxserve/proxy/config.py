@@ -70,13 +70,30 @@ class Routing:
 
 @dataclass(frozen=True)
 class Limits:
-    """Request size and upstream time limits (seconds)."""
+    """What one client, and all clients together, may hold; upstream time limits (seconds).
+
+    Defaults and where they come from are in docs/proxy.md ("Front door").
+    """
 
     max_body_bytes: int = 8 * 1024 * 1024
+    # a request head must be complete this long after the connection opened or the previous
+    # answer ended (an idle keep-alive connection is closed after it too)
+    header_timeout_s: float = 30.0
+    # the whole request body must arrive within this
+    body_timeout_s: float = 60.0
+    # open client connections; one more gets 503 and is closed
+    max_connections: int = 4096
+    # generation and /v1/models requests being handled; one more gets 429
+    max_in_flight: int = 2048
+    # bytes of request bodies held by requests in flight; one that would pass it gets 503
+    max_buffered_body_bytes: int = 512 * 1024 * 1024
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 600.0
     # longest silence between two bytes of a decode/combined answer
     read_timeout_s: float = 600.0
+    # idle keep-alive connections to one engine, and how long one may stay idle
+    upstream_max_idle: int = 64
+    upstream_idle_timeout_s: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,8 @@ class ProxyConfig:
     limits: Limits = field(default_factory=Limits)
     health: Health = field(default_factory=Health)
     api_key_file: str | None = None
+    # the key the engines want (vLLM's VLLM_API_KEY), sent upstream as a Bearer token
+    upstream_api_key_file: str | None = None
 
 
 class _Checker:
@@ -264,9 +283,16 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
         Limits,
         {
             "max_body_bytes": (int, 1024),
+            "header_timeout_s": (float, 0.01),
+            "body_timeout_s": (float, 0.01),
+            "max_connections": (int, 1),
+            "max_in_flight": (int, 1),
+            "max_buffered_body_bytes": (int, 1024),
             "connect_timeout_s": (float, 0.01),
             "prefill_timeout_s": (float, 0.01),
             "read_timeout_s": (float, 0.01),
+            "upstream_max_idle": (int, 0),
+            "upstream_idle_timeout_s": (float, 0.01),
         },
     )
     health = _section(
@@ -282,10 +308,17 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
             "path": (str, None),
         },
     )
-    auth = chk.obj(top.get("auth", {}) or {}, "$.auth", {"api_key_file"})
-    key_file = auth.get("api_key_file")
-    if key_file is not None and (not isinstance(key_file, str) or not key_file.startswith("/")):
-        chk.fail("$.auth.api_key_file", f"must be an absolute path, not {key_file!r}")
+    auth = chk.obj(top.get("auth", {}) or {}, "$.auth", {"api_key_file", "upstream_api_key_file"})
+    for key in ("api_key_file", "upstream_api_key_file"):
+        value = auth.get(key)
+        if value is not None and (not isinstance(value, str) or not value.startswith("/")):
+            chk.fail(f"$.auth.{key}", f"must be an absolute path, not {value!r}")
+    if limits.max_buffered_body_bytes < limits.max_body_bytes:
+        chk.fail(
+            "$.limits.max_buffered_body_bytes",
+            f"must be at least max_body_bytes ({limits.max_body_bytes}), or no body that large "
+            "could ever be accepted",
+        )
     if routing.pd_min_prompt_tokens > 0 and groups and not combined:
         chk.fail(
             "$.routing.pd_min_prompt_tokens",
@@ -303,7 +336,8 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
         routing=routing,
         limits=limits,
         health=health,
-        api_key_file=key_file,
+        api_key_file=auth.get("api_key_file"),
+        upstream_api_key_file=auth.get("upstream_api_key_file"),
     )
 
 
@@ -338,4 +372,9 @@ def read_api_key(path: str) -> str:
         raise ProxyConfigError(f"{path}: cannot read the API key file: {exc.strerror}") from exc
     if not key:
         raise ProxyConfigError(f"{path}: the API key file is empty")
+    if not all("!" <= c <= "~" for c in key):
+        # it goes into an HTTP header: a CR/LF or space there would split or end the header
+        raise ProxyConfigError(
+            f"{path}: the API key must be printable ASCII without spaces or control characters"
+        )
     return key

@@ -8,6 +8,11 @@ vLLM NIXL: prefill gets the body with stream=false, max_tokens=1 and kv_transfer
 none: first token was EOS, decode prefills locally). SGLang: prefill and decode get the same body
 with bootstrap_host/port/room at once. Answers are relayed byte for byte: SSE chunks as they
 arrive, JSON bodies untouched (reasoning_content, tool_calls and usage survive).
+
+The front door (docs/proxy.md, "Front door"): request heads and bodies must arrive in time,
+open connections, requests in flight and buffered body bytes are capped (503/429/503), a
+client's own `kv_transfer_params` and `bootstrap_*` fields never reach an engine, only a failed
+connection (or the health checks) takes an engine out of rotation, and warnings are bounded.
 """
 
 from __future__ import annotations
@@ -18,19 +23,23 @@ import hmac
 import json
 import logging
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from hgxserve.proxy.balancer import Decision, HealthChecker, Instance, Pool
 from hgxserve.proxy.config import ProxyConfig, read_api_key
 from hgxserve.proxy.upstream import Response, Upstream, UpstreamError
 
 log = logging.getLogger("hgxserve.proxy")
+# aiohttp's server logs malformed requests here (with our bounds, not its tracebacks)
+http_log = logging.getLogger("hgxserve.proxy.http")
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 RETRYABLE_STATUS = (502, 503, 504)
@@ -44,6 +53,24 @@ PREFILL_KV_PARAMS = {
 }
 
 
+# Fields that tell an engine where to fetch or send KV: only the proxy sets them. A client's
+# own would make a decode dial a host:port of the client's choosing.
+TRANSFER_FIELDS = ("kv_transfer_params",)
+TRANSFER_PREFIXES = ("bootstrap_",)
+# X-Request-Id values passed on as they came; anything else gets a fresh id
+LINGER_S = 2.0
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}\Z")
+_REFUSED_BODY = (
+    b'{"error":{"message":"Too many open connections to the proxy; retry shortly.",'
+    b'"type":"service_unavailable","param":null,"code":503}}'
+)
+REFUSED_CONNECTION = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+    % (len(_REFUSED_BODY), _REFUSED_BODY)
+)
+
+
 def error_kind(exc: BaseException) -> str:
     return exc.kind if isinstance(exc, UpstreamError) else type(exc).__name__
 
@@ -51,6 +78,87 @@ def error_kind(exc: BaseException) -> str:
 def new_request_id() -> str:
     """A random 128-bit request id in hex (as uuid4().hex, at a fraction of its cost)."""
     return f"{random.getrandbits(128):032x}"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_body(raw: bytes) -> Any:
+    """The client's JSON; ValueError for anything that is not strict JSON (NaN, Infinity,
+    invalid UTF-8, nesting deep enough to exhaust the parser).
+
+    Example: parse_body(b'{"a": 1}') == {"a": 1}
+    """
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def strip_transfer_fields(raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """The body without client-supplied KV transfer fields; the client's bytes when it had none.
+
+    Example: strip_transfer_fields(b'{"kv_transfer_params":{}}', {"kv_transfer_params": {}})
+             == (b'{}', {})
+    """
+    if not any(k in TRANSFER_FIELDS or k.startswith(TRANSFER_PREFIXES) for k in body):
+        return raw, body
+    clean = {
+        k: v
+        for k, v in body.items()
+        if k not in TRANSFER_FIELDS and not k.startswith(TRANSFER_PREFIXES)
+    }
+    return json.dumps(clean, separators=(",", ":")).encode(), clean
+
+
+class BoundedLog(logging.Filter):
+    """Keeps the proxy's log bounded whatever clients send: one line per record (no
+    tracebacks; control characters escaped; cut at 300 characters) and at most `burst`
+    warnings per `window_s`, then one note of how many were dropped.
+    """
+
+    def __init__(self, burst: int = 50, window_s: float = 10.0) -> None:
+        super().__init__()
+        self.burst = burst
+        self.window_s = window_s
+        self.window_end = 0.0
+        self.count = 0
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        now = time.monotonic()
+        if now >= self.window_end:
+            dropped, self.dropped = self.dropped, 0
+            self.window_end = now + self.window_s
+            self.count = 0
+        else:
+            dropped = 0
+        if self.count >= self.burst:
+            self.dropped += 1
+            return False
+        self.count += 1
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += f": {record.exc_info[1]!r}"
+        text = text.encode("unicode_escape").decode("ascii")
+        if len(text) > 300:
+            text = text[:300] + "..."
+        if dropped:
+            text += f" ({dropped} warnings dropped in the last {self.window_s:g} s)"
+        record.msg, record.args = text, None
+        record.exc_info = record.exc_text = None
+        record.stack_info = None
+        return True
+
+
+def bound_logs() -> None:
+    """Install the `BoundedLog` filter on the proxy's loggers (once)."""
+    for logger in (log, http_log):
+        if not any(isinstance(f, BoundedLog) for f in logger.filters):
+            logger.addFilter(BoundedLog())
 
 
 def with_fields(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
@@ -84,11 +192,17 @@ class Call:
 
 
 class UpstreamUnavailable(Exception):
-    """An instance failed before any byte reached the client: safe to try another one."""
+    """An instance failed before any byte reached the client: safe to try another one.
 
-    def __init__(self, inst: Instance, why: str) -> None:
+    `engine_down`: no connection could be made, so the instance leaves rotation for everyone
+    (the health checks readmit it). A timeout or a dropped request only concerns this request.
+    """
+
+    def __init__(self, inst: Instance, why: str, cause: BaseException | None = None) -> None:
         super().__init__(why)
         self.inst = inst
+        self.engine_down = isinstance(cause, UpstreamError) and cause.connect_failed
+        self.timed_out = isinstance(cause, TimeoutError)
 
 
 class Metrics:
@@ -104,8 +218,15 @@ class Metrics:
         # (vLLM prefill returned no kv_transfer_params: decode computes the prompt itself),
         # failed (prefill failed)
         self.kv_handoffs: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+        self.open_connections = 0
+        self.in_flight = 0
+        self.buffered_body_bytes = 0
         self.added_ttft = [0] * (len(LATENCY_BUCKETS) + 1)
         self.added_sum = 0.0
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
 
     def request(self, route: str, endpoint: str, code: int) -> None:
         key = (route, endpoint, f"{code // 100}xx")
@@ -213,6 +334,19 @@ class Metrics:
             f"hgxserve_proxy_retries_total {self.retries}",
             "# TYPE hgxserve_proxy_client_disconnects_total counter",
             f"hgxserve_proxy_client_disconnects_total {self.disconnects}",
+            "# HELP hgxserve_proxy_refused_total Requests and connections turned away at the"
+            " front door, by reason.",
+            "# TYPE hgxserve_proxy_refused_total counter",
+        ]
+        for reason, n in sorted(self.refused.items()):
+            out.append(f'hgxserve_proxy_refused_total{{reason="{reason}"}} {n}')
+        out += [
+            "# TYPE hgxserve_proxy_open_connections gauge",
+            f"hgxserve_proxy_open_connections {self.open_connections}",
+            "# TYPE hgxserve_proxy_in_flight_requests gauge",
+            f"hgxserve_proxy_in_flight_requests {self.in_flight}",
+            "# TYPE hgxserve_proxy_buffered_body_bytes gauge",
+            f"hgxserve_proxy_buffered_body_bytes {self.buffered_body_bytes}",
         ]
         return "\n".join(out) + "\n"
 
@@ -230,18 +364,21 @@ def estimate_prompt_tokens(body: dict[str, Any], bytes_per_token: float) -> int:
     size = 0
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        size = len(prompt.encode())
+        size = len(prompt.encode(errors="replace"))
     elif isinstance(prompt, list):
         if prompt and isinstance(prompt[0], int):
             return len(prompt)
-        size = sum(len(p.encode()) for p in prompt if isinstance(p, str))
-    for msg in body.get("messages") or ():
+        size = sum(len(p.encode(errors="replace")) for p in prompt if isinstance(p, str))
+    messages = body.get("messages")
+    for msg in messages if isinstance(messages, list) else ():
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, str):
-            size += len(content.encode())
+            size += len(content.encode(errors="replace"))
         elif isinstance(content, list):
             size += sum(
-                len(str(p.get("text", "")).encode()) for p in content if isinstance(p, dict)
+                len(str(p.get("text", "")).encode(errors="replace"))
+                for p in content
+                if isinstance(p, dict)
             )
     return int(size / bytes_per_token)
 
@@ -254,6 +391,56 @@ def error_response(status: int, message: str, etype: str, code: str | None = Non
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: one 503 answer, the client's bytes discarded, closed after
+    the client closes or after a second (a plain close could reset the answer away)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.write(REFUSED_CONNECTION)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(1.0, self.transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        self.transport.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.timer.cancel()
+
+
+class FrontDoor(web.Server):
+    """aiohttp's low-level server with a cap on open connections.
+
+    A connection over `max_connections` gets a canned 503 and is closed without being parsed.
+    The handler's `keepalive_timeout` bounds the wait for a complete request head (aiohttp closes
+    a connection whose head is unfinished when it fires, idle or not).
+    """
+
+    def __init__(self, handler: Handler, *, max_connections: int, metrics: Metrics, **kw: Any):
+        super().__init__(handler, **kw)
+        self.max_connections = max_connections
+        self.metrics = metrics
+
+    def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.metrics.open_connections += 1
+
+    def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        self.metrics.open_connections -= 1
+
+    def __call__(self) -> Any:
+        if self.metrics.open_connections >= self.max_connections:
+            self.metrics.refuse("connections")
+            return _Refused()
+        return super().__call__()
+
+
 class Proxy:
     """Request handling: auth, routing, the two P/D protocols, relaying, retries, metrics."""
 
@@ -262,35 +449,73 @@ class Proxy:
         self.pool = Pool(config)
         self.metrics = Metrics()
         self.api_key = read_api_key(config.api_key_file) if config.api_key_file else None
+        self.upstream_key = (
+            read_api_key(config.upstream_api_key_file) if config.upstream_api_key_file else None
+        )
         # aiohttp for health checks and /v1/models; the lean pooled client for generation
         self.session: aiohttp.ClientSession | None = None
-        self.upstream = Upstream(connect_timeout=config.limits.connect_timeout_s)
+        limits = config.limits
+        self.upstream = Upstream(
+            connect_timeout=limits.connect_timeout_s,
+            api_key=self.upstream_key,
+            max_idle=limits.upstream_max_idle,
+            idle_timeout=limits.upstream_idle_timeout_s,
+        )
         self.checker_task: asyncio.Task[None] | None = None
+        bound_logs()
 
     # ------------------------------------------------------------------ lifecycle
 
     def server(self) -> web.Server:
-        """aiohttp's low-level server: five fixed routes need no router, app or middlewares."""
-        routes: dict[str, tuple[str, Handler]] = {
-            "/health": ("GET", self.health),
-            "/metrics": ("GET", self.metrics_page),
-            "/v1/models": ("GET", self.models),
-            "/v1/completions": ("POST", self.completions),
-            "/v1/chat/completions": ("POST", self.chat_completions),
+        """aiohttp's low-level server: five fixed routes need no router, app or middlewares.
+
+        Routes marked capped count against `max_in_flight`; /health and /metrics never do,
+        so probes still answer under load.
+        """
+        routes: dict[str, tuple[str, Handler, bool]] = {
+            "/health": ("GET", self.health, False),
+            "/metrics": ("GET", self.metrics_page, False),
+            "/v1/models": ("GET", self.models, True),
+            "/v1/completions": ("POST", self.completions, True),
+            "/v1/chat/completions": ("POST", self.chat_completions, True),
         }
-        max_body = self.config.limits.max_body_bytes
+        limits = self.config.limits
+        max_body = limits.max_body_bytes
+        max_in_flight = limits.max_in_flight
+        metrics = self.metrics
         loop = asyncio.get_running_loop()
 
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
             route = routes.get(request.path)
             if route is None:
                 return error_response(404, "Not found.", "not_found_error")
-            method, handler = route
+            method, handler, capped = route
             if request.method != method and not (method == "GET" and request.method == "HEAD"):
                 resp = error_response(405, f"Use {method}.", "invalid_request_error")
                 resp.headers["Allow"] = method
                 return resp
-            return await handler(request)
+            if not capped:
+                return await handler(request)
+            if metrics.in_flight >= max_in_flight:
+                metrics.refuse("in_flight")
+                resp = error_response(
+                    429, "Too many requests in flight at the proxy; retry shortly.", "rate_limit"
+                )
+                resp.headers["Retry-After"] = "1"
+                return resp
+            metrics.in_flight += 1
+            try:
+                return await handler(request)
+            except (asyncio.CancelledError, ConnectionError, web.HTTPException):
+                raise
+            except Exception as exc:
+                # a defect, not the client's fault: one bounded line, never a traceback
+                log.error("%s %s failed inside the proxy: %r", request.method, request.path, exc)
+                if request.writer is not None and request.writer.output_size:
+                    raise ConnectionResetError("answer already started") from None
+                return error_response(500, "Internal proxy error.", "internal_error")
+            finally:
+                metrics.in_flight -= 1
 
         def make_request(
             message: Any, payload: Any, protocol: Any, writer: Any, task: Any
@@ -301,14 +526,33 @@ class Proxy:
 
         # handler_cancellation: a client that disconnects cancels its handler, which closes
         # the upstream connections, so the engines abort the request
-        return web.Server(
-            handle, request_factory=make_request, handler_cancellation=True, access_log=None
+        return FrontDoor(
+            handle,
+            max_connections=limits.max_connections,
+            metrics=metrics,
+            request_factory=make_request,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=limits.header_timeout_s,
+            # after an early answer (413, 408), read and drop what the client still sends for
+            # this long so it can read the answer; then close
+            lingering_time=LINGER_S,
+            logger=http_log,
         )
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        # health checks and /v1/models only: a few connections per engine at most
+        connector = aiohttp.TCPConnector(
+            limit=100,
+            ttl_dns_cache=300,
+            keepalive_timeout=self.config.limits.upstream_idle_timeout_s,
+        )
+        headers = {"Authorization": f"Bearer {self.upstream_key}"} if self.upstream_key else None
         self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            headers=headers,
         )
         self.checker_task = asyncio.create_task(HealthChecker(self.pool, self.session).run())
 
@@ -328,8 +572,9 @@ class Proxy:
             return True
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
+        # surrogateescape: aiohttp decodes header bytes that way, so any token encodes back
         return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
+            token.strip().encode("utf-8", "surrogateescape"), self.api_key.encode()
         )
 
     async def health(self, _request: web.BaseRequest) -> web.Response:
@@ -359,6 +604,16 @@ class Proxy:
         data = [{"id": self.config.served_model_name, "object": "model", "owned_by": "hgxserve"}]
         return web.json_response({"object": "list", "data": data})
 
+    def engine_refused_key(self, inst: Instance) -> web.Response:
+        """An engine answered 401 to the proxy: a deployment fault, not the client's."""
+        self.metrics.upstream_error(inst, "http_401")
+        log.warning(
+            "%s %s refused the proxy's engine key (auth.upstream_api_key_file)", inst.role, inst.url
+        )
+        return error_response(
+            502, f"The {inst.role} engine refused the proxy's credentials.", "bad_gateway"
+        )
+
     @staticmethod
     def unauthorized() -> web.Response:
         return error_response(
@@ -379,17 +634,62 @@ class Proxy:
         if not self.authorized(request):
             self.metrics.request("none", endpoint, 401)
             return self.unauthorized()
+        limits = self.config.limits
+        length = request.content_length
+        if length is not None and length > limits.max_body_bytes:
+            return self.body_too_large(endpoint)
+        # the body's bytes (and what is parsed from them) stay held until the answer is done
+        held = limits.max_body_bytes if length is None else length
+        if self.metrics.buffered_body_bytes + held > limits.max_buffered_body_bytes:
+            self.metrics.refuse("body_bytes")
+            self.metrics.request("none", endpoint, 503)
+            resp = error_response(
+                503,
+                "The proxy holds too many request bodies; retry shortly.",
+                "service_unavailable",
+            )
+            resp.headers["Retry-After"] = "1"
+            return resp
+        self.metrics.buffered_body_bytes += held
+        try:
+            return await self._generate(request, path, endpoint)
+        finally:
+            self.metrics.buffered_body_bytes -= held
+
+    def body_too_large(self, endpoint: str) -> web.Response:
+        self.metrics.request("none", endpoint, 413)
+        limit = self.config.limits.max_body_bytes
+        return error_response(
+            413, f"Request body larger than {limit} bytes.", "invalid_request_error"
+        )
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
+        """The whole body, within `body_timeout_s` (TimeoutError otherwise)."""
+        if request.content.is_eof():
+            return await request.read()  # already all here: no timer needed
+        async with asyncio.timeout(self.config.limits.body_timeout_s):
+            return await request.read()
+
+    async def _generate(
+        self, request: web.BaseRequest, path: str, endpoint: str
+    ) -> web.StreamResponse:
         try:
             # bytes straight to json.loads: no text decode, and `raw` is relayed as it came
-            raw = await request.read()
-            body = json.loads(raw)
+            raw = await self._read_body(request)
+            body = parse_body(raw)
         except web.HTTPRequestEntityTooLarge:
-            self.metrics.request("none", endpoint, 413)
-            limit = self.config.limits.max_body_bytes
-            return error_response(
-                413, f"Request body larger than {limit} bytes.", "invalid_request_error"
+            return self.body_too_large(endpoint)
+        except TimeoutError:
+            self.metrics.refuse("body_timeout")
+            self.metrics.request("none", endpoint, 408)
+            late = error_response(
+                408,
+                f"Request body not received within {self.config.limits.body_timeout_s:g} s.",
+                "invalid_request_error",
             )
-        except ValueError:
+            late.force_close()
+            return late
+        except (ValueError, HttpProcessingError):
             self.metrics.request("none", endpoint, 400)
             return error_response(400, "Request body is not valid JSON.", "invalid_request_error")
         if not isinstance(body, dict):
@@ -397,7 +697,9 @@ class Proxy:
             return error_response(
                 400, "Request body must be a JSON object.", "invalid_request_error"
             )
-        req_id = request.headers.get("X-Request-Id") or new_request_id()
+        raw, body = strip_transfer_fields(raw, body)
+        client_id = request.headers.get("X-Request-Id")
+        req_id = client_id if client_id and REQUEST_ID.match(client_id) else new_request_id()
         tokens = estimate_prompt_tokens(body, self.config.routing.bytes_per_token)
         call = Call(request, path, raw, body, req_id, time.perf_counter())
         exclude: set[Instance] = set()
@@ -406,6 +708,12 @@ class Proxy:
         try:
             while True:
                 decision = self.pool.decide(tokens, exclude)
+                if decision is None and exclude:
+                    # every engine left failed this one request: the request, not the engines
+                    self.metrics.request(route, endpoint, 502)
+                    return error_response(
+                        502, "Every engine tried failed before answering.", "bad_gateway"
+                    )
                 if decision is None:
                     self.metrics.request(route, endpoint, 503)
                     return error_response(
@@ -417,16 +725,22 @@ class Proxy:
                     self.metrics.request(route, endpoint, resp.status)
                     return resp
                 except UpstreamUnavailable as exc:
-                    self.pool.mark_down(exc.inst, str(exc))
-                    exclude.add(exc.inst)
+                    inst = exc.inst
+                    log.warning("request %s: %s %s failed: %s", req_id, inst.role, inst.url, exc)
+                    if exc.engine_down:
+                        self.pool.mark_down(inst, str(exc))
+                    if exc.timed_out:
+                        # waiting as long again elsewhere helps no one: say so at once
+                        self.metrics.request(route, endpoint, 504)
+                        return error_response(
+                            504, f"The {inst.role} engine did not answer in time.", "timeout"
+                        )
+                    exclude.add(inst)
                     attempts += 1
-                    log.warning(
-                        "request %s: %s %s failed: %s", req_id, exc.inst.role, exc.inst.url, exc
-                    )
                     if attempts > self.config.routing.max_retries:
                         self.metrics.request(route, endpoint, 502)
                         return error_response(
-                            502, f"Upstream {exc.inst.role} failed: {exc}", "bad_gateway"
+                            502, f"The {inst.role} engine failed before answering.", "bad_gateway"
                         )
                     self.metrics.retries += 1
         except asyncio.CancelledError:
@@ -469,13 +783,15 @@ class Proxy:
         except (TimeoutError, UpstreamError) as exc:
             self.metrics.upstream_error(prefill, error_kind(exc))
             self.metrics.kv_handoff("failed")
-            raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}") from exc
+            raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}", exc) from exc
         finally:
             prefill.outstanding -= 1
         if up.status in RETRYABLE_STATUS or up.status >= 500:
             self.metrics.upstream_error(prefill, f"http_{up.status}")
             self.metrics.kv_handoff("failed")
             raise UpstreamUnavailable(prefill, f"prefill answered HTTP {up.status}")
+        if up.status == 401:
+            return self.engine_refused_key(prefill)
         if up.status != 200:
             # the request itself is wrong (too long, unknown model): say so, once
             return web.Response(body=data, status=up.status, content_type="application/json")
@@ -484,15 +800,9 @@ class Proxy:
         except (ValueError, AttributeError):
             params = None
         self.metrics.kv_handoff("ok" if params else "none")
-        if params:
-            decode_raw = with_fields(raw, body, {"kv_transfer_params": params})
-        elif "kv_transfer_params" in body:
-            # first token was EOS (or the prefill has no connector): decode prefills locally
-            decode_body = dict(body)
-            decode_body.pop("kv_transfer_params", None)
-            decode_raw = json.dumps(decode_body, separators=(",", ":")).encode()
-        else:
-            decode_raw = raw
+        # no params: the first token was EOS (or the prefill has no connector), so the decode
+        # prefills locally; the client's own params were stripped on the way in
+        decode_raw = with_fields(raw, body, {"kv_transfer_params": params}) if params else raw
         return await self.relay(call, decision.target, decode_raw, time.perf_counter() - t0)
 
     async def sglang(self, call: Call, decision: Decision) -> web.StreamResponse:
@@ -531,7 +841,7 @@ class Proxy:
             except (TimeoutError, UpstreamError) as exc:
                 self.metrics.upstream_error(prefill, error_kind(exc))
                 self.metrics.kv_handoff("failed")
-                raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}") from exc
+                raise UpstreamUnavailable(prefill, f"prefill unreachable: {exc!r}", exc) from exc
             finally:
                 prefill.outstanding -= 1
 
@@ -569,11 +879,13 @@ class Proxy:
                 up = await self._headers(send, watch)
             except (TimeoutError, UpstreamError) as exc:
                 self.metrics.upstream_error(inst, error_kind(exc))
-                raise UpstreamUnavailable(inst, f"unreachable: {exc!r}") from exc
+                raise UpstreamUnavailable(inst, f"unreachable: {exc!r}", exc) from exc
             try:
                 if up.status in RETRYABLE_STATUS:
                     self.metrics.upstream_error(inst, f"http_{up.status}")
                     raise UpstreamUnavailable(inst, f"answered HTTP {up.status}")
+                if up.status == 401:
+                    return self.engine_refused_key(inst)
                 ctype = up.headers.get("content-type", "application/json")
                 if call.stream and up.status == 200:
                     return await self._stream(call, inst, up, ctype, waited, t_send)
@@ -581,7 +893,7 @@ class Proxy:
                     data = await up.read()
                 except (TimeoutError, UpstreamError) as exc:
                     self.metrics.upstream_error(inst, error_kind(exc))
-                    raise UpstreamUnavailable(inst, f"answer cut off: {exc!r}") from exc
+                    raise UpstreamUnavailable(inst, f"answer cut off: {exc!r}", exc) from exc
                 engine = (time.perf_counter() - t_send) + waited
                 added = time.perf_counter() - call.started - engine
                 self.metrics.observe_added_ttft(max(0.0, added))
@@ -638,7 +950,9 @@ class Proxy:
             # (a client that went away while we wrote to it raises ConnectionError: not here)
             self.metrics.upstream_error(inst, error_kind(exc))
             if first:
-                raise UpstreamUnavailable(inst, f"stream failed before a byte: {exc!r}") from exc
+                raise UpstreamUnavailable(
+                    inst, f"stream failed before a byte: {exc!r}", exc
+                ) from exc
             # bytes already reached the client: never retried; say so in the stream
             log.warning("request %s: %s %s broke mid-stream: %r", req_id, inst.role, inst.url, exc)
             err = {

@@ -13,9 +13,15 @@ multidicts, a writer task and read timers, which was most of the proxy's CPU per
 client writes one buffer per request and parses the engine's answer (Content-Length, chunked or
 until close) directly in `data_received`. Health checks and `/v1/models` still use aiohttp.
 
-Errors are `UpstreamError` (with `kind`, for metrics) or `TimeoutError`. A request whose
-connection was reused and closed by the engine before any answer byte is sent again once on a
-new connection (the engine closed an idle keep-alive connection; it never saw the request).
+Errors are `UpstreamError` (with `kind`, for metrics; `connect_failed` when no connection
+could be made) or `TimeoutError`. A request whose connection was reused and closed by the engine
+before any answer byte is sent again once on a new connection (the engine closed an idle
+keep-alive connection; it never saw the request).
+
+The pool is bounded: at most `max_idle` idle connections per engine, each closed after
+`idle_timeout` seconds unused (below uvicorn's 5 s keep-alive, which vLLM's API server uses, so
+the proxy rarely picks a connection the engine is closing). Connections in use are bounded by
+the proxy's in-flight cap: a request holds at most one connection per engine it talks to.
 """
 
 from __future__ import annotations
@@ -34,12 +40,20 @@ MAX_HEAD_BYTES = 64 * 1024
 PAUSE_BYTES = 1024 * 1024
 
 
+CONNECT_FAILURES = ("ClientConnectorError", "ConnectionTimeoutError")
+
+
 class UpstreamError(Exception):
     """The engine could not be reached or its answer broke off; `kind` names the failure."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+    @property
+    def connect_failed(self) -> bool:
+        """No connection could be made: the engine is down, not just this request."""
+        return self.kind in CONNECT_FAILURES
 
 
 class Response:
@@ -311,7 +325,7 @@ class Response:
 class _Conn(asyncio.Protocol):
     """One TCP connection to an engine; carries one request at a time."""
 
-    __slots__ = ("origin", "loop", "transport", "response", "closed", "used")
+    __slots__ = ("origin", "loop", "transport", "response", "closed", "used", "idle_since")
 
     def __init__(self, origin: _Origin) -> None:
         self.origin = origin
@@ -320,6 +334,7 @@ class _Conn(asyncio.Protocol):
         self.response: Response | None = None
         self.closed = False
         self.used = False
+        self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport, but have its methods
@@ -354,16 +369,23 @@ class _Conn(asyncio.Protocol):
                 self.transport.abort()  # the engine sees the connection end and aborts
 
     def pool_put(self) -> None:
-        if not self.closed:
-            self.origin.idle.append(self)
+        if self.closed:
+            return
+        origin = self.origin
+        if len(origin.idle) >= origin.max_idle:
+            self.close()
+            return
+        self.idle_since = self.loop.time()
+        origin.idle.append(self)
 
 
 class _Origin:
     """Idle connections to one scheme://host:port."""
 
-    def __init__(self, base_url: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, base_url: str, loop: asyncio.AbstractEventLoop, max_idle: int) -> None:
         parts = urlsplit(base_url)
         self.loop = loop
+        self.max_idle = max_idle
         self.host = parts.hostname or ""
         self.tls = parts.scheme == "https"
         self.port = parts.port or (443 if self.tls else 80)
@@ -375,20 +397,54 @@ class _Origin:
         if conn in self.idle:
             self.idle.remove(conn)
 
+    def close_idle(self, older_than: float) -> None:
+        """Close idle connections unused since before `older_than` (loop time)."""
+        # the list is in put order: the stale ones are at its start
+        while self.idle and self.idle[0].idle_since < older_than:
+            self.idle.pop(0).close()
+
 
 class Upstream:
-    """Pooled keep-alive HTTP/1.1 POSTs to engines (no per-request client objects)."""
+    """Pooled keep-alive HTTP/1.1 POSTs to engines (no per-request client objects).
 
-    def __init__(self, connect_timeout: float) -> None:
+    `api_key`: sent to every engine as `Authorization: Bearer <key>` (vLLM's VLLM_API_KEY).
+    """
+
+    def __init__(
+        self,
+        connect_timeout: float,
+        *,
+        api_key: str | None = None,
+        max_idle: int = 64,
+        idle_timeout: float = 4.0,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.origins: dict[str, _Origin] = {}
         self.heads: dict[tuple[str, str], bytes] = {}
+        self.auth_line = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def _origin(self, base_url: str) -> _Origin:
         origin = self.origins.get(base_url)
         if origin is None:
-            origin = self.origins[base_url] = _Origin(base_url, asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            origin = self.origins[base_url] = _Origin(base_url, loop, self.max_idle)
+            if self._sweeper is None:
+                self._sweeper = loop.call_later(self.idle_timeout, self._sweep)
         return origin
+
+    def _sweep(self) -> None:
+        """Close connections idle longer than `idle_timeout`; runs every `idle_timeout`."""
+        loop = asyncio.get_running_loop()
+        older_than = loop.time() - self.idle_timeout
+        for origin in self.origins.values():
+            origin.close_idle(older_than)
+        self._sweeper = loop.call_later(self.idle_timeout, self._sweep)
+
+    def idle_count(self) -> int:
+        return sum(len(o.idle) for o in self.origins.values())
 
     async def _connect(self, origin: _Origin, deadline: float | None) -> _Conn:
         limit = self.connect_timeout
@@ -433,7 +489,7 @@ class Upstream:
         if head is None:
             head = self.heads[(base_url, path)] = (
                 f"POST {path} HTTP/1.1\r\nHost: {origin.netloc}\r\n"
-                "Content-Type: application/json\r\nAccept: */*\r\n"
+                f"Content-Type: application/json\r\nAccept: */*\r\n{self.auth_line}"
             ).encode()
         message = b"".join(
             (
@@ -446,11 +502,13 @@ class Upstream:
         fresh = False
         while True:
             conn = None
+            stale = origin.loop.time() - self.idle_timeout
             while origin.idle and not fresh:
                 cand = origin.idle.pop()
-                if not cand.closed:
+                if not cand.closed and cand.idle_since >= stale:
                     conn = cand
                     break
+                cand.close()
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(origin, deadline)
@@ -472,6 +530,9 @@ class Upstream:
             return resp
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for origin in self.origins.values():
             for conn in list(origin.idle):
                 conn.close()

@@ -22,9 +22,13 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, await reader.readexactly(length)
 
 
-def run(script: Script, test: Callable[[Upstream, str, dict[str, Any]], Awaitable[None]]) -> dict:
+def run(
+    script: Script,
+    test: Callable[[Upstream, str, dict[str, Any]], Awaitable[None]],
+    **upstream: Any,
+) -> dict:
     """Serve `script` on 127.0.0.1 (one call per connection) and run `test` against it."""
-    seen: dict[str, Any] = {"connections": 0, "requests": [], "closed": asyncio.Event}
+    seen: dict[str, Any] = {"connections": 0, "closes": 0, "requests": [], "closed": asyncio.Event}
 
     async def main() -> None:
         closed = asyncio.Event()
@@ -37,12 +41,13 @@ def run(script: Script, test: Callable[[Upstream, str, dict[str, Any]], Awaitabl
             except (ConnectionError, asyncio.IncompleteReadError):
                 pass
             finally:
+                seen["closes"] += 1
                 closed.set()
                 writer.close()
 
         server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        up = Upstream(connect_timeout=2)
+        up = Upstream(connect_timeout=2, **upstream)
         try:
             await asyncio.wait_for(test(up, f"http://127.0.0.1:{port}", seen), 10)
         finally:
@@ -138,9 +143,60 @@ def test_connection_refused_is_an_upstream_error() -> None:
         up = Upstream(connect_timeout=2)
         with pytest.raises(UpstreamError) as err:
             await up.post("http://127.0.0.1:9", "/x", b"{}", "r")
-        assert err.value.kind == "ClientConnectorError"
+        assert err.value.kind == "ClientConnectorError" and err.value.connect_failed
 
     asyncio.run(main())
+
+
+async def keep_alive_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+    while True:
+        head, _ = await read_request(reader)
+        body = b"auth" if b"\r\nAuthorization: Bearer engine-k3y\r\n" in head else b"none"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n" + body)
+        await writer.drain()
+
+
+def test_pool_keeps_at_most_max_idle_and_closes_idle_connections() -> None:
+    async def test(up: Upstream, url: str, seen: dict) -> None:
+        async def one() -> None:
+            resp = await up.post(url, "/x", b"{}", "r")
+            await resp.read()
+            await asyncio.sleep(0.05)  # all 20 are open at once
+            resp.release()
+
+        await asyncio.gather(*(one() for _ in range(20)))
+        assert seen["connections"] == 20 and up.idle_count() == 3, "3 kept, 17 closed"
+        await asyncio.sleep(0.1)
+        assert seen["closes"] == 17
+        await asyncio.sleep(0.8)  # idle timeout 0.3 s: the sweeper closed the rest
+        assert up.idle_count() == 0 and seen["closes"] == 20
+        resp = await up.post(url, "/x", b"{}", "r")  # a new connection, not a stale one
+        assert await resp.read() == b"none"
+        resp.release()
+        assert seen["connections"] == 21
+
+    run(keep_alive_ok, test, max_idle=3, idle_timeout=0.3)
+
+
+def test_engine_key_is_sent_as_a_bearer_token() -> None:
+    async def test(up: Upstream, url: str, seen: dict) -> None:
+        resp = await up.post(url, "/v1/completions", b"{}", "r")
+        assert await resp.read() == b"auth"
+        resp.release()
+
+    run(keep_alive_ok, test, api_key="engine-k3y")
+
+
+def test_dropped_request_is_not_a_connect_failure() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)  # then close without a byte of answer
+
+    async def test(up: Upstream, url: str, seen: dict) -> None:
+        with pytest.raises(UpstreamError) as err:
+            await up.post(url, "/x", b"{}", "r")
+        assert not err.value.connect_failed
+
+    run(script, test)
 
 
 def test_read_timeout_and_total_timeout() -> None:

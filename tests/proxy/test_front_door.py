@@ -1,0 +1,461 @@
+"""The proxy's front door: one test per row of the attack table in docs/proxy.md.
+
+Each test runs a real `hgxserve proxy serve` against simulated engines on 127.0.0.1 with small
+limits, plays the attack over raw sockets where HTTP clients would be too polite, and checks
+what the attacker gets, what everyone else still gets, and what the engines saw.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import SimEngine, free_port, http, http_json, metric
+
+pytestmark = pytest.mark.timeout(90)
+
+NIXL_P = '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
+NIXL_D = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'
+LONG = "explain the prefill phase in detail " * 40  # ~360 tokens by the byte estimate
+EVIL_PARAMS = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "evil",
+    "remote_block_ids": [1, 2, 3],
+    "remote_host": "198.51.100.7",
+    "remote_port": 5600,
+}
+
+
+def vllm(engines: Callable[..., SimEngine], role: str | None, **kw: Any) -> SimEngine:
+    args = ["serve", "/models/m", "--served-model-name", "m"]
+    env = dict(kw.pop("env", None) or {})
+    if role:
+        args += ["--kv-transfer-config", NIXL_P if role == "prefill" else NIXL_D]
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+    return engines("vllm", args, env=env, **kw)
+
+
+def combined_config(*engines: SimEngine, **kw: Any) -> dict[str, Any]:
+    return {
+        "protocol": "vllm-nixl",
+        "served_model_name": "m",
+        "combined": [e.url for e in engines],
+        **kw,
+    }
+
+
+def completion(url: str, prompt: str = "hi", **kw: Any) -> tuple[int, Any]:
+    headers = kw.pop("_headers", None) or {}
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2, **kw}
+    return http_json("POST", url + "/v1/completions", body, headers=headers)
+
+
+def raw_socket(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(10)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return got
+
+
+def post_head(length: int, extra: str = "") -> bytes:
+    return (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"{extra}Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+# ---------------------------------------------------------------- slow and many clients
+
+
+def test_slow_request_head_is_cut_off_and_others_are_served(engines, proxy) -> None:
+    px = proxy(combined_config(vllm(engines, None), limits={"header_timeout_s": 0.5}))
+    sock = raw_socket(px.port)
+    t0 = time.monotonic()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    assert completion(px.url)[0] == 200, "other clients are served meanwhile"
+    try:
+        for _ in range(40):  # a header line every 0.1 s: never finishes
+            sock.sendall(b"X-Slow: 1\r\n")
+            time.sleep(0.1)
+        closed_after = None
+    except (BrokenPipeError, ConnectionResetError):
+        closed_after = time.monotonic() - t0
+    if closed_after is None:
+        assert read_all(sock) == b""
+        closed_after = time.monotonic() - t0
+    sock.close()
+    assert closed_after < 5, f"connection held {closed_after:.1f} s, header timeout is 0.5 s"
+
+
+def test_idle_connection_is_closed_after_header_timeout(engines, proxy) -> None:
+    px = proxy(combined_config(vllm(engines, None), limits={"header_timeout_s": 0.5}))
+    sock = raw_socket(px.port)
+    t0 = time.monotonic()
+    assert read_all(sock) == b""
+    assert time.monotonic() - t0 < 5
+
+
+def test_slow_body_gets_408_and_the_connection_closed(engines, proxy) -> None:
+    comb = vllm(engines, None)
+    px = proxy(combined_config(comb, limits={"body_timeout_s": 0.5}))
+    sock = raw_socket(px.port)
+    payload = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+    sock.sendall(post_head(len(payload)) + payload[:5])  # the rest never comes
+    t0 = time.monotonic()
+    got = read_all(sock)
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 408"), got[:100]
+    assert b"Connection: close" in got or b"connection: close" in got.lower()
+    assert time.monotonic() - t0 < 6, "answered after 0.5 s, closed after 2 s more at most"
+    assert comb.requests() == [], "nothing reached the engine"
+    assert metric(px.metrics(), "hgxserve_proxy_refused_total", reason="body_timeout") == 1
+
+
+def test_connection_cap_answers_503_and_keeps_serving(engines, proxy) -> None:
+    px = proxy(combined_config(vllm(engines, None), limits={"max_connections": 5}))
+    held = [raw_socket(px.port) for _ in range(5)]
+    time.sleep(0.2)
+    extra = raw_socket(px.port)
+    extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = read_all(extra)
+    extra.close()
+    assert got.startswith(b"HTTP/1.1 503"), got[:80]
+    assert b"Retry-After: 1" in got and b"Too many open connections" in got
+    for sock in held:
+        sock.close()
+    time.sleep(0.2)
+    assert completion(px.url)[0] == 200, "served again once connections are free"
+    assert metric(px.metrics(), "hgxserve_proxy_refused_total", reason="connections") >= 1
+
+
+def test_in_flight_cap_answers_429_while_probes_still_answer(engines, proxy) -> None:
+    comb = vllm(engines, None, env={"HGXSERVE_SIM_TOKEN_SECONDS": "0.5"})
+    px = proxy(combined_config(comb, limits={"max_in_flight": 2}))
+    busy = []
+    for _ in range(2):
+        sock = raw_socket(px.port)
+        payload = json.dumps({"model": "m", "prompt": "x", "max_tokens": 6}).encode()
+        sock.sendall(post_head(len(payload)) + payload)
+        busy.append(sock)
+    deadline = time.monotonic() + 5
+    while metric(px.metrics(), "hgxserve_proxy_in_flight_requests") < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    status, raw, headers = http("POST", px.url + "/v1/completions", {"model": "m", "prompt": "y"})
+    assert status == 429 and headers.get("Retry-After") == "1"
+    assert json.loads(raw)["error"]["type"] == "rate_limit"
+    assert http("GET", px.url + "/health")[0] == 200, "probes are not capped"
+    for sock in busy:
+        assert read_all(sock).startswith(b"HTTP/1.1 200")
+        sock.close()
+    assert completion(px.url)[0] == 200
+
+
+def test_buffered_body_budget_answers_503(engines, proxy) -> None:
+    comb = vllm(engines, None)
+    limits = {"max_body_bytes": 100_000, "max_buffered_body_bytes": 250_000}
+    px = proxy(combined_config(comb, limits=limits))
+    open_bodies = []
+    for _ in range(2):  # two 100 kB bodies announced, not yet sent: 200 kB held
+        sock = raw_socket(px.port)
+        sock.sendall(post_head(100_000))
+        open_bodies.append(sock)
+    time.sleep(0.3)
+    big = {"model": "m", "prompt": "z" * 60_000, "max_tokens": 2}
+    status, raw, headers = http("POST", px.url + "/v1/completions", big)
+    assert status == 503 and headers.get("Retry-After") == "1"
+    assert "too many request bodies" in json.loads(raw)["error"]["message"]
+    assert completion(px.url)[0] == 200, "a small body still fits"
+    for sock in open_bodies:
+        sock.close()
+    time.sleep(0.3)
+    assert http("POST", px.url + "/v1/completions", big)[0] == 400, "fits again (engine: too long)"
+    assert metric(px.metrics(), "hgxserve_proxy_buffered_body_bytes") == 0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_oversized_body_413_without_reaching_an_engine(engines, proxy, chunked: bool) -> None:
+    comb = vllm(engines, None)
+    px = proxy(combined_config(comb, limits={"max_body_bytes": 4096}))
+    payload = json.dumps({"model": "m", "prompt": "x" * 10_000}).encode()
+    sock = raw_socket(px.port)
+    if chunked:
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        sock.sendall(head + b"%x\r\n" % len(payload) + payload + b"\r\n0\r\n\r\n")
+    else:
+        sock.sendall(post_head(len(payload)) + payload)
+    got = sock.recv(65536)
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 413"), got[:80]
+    assert comb.requests() == []
+
+
+# ---------------------------------------------------------------- what reaches the engines
+
+
+def test_client_kv_transfer_params_never_reach_a_combined_engine(engines, proxy) -> None:
+    comb = vllm(engines, None)
+    px = proxy(combined_config(comb))
+    status, _ = completion(px.url, kv_transfer_params=EVIL_PARAMS, bootstrap_host="198.51.100.7")
+    assert status == 200
+    req = comb.requests()[-1]
+    assert req["kv_transfer_params_in"] is None and req["kv"] == "local"
+
+
+def test_client_kv_transfer_params_never_reach_a_fallback_decode(engines, proxy) -> None:
+    pre, dec = vllm(engines, "prefill"), vllm(engines, "decode")
+    px = proxy(
+        {
+            "protocol": "vllm-nixl",
+            "served_model_name": "m",
+            "pd_groups": [{"prefill": [pre.url], "decode": [dec.url]}],
+            "health": {"interval_s": 30, "timeout_s": 1},
+        }
+    )
+    pre.kill()  # decode-only fallback: the decode prefills locally
+    status, _ = completion(px.url, LONG, kv_transfer_params=EVIL_PARAMS)
+    assert status == 200
+    req = dec.requests()[-1]
+    assert req["kv_transfer_params_in"] is None and req["kv"] == "local"
+
+
+def test_client_kv_transfer_params_replaced_on_the_pd_route(engines, proxy) -> None:
+    pre, dec = vllm(engines, "prefill"), vllm(engines, "decode")
+    px = proxy(
+        {
+            "protocol": "vllm-nixl",
+            "served_model_name": "m",
+            "pd_groups": [{"prefill": [pre.url], "decode": [dec.url]}],
+        }
+    )
+    status, _ = completion(px.url, LONG, kv_transfer_params=EVIL_PARAMS, stream=False)
+    assert status == 200
+    p_req, d_req = pre.requests()[-1], dec.requests()[-1]
+    assert p_req["kv_transfer_params_in"]["do_remote_decode"] is True
+    params = d_req["kv_transfer_params_in"]
+    assert params["remote_engine_id"] != "evil" and params["remote_host"] != "198.51.100.7"
+    assert d_req["kv"] == "transferred"
+
+
+def test_client_bootstrap_fields_stripped_on_every_sglang_route(engines, proxy) -> None:
+    boot = free_port()
+    common = ["serve", "--model-path", "/models/m", "--served-model-name", "m"]
+    quiet = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+    pre = engines(
+        "sglang",
+        [*common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)],
+        env=quiet,
+    )
+    dec = engines("sglang", [*common, "--disaggregation-mode", "decode"], env=quiet)
+    comb = engines("sglang", common, env=quiet)
+    px = proxy(
+        {
+            "protocol": "sglang",
+            "served_model_name": "m",
+            "pd_groups": [
+                {"prefill": [{"url": pre.url, "bootstrap_port": boot}], "decode": [dec.url]}
+            ],
+            "combined": [comb.url],
+            "routing": {"pd_min_prompt_tokens": 200},
+        }
+    )
+    evil = {"bootstrap_host": "198.51.100.7", "bootstrap_port": 1, "bootstrap_room": 42}
+    assert completion(px.url, "short", **evil)[0] == 200
+    assert comb.requests()[-1]["bootstrap_room"] is None, "combined saw no bootstrap fields"
+    assert completion(px.url, LONG, **evil)[0] == 200
+    rooms = {pre.requests()[-1]["bootstrap_room"], dec.requests()[-1]["bootstrap_room"]}
+    assert len(rooms) == 1 and 42 not in rooms, "P/D got the proxy's room, not the client's"
+
+
+# ---------------------------------------------------------------- bad request vs bad engine
+
+
+def test_request_timeout_answers_504_and_ejects_nobody(engines, proxy) -> None:
+    comb = vllm(engines, None, env={"HGXSERVE_SIM_TOKEN_SECONDS": "0.2"})
+    px = proxy(combined_config(comb, limits={"read_timeout_s": 0.5}))
+    status, ans = completion(px.url, max_tokens=20, ignore_eos=True)
+    assert status == 504 and ans["error"]["type"] == "timeout"
+    text = px.metrics()
+    assert metric(text, "hgxserve_proxy_instance_healthy", instance=comb.url) == 1
+    assert metric(text, "hgxserve_proxy_retries_total") == 0, "not retried: it would wait again"
+    assert completion(px.url, max_tokens=1)[0] == 200, "the engine still takes traffic"
+
+
+def test_engine_dropping_one_request_is_retried_elsewhere_and_stays_in(engines, proxy) -> None:
+    c1, c2 = vllm(engines, None), vllm(engines, None)
+    px = proxy(combined_config(c1, c2, health={"interval_s": 30, "timeout_s": 1}))
+    status, _ = completion(px.url, "SIM_DROP_REQUEST once")
+    assert status == 502, "both engines drop this request: the client hears so"
+    text = px.metrics()
+    assert metric(text, "hgxserve_proxy_retries_total") == 1
+    assert metric(text, "hgxserve_proxy_instance_healthy") == 2, "no engine ejected"
+    for _ in range(4):
+        assert completion(px.url)[0] == 200
+    assert len([r for r in c1.requests() if not r.get("dropped")]) >= 1
+    assert len([r for r in c2.requests() if not r.get("dropped")]) >= 1
+
+
+def test_engine_refusing_connections_is_ejected_at_once(engines, proxy) -> None:
+    c1, c2 = vllm(engines, None), vllm(engines, None)
+    px = proxy(combined_config(c1, c2, health={"interval_s": 30, "timeout_s": 1}))
+    c1.kill()
+    for _ in range(3):
+        assert completion(px.url)[0] == 200
+    text = px.metrics()
+    assert metric(text, "hgxserve_proxy_instance_healthy", instance=c1.url) == 0
+    assert metric(text, "hgxserve_proxy_retries_total") <= 1
+
+
+# ---------------------------------------------------------------- malformed input, logs
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"{not json",
+        b'{"prompt": "\xff\xfe"}',
+        b'{"prompt": NaN}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'"a string"',
+        b"",
+    ],
+    ids=["syntax", "invalid-utf8", "nan", "deep-nesting", "not-an-object", "empty"],
+)
+def test_malformed_json_gets_400_and_no_traceback(engines, proxy, payload: bytes) -> None:
+    comb = vllm(engines, None)
+    px = proxy(combined_config(comb))
+    sock = raw_socket(px.port)
+    sock.sendall(post_head(len(payload)) + payload)
+    got = sock.recv(65536)
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 400"), got[:200]
+    assert comb.requests() == []
+    assert "Traceback" not in px.log()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "messages": 5},
+        {"model": "m", "prompt": "\ud800 lone surrogate"},
+        {"model": "m", "messages": [{"role": "user", "content": [1, {"text": {"x": 1}}]}]},
+    ],
+    ids=["messages-not-a-list", "lone-surrogate", "odd-content-parts"],
+)
+def test_odd_json_values_never_make_a_500(engines, proxy, body: dict[str, Any]) -> None:
+    px = proxy(combined_config(vllm(engines, None)))
+    status, raw, _ = http("POST", px.url + "/v1/completions", body)
+    assert status in (200, 400), raw[:200]
+    assert "Traceback" not in px.log()
+
+
+def test_garbage_authorization_gets_401_and_no_traceback(engines, proxy, tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("k-0123456789\n")
+    px = proxy(combined_config(vllm(engines, None), auth={"api_key_file": str(key)}))
+    sock = raw_socket(px.port)
+    payload = b'{"model":"m","prompt":"hi"}'
+    sock.sendall(post_head(len(payload), "Authorization: Bearer \xff\xfe\x80\r\n") + payload)
+    got = sock.recv(65536)
+    sock.close()
+    assert got.startswith(b"HTTP/1.1 401"), got[:80]
+    assert "Traceback" not in px.log()
+
+
+def test_log_stays_bounded_under_a_flood_of_broken_requests(engines, proxy) -> None:
+    px = proxy(combined_config(vllm(engines, None)))
+    for _ in range(300):
+        sock = raw_socket(px.port)
+        # invalid header line, with a CR-free control character and a long tail to log
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nBad\x01Header: " + b"y" * 4000 + b"\r\n\r\n"
+        )
+        read_all(sock)
+        sock.close()
+    log = px.log()
+    assert "Traceback" not in log
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert len(lines) < 120, f"{len(lines)} log lines for 300 broken requests"
+    assert all(len(line) < 500 for line in lines)
+    assert completion(px.url)[0] == 200
+
+
+def test_odd_request_ids_are_replaced(engines, proxy) -> None:
+    comb = vllm(engines, None)
+    px = proxy(combined_config(comb))
+    for rid, kept in (("trace-42.a:b", True), ("x" * 500, False), ("a b;c", False)):
+        status, _, headers = http(
+            "POST",
+            px.url + "/v1/completions",
+            {"model": "m", "prompt": "hi", "max_tokens": 1},
+            headers={"X-Request-Id": rid},
+        )
+        assert status == 200
+        seen = comb.requests()[-1]["request_id"]
+        assert (seen == rid) is kept and headers["X-Request-Id"] == seen
+        if not kept:
+            assert len(seen) == 32 and int(seen, 16) >= 0
+
+
+# ---------------------------------------------------------------- engines behind a key
+
+
+def test_keyed_engines_refuse_others_and_serve_the_proxy(engines, proxy, tmp_path: Path) -> None:
+    key = "engine-key-0123456789"
+    pre = vllm(engines, "prefill", env={"VLLM_API_KEY": key})
+    dec = vllm(engines, "decode", env={"VLLM_API_KEY": key})
+    comb = vllm(engines, None, env={"VLLM_API_KEY": key})
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    for eng in (pre, dec, comb):
+        # as vLLM: /v1 needs the key, /health and /metrics do not
+        assert http_json("POST", eng.url + "/v1/completions", body)[1] == {"error": "Unauthorized"}
+        assert http("GET", eng.url + "/v1/models")[0] == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert http("POST", eng.url + "/v1/completions", body, headers=wrong)[0] == 401
+        assert http("GET", eng.url + "/health")[0] == 200
+    key_file = tmp_path / "engine-key"
+    key_file.write_text(key + "\n")
+    px = proxy(
+        {
+            "protocol": "vllm-nixl",
+            "served_model_name": "m",
+            "pd_groups": [{"prefill": [pre.url], "decode": [dec.url]}],
+            "combined": [comb.url],
+            "routing": {"pd_min_prompt_tokens": 200},
+            "auth": {"upstream_api_key_file": str(key_file)},
+        }
+    )
+    assert completion(px.url, "short")[0] == 200
+    assert completion(px.url, LONG)[0] == 200
+    assert dec.requests()[-1]["kv"] == "transferred"
+    status, models = http_json("GET", px.url + "/v1/models")
+    assert status == 200 and models["data"][0]["owned_by"] == "vllm", "the engine's own list"
+    assert metric(px.metrics(), "hgxserve_proxy_instance_healthy") == 3
+    assert key not in px.log()
+
+
+def test_proxy_without_the_engine_key_gets_no_answer(engines, proxy) -> None:
+    comb = vllm(engines, None, env={"VLLM_API_KEY": "engine-key-0123456789"})
+    px = proxy(combined_config(comb))
+    status, ans = completion(px.url)
+    assert status == 502 and "refused the proxy's credentials" in ans["error"]["message"]
+    assert "refused the proxy's engine key" in px.log()
+    assert metric(px.metrics(), "hgxserve_proxy_instance_healthy") == 1, "401 is not a dead engine"
