@@ -52,7 +52,10 @@ def complete(address: str, prompt: str) -> str:
     req = urllib.request.Request(
         f"http://{address}:8000/v1/completions",
         data=body.encode(),
-        headers={"Content-Type": "application/json"},
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
+        },
     )
     with urllib.request.urlopen(req, timeout=30) as resp:
         answer = json.loads(resp.read())

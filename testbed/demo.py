@@ -31,6 +31,11 @@ DEMO_CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "hgxserve-demo-secret",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
+# The demo topologies' proxy.auth keys: systemd credentials in /etc/credstore on every host, as
+# a lab would provision them once (the values are test-only; real ones come from a vault)
+DEMO_API_KEY = "hgxserve-demo-api-key-0123456789"
+DEMO_ENGINE_KEY = "hgxserve-demo-engine-key-9876543210"
+CREDSTORE = {"hgxserve-api-key": DEMO_API_KEY, "hgxserve-engine-key": DEMO_ENGINE_KEY}
 STATE = testbed_hosts.STATE_DIR / "demo-s3.json"
 # Make a test host look as if it never ran an hgxserve release (tests start from and leave this).
 FORGET_RELEASES = (
@@ -145,7 +150,8 @@ def _boto_kwargs() -> dict[str, str]:
 
 
 def install_credentials(names: list[str]) -> None:
-    """Write /etc/hgxserve/s3.env (0600) on each host, as an operator would once per lab."""
+    """Write /etc/hgxserve/s3.env and the proxy's keys in /etc/credstore (0600) on each host,
+    as an operator would once per lab."""
     body = "".join(f"{k}={v}\n" for k, v in DEMO_CREDENTIALS.items())
     bed = testbed_hosts.load()
     if bed is None:
@@ -153,6 +159,9 @@ def install_credentials(names: list[str]) -> None:
     command = "install -d -m 0755 /etc/hgxserve && umask 077 && cat > /etc/hgxserve/s3.env"
     for name in names:
         subprocess.run(bed.ssh_argv(name, command), input=body, text=True, check=True)
+        for cred, value in CREDSTORE.items():
+            store = f"install -d -m 0700 /etc/credstore && umask 077 && cat > /etc/credstore/{cred}"
+            subprocess.run(bed.ssh_argv(name, store), input=value, text=True, check=True)
 
 
 def prepare(names: list[str], work: Path) -> None:

@@ -156,6 +156,40 @@ def credential_for(var: str, ref: SecretRef) -> tuple[str, str, str | None]:
     return name, f"{name}:{path}", path
 
 
+# vLLM reads its API key from here when --api-key is not given (never on a command line)
+ENGINE_KEY_VAR = "VLLM_API_KEY"
+
+
+def routed_engines(topo: Topology) -> set[str]:
+    """Names of the engines the proxy sends requests to."""
+    proxy = topo.proxy
+    if proxy is None:
+        return set()
+    return {n for r in proxy.routes for n in (*r.prefill, *r.decode)} | set(proxy.combined)
+
+
+def engine_secret_env(topo: Topology, engine: Engine) -> dict[str, SecretRef]:
+    """The engine's secret environment, plus VLLM_API_KEY when the proxy keys its engines."""
+    secrets = dict(engine.secret_env)
+    key = topo.proxy.engine_api_key if topo.proxy else None
+    if key is None or engine.name not in routed_engines(topo):
+        return secrets
+    if engine.engine != "vllm":
+        raise RenderError(
+            f"proxy.auth.engine_api_key: engine {engine.name} is {engine.engine}, which takes "
+            "its key only as --api-key on the command line, where every local user can read it; "
+            "keep it on the proxy's host (it listens on loopback there) or firewall its port, "
+            "and drop engine_api_key"
+        )
+    if ENGINE_KEY_VAR in secrets or ENGINE_KEY_VAR in engine.env:
+        raise RenderError(
+            f"engine {engine.name}: {ENGINE_KEY_VAR} is set in its env/secret_env and by "
+            "proxy.auth.engine_api_key; set it in one place (proxy.auth.engine_api_key)"
+        )
+    secrets[ENGINE_KEY_VAR] = key
+    return secrets
+
+
 def secret_wrapper(
     secret_env: dict[str, SecretRef], unit: str, creds: dict[str, CredentialSpec]
 ) -> tuple[list[str], list[str]]:
@@ -209,7 +243,7 @@ def _engine_unit(
     pre_dirs = sorted({env[v] for v in ENV_SUBDIRS if v in env})
     pre_dirs += [f"{rundir}/{d}" for d in ("tmp", "rpc", "cache", "hf")]
     execs = _Exec([exec_line([MKDIR, "-p", *pre_dirs])])
-    credential_lines, wrapper = secret_wrapper(engine.secret_env, name, creds)
+    credential_lines, wrapper = secret_wrapper(engine_secret_env(topo, engine), name, creds)
     shipped = {f.host_path: f for f in topo.files.values()}
     used_files = sorted({p for _, _, p in engine.host_paths() if p in shipped})
     command = [*engine_program(engine), *engine_args(topo, engine, plan)]

@@ -38,6 +38,7 @@ from hgxserve.topology.ports import engine_url
 
 PROXY_UNIT = "hgxserve-proxy.service"
 API_KEY_CREDENTIAL = "api-key"
+PRIVILEGED_PORTS = 1024
 
 
 def _protocol(topo: Topology) -> str:
@@ -81,10 +82,26 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
             "read_timeout_s": proxy.timeout_s,
         },
     }
+    auth: dict[str, str] = {}
     if proxy.api_key is not None:
-        name = _api_key_name(topo)
-        config["auth"] = {"api_key_file": f"{unit_credentials_dir(PROXY_UNIT)}/{name}"}
+        auth["api_key_file"] = f"{unit_credentials_dir(PROXY_UNIT)}/{_api_key_name(topo)}"
+    engine_key = _engine_key_credential(topo)
+    if engine_key is not None:
+        auth["upstream_api_key_file"] = f"{unit_credentials_dir(PROXY_UNIT)}/{engine_key[0]}"
+    if auth:
+        config["auth"] = auth
     return config
+
+
+def _engine_key_credential(topo: Topology) -> tuple[str, str, str | None] | None:
+    """(name, LoadCredential= value, file the release role writes) of the engines' key: the
+    same credential the engine units load, so one file serves both on the proxy's host."""
+    from hgxserve.render import ENGINE_KEY_VAR, credential_for
+
+    proxy = topo.proxy
+    if proxy is None or proxy.engine_api_key is None:
+        return None
+    return credential_for(ENGINE_KEY_VAR, proxy.engine_api_key)
 
 
 def _api_key_name(topo: Topology) -> str:
@@ -96,10 +113,10 @@ def _api_key_name(topo: Topology) -> str:
 def _router_argv(topo: Topology) -> list[str]:
     proxy = topo.proxy
     assert proxy is not None
-    if proxy.api_key is not None:
+    if proxy.api_key is not None or proxy.engine_api_key is not None:
         raise RenderError(
-            f"proxy kind {proxy.kind} takes its API key only on the command line, where it would "
-            "leak; use kind hgxserve for auth, or drop proxy.auth"
+            f"proxy kind {proxy.kind} takes its API keys only on the command line, where they "
+            "would leak; use kind hgxserve for auth, or drop proxy.auth"
         )
     if proxy.routes and proxy.combined:
         raise RenderError(
@@ -185,11 +202,22 @@ def render_proxy(
             add_credential(creds, PROXY_UNIT, name, ref, path)
             credentials.append(path_value(line))
             notes.append("API key: systemd credential, read from $CREDENTIALS_DIRECTORY")
+        engine_key = _engine_key_credential(topo)
+        if engine_key is not None:
+            assert proxy.engine_api_key is not None
+            key_name, key_line, key_path = engine_key
+            add_credential(creds, PROXY_UNIT, key_name, proxy.engine_api_key, key_path)
+            if path_value(key_line) not in credentials:
+                credentials.append(path_value(key_line))
+            notes.append("engine key: systemd credential, sent to every engine as a Bearer token")
     else:
         argv = _router_argv(topo)
         notes.append(f"{proxy.kind}: no prompt-length buckets, no combined fallback")
     exec_stop: list[str] = []
     runtime = proxy.runtime
+    in_container = runtime is not None and runtime.is_container
+    if not in_container:
+        notes.append("runs as an unprivileged dynamic user; credentials stay readable to it")
     if runtime is not None and runtime.is_container:
         tool = CONTAINER_TOOLS[runtime.tool or "podman"]
         name = "hgxserve-proxy"
@@ -225,6 +253,10 @@ def render_proxy(
             exec_start=exec_line(argv),
             exec_stop=exec_stop,
             exec_stop_post=[],
+            # podman/docker need root; a native proxy needs nothing of it
+            dynamic_user=not in_container,
+            # ports below 1024 need this one capability, and then nothing else
+            bind_privileged=proxy.listen_port < PRIVILEGED_PORTS,
         )
     )
     unit = RenderedUnit(

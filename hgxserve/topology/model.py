@@ -264,6 +264,7 @@ class Proxy:
     combined: tuple[str, ...]
     pd_min_prompt_tokens: int
     api_key: SecretRef | None
+    engine_api_key: SecretRef | None
     max_body: int
     timeout_s: float
     runtime: Runtime | None
@@ -515,6 +516,9 @@ def _proxy(data: dict[str, Any] | None) -> Proxy | None:
         combined=tuple(data.get("combined", ())),
         pd_min_prompt_tokens=_get(data, "proxy", "pd_min_prompt_tokens"),
         api_key=SecretRef.parse(auth["api_key"]) if auth else None,
+        engine_api_key=(
+            SecretRef.parse(auth["engine_api_key"]) if auth and "engine_api_key" in auth else None
+        ),
         max_body=parse_size(_get(data, "proxy", "max_body")),
         timeout_s=float(_get(data, "proxy", "timeout_s")),
         runtime=_runtime(data.get("runtime")),

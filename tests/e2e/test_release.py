@@ -13,6 +13,7 @@ import re
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,7 +109,10 @@ def complete(address: str, prompt: str = "Only answer: PD_OK", port: int = 8000)
     req = urllib.request.Request(
         f"http://{address}:{port}/v1/completions",
         data=body,
-        headers={"Content-Type": "application/json"},
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
+        },
     )
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
@@ -189,6 +193,45 @@ def test_pd_over_combined(lab: testbed_hosts.Testbed) -> None:
     for host in lab.names:
         state = links(lab, host)
         assert state["previous"] == state["baseline"] != state["current"]
+
+
+def test_front_door_keys_and_an_unprivileged_proxy(lab: testbed_hosts.Testbed) -> None:
+    """After the P/D switch: clients need the proxy's key, engines answer only the proxy."""
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(
+            urllib.request.Request(
+                "http://10.77.0.13:8000/v1/completions",
+                data=b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}',
+                headers={"Content-Type": "application/json"},
+            ),
+            timeout=10,
+        )
+    assert refused.value.code == 401
+    # a client on the network going straight to the decode engine, key-less: vLLM's 401
+    with pytest.raises(urllib.error.HTTPError) as direct:
+        urllib.request.urlopen(
+            urllib.request.Request(
+                "http://10.77.0.12:8200/v1/completions",
+                data=b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}',
+                headers={"Content-Type": "application/json"},
+            ),
+            timeout=10,
+        )
+    assert direct.value.code == 401 and json.loads(direct.value.read()) == {"error": "Unauthorized"}
+    assert complete("10.77.0.13", LONG_PROMPT)["choices"][0]["text"], "the proxy holds both keys"
+    user = lab.ssh(
+        "hgx-c",
+        "ps -o user= -p $(systemctl show -p MainPID --value hgxserve-proxy.service)",
+        check=True,
+    ).stdout.strip()
+    assert user and user != "root", f"proxy runs as {user!r}"
+    env = lab.ssh(
+        "hgx-b",
+        "tr '\\0' '\\n' < /proc/$(systemctl show -p MainPID --value "
+        "hgxserve-decode-0.service)/cmdline",
+        check=True,
+    ).stdout
+    assert demo.DEMO_ENGINE_KEY not in env, "the key is not on the engine's command line"
 
 
 def test_changing_only_the_proxy_routing_restarts_only_the_proxy(

@@ -163,7 +163,10 @@ def complete(prompt: str = PROMPT, max_tokens: int = 12) -> tuple[str, float]:
     req = urllib.request.Request(
         f"http://{ADDRESS}:8000/v1/completions",
         data=body,
-        headers={"Content-Type": "application/json"},
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
+        },
     )
     started = time.monotonic()
     with urllib.request.urlopen(req, timeout=60) as resp:

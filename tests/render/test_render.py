@@ -220,7 +220,7 @@ def test_router_with_api_key_is_refused():
     topo = topology("seed000-2p1d-multinode.yml")
     assert topo.proxy is not None
     routed = replace(topo, proxy=replace(topo.proxy, kind="vllm-router"))
-    with pytest.raises(RenderError, match="API key only on the command line"):
+    with pytest.raises(RenderError, match="API keys only on the command line"):
         render_host(routed, "h200-c")
 
 
