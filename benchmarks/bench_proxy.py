@@ -13,6 +13,10 @@ with zero simulated compute so the proxy is what is measured):
     .venv/bin/python benchmarks/bench_proxy.py --vllm-router /tmp/vr/venv/bin/vllm-router \
         --toy-proxy-python /tmp/toyproxy/venv/bin/python
 
+To compare with an earlier hgxserve revision in the same run (target `hgxserve@base`):
+    mkdir /tmp/base && git archive <rev> hgxserve files schemas | tar -x -C /tmp/base
+    .venv/bin/python benchmarks/bench_proxy.py --baseline-tree /tmp/base
+
 Scratch venvs for the two baselines (kept out of the project's dependencies):
     python3 -m venv /tmp/vr/venv && /tmp/vr/venv/bin/pip install vllm-router==0.1.17
     python3 -m venv /tmp/toyproxy/venv && /tmp/toyproxy/venv/bin/pip install \
@@ -46,6 +50,13 @@ SIMENGINE = ROOT / "testbed" / "simengine.py"
 TOY_PROXY = ROOT / "benchmarks" / "baselines" / "toy_pd_proxy.py"
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+_BASELINE_MAIN = (
+    "import sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); "
+    "sys.meta_path[:] = [f for f in sys.meta_path "
+    "if not getattr(f, '__module__', '').startswith('__editable__')]; "
+    "import hgxserve; assert hgxserve.__file__.startswith(tree), hgxserve.__file__; "
+    "from hgxserve.cli import main; sys.argv[0] = 'hgxserve'; sys.exit(main())"
+)
 
 
 def free_port() -> int:
@@ -128,6 +139,7 @@ def main() -> int:
         "--toy-proxy-python",
         help="python of a venv with fastapi, httpx, uvicorn: runs the example-proxy equivalent",
     )
+    ap.add_argument("--baseline-tree", help="also run hgxserve from this source tree")
     ap.add_argument("--concurrency", default="1,64,512")
     ap.add_argument(
         "--requests", default="1000,2000,2048", help="requests per concurrency level and round"
@@ -149,7 +161,7 @@ def main() -> int:
     }
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        ports = {k: free_port() for k in ("prefill", "decode", "hgxserve", "router", "toy")}
+        ports = {k: free_port() for k in ("prefill", "decode", "hgxserve", "base", "router", "toy")}
         for role, kv in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             eng_env = {
                 **env,
@@ -204,6 +216,29 @@ def main() -> int:
         procs.append(px)
         wait_http(f"http://127.0.0.1:{ports['hgxserve']}/health")
         targets["hgxserve"] = (f"http://127.0.0.1:{ports['hgxserve']}", px.pid)
+        if args.baseline_tree:
+            tree = os.path.abspath(args.baseline_tree)
+            base_cfg = {**config, "listen": {"host": "127.0.0.1", "port": ports["base"]}}
+            (work / "base.json").write_text(json.dumps(base_cfg))
+            bp = start(
+                [
+                    sys.executable,
+                    "-c",
+                    _BASELINE_MAIN,
+                    tree,
+                    "proxy",
+                    "serve",
+                    "--config",
+                    str(work / "base.json"),
+                    "--log-level",
+                    "warning",
+                ],
+                env,
+                work / "base.log",
+            )
+            procs.append(bp)
+            wait_http(f"http://127.0.0.1:{ports['base']}/health")
+            targets["hgxserve@base"] = (f"http://127.0.0.1:{ports['base']}", bp.pid)
         router_note = "not run (pass --vllm-router PATH)"
         if args.vllm_router:
             rt = start(
@@ -320,14 +355,14 @@ def main() -> int:
         f"vllm-router: {router_note}; toy-proxy: {toy_note}"
     )
     head = (
-        f"{'target':<12}{'C':>5}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'+p50 ms':>9}"
+        f"{'target':<14}{'C':>5}{'n':>6}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}{'+p50 ms':>9}"
         f"{'+p99 ms':>9}{'req/s':>9}{'err':>5}{'CPU ms/req':>11}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['target']:<12}{r['c']:>5}{r['n']:>6}{r['p50'] * 1e3:>9.2f}{r['p99'] * 1e3:>9.2f}"
+            f"{r['target']:<14}{r['c']:>5}{r['n']:>6}{r['p50'] * 1e3:>9.2f}{r['p99'] * 1e3:>9.2f}"
             f"{r['mean'] * 1e3:>9.2f}"
             f"{r['add50'] * 1e3:>9.2f}{r['add99'] * 1e3:>9.2f}{r['rps']:>9.0f}{r['errors']:>5}"
             f"{r['cpu_ms']:>11.3f}"
