@@ -35,7 +35,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,44 +43,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from benchlib import baseline_command, free_port, pct, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMENGINE = ROOT / "testbed" / "simengine.py"
 TOY_PROXY = ROOT / "benchmarks" / "baselines" / "toy_pd_proxy.py"
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-_BASELINE_MAIN = (
-    "import sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); "
-    "sys.meta_path[:] = [f for f in sys.meta_path "
-    "if not getattr(f, '__module__', '').startswith('__editable__')]; "
-    "import hgxserve; assert hgxserve.__file__.startswith(tree), hgxserve.__file__; "
-    "from hgxserve.cli import main; sys.argv[0] = 'hgxserve'; sys.exit(main())"
-)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
-
-
-def wait_http(url: str, timeout: float = 30) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"not ready: {url}")
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -123,13 +96,6 @@ async def load(url: str, concurrency: int, total: int) -> tuple[list[float], int
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t_start
     return latencies, errors, wall
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> int:
@@ -217,15 +183,11 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{ports['hgxserve']}/health")
         targets["hgxserve"] = (f"http://127.0.0.1:{ports['hgxserve']}", px.pid)
         if args.baseline_tree:
-            tree = os.path.abspath(args.baseline_tree)
             base_cfg = {**config, "listen": {"host": "127.0.0.1", "port": ports["base"]}}
             (work / "base.json").write_text(json.dumps(base_cfg))
             bp = start(
                 [
-                    sys.executable,
-                    "-c",
-                    _BASELINE_MAIN,
-                    tree,
+                    *baseline_command(args.baseline_tree),
                     "proxy",
                     "serve",
                     "--config",

@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,24 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from benchlib import baseline_command, free_port, pct, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMENGINE = ROOT / "testbed" / "simengine.py"
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
-_BASELINE_MAIN = (
-    "import sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); "
-    "sys.meta_path[:] = [f for f in sys.meta_path "
-    "if not getattr(f, '__module__', '').startswith('__editable__')]; "
-    "import hgxserve; assert hgxserve.__file__.startswith(tree), hgxserve.__file__; "
-    "from hgxserve.cli import main; sys.argv[0] = 'hgxserve'; sys.exit(main())"
-)
 BODY_ANNOUNCED = 8 * 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_mib(pid: int) -> tuple[float, float]:
@@ -63,27 +50,6 @@ def rss_mib(pid: int) -> tuple[float, float]:
         key, _, value = line.partition(":")
         fields[key] = value
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
-
-
-def wait_http(url: str, timeout: float = 30) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"not ready: {url}")
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def normal_client(url: str, seconds: float) -> tuple[list[float], int]:
@@ -132,53 +98,25 @@ async def crowd(url: str, size: int, tokens: int, stop: asyncio.Event, tally: di
         await asyncio.gather(*(worker() for _ in range(size)))
 
 
-async def slow_head(port: int, stop: asyncio.Event, tally: dict) -> None:
+async def slow_client(
+    port: int, first: bytes, trickle: bytes, stop: asyncio.Event, tally: dict
+) -> None:
+    """Send `first` at once, then `trickle` every 2 s until answered, cut off or stopped;
+    count the outcome in `tally`."""
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError:
         tally["connect failed"] = tally.get("connect failed", 0) + 1
         return
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     outcome = "held to the end"
     try:
-        while not stop.is_set():
-            writer.write(b"X-Slow: 1\r\n")
-            await writer.drain()
-            try:
-                data = await asyncio.wait_for(reader.read(4096), 2.0)
-            except TimeoutError:
-                continue
-            outcome = "answered " + data[9:12].decode() if data else "cut off"
-            break
-    except (ConnectionError, OSError):
-        outcome = "cut off"
-    tally[outcome] = tally.get(outcome, 0) + 1
-    writer.close()
-
-
-async def slow_body(port: int, mib: float, stop: asyncio.Event, tally: dict, chunk: bytes) -> None:
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        tally["connect failed"] = tally.get("connect failed", 0) + 1
-        return
-    head = (
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {BODY_ANNOUNCED}\r\n\r\n"
-    ).encode()
-    outcome = "held to the end"
-    try:
-        writer.write(head + b'{"model":"m","prompt":"')
-        sent = 0
-        while sent < mib * 1024 * 1024:
-            writer.write(chunk)
-            sent += len(chunk)
-            await writer.drain()
+        writer.write(first)
+        await writer.drain()
         while not stop.is_set():
             try:
                 data = await asyncio.wait_for(reader.read(4096), 2.0)
             except TimeoutError:
-                writer.write(b"x")
+                writer.write(trickle)
                 await writer.drain()
                 continue
             outcome = "answered " + data[9:12].decode() if data else "cut off"
@@ -189,19 +127,32 @@ async def slow_body(port: int, mib: float, stop: asyncio.Event, tally: dict, chu
     writer.close()
 
 
+SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+
+
+def slow_body_start(mib: float) -> bytes:
+    """A request head announcing 8 MiB and the first `mib` MiB of its body."""
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {BODY_ANNOUNCED}\r\n\r\n"
+    ).encode()
+    return head + b'{"model":"m","prompt":"' + b"y" * int(mib * 1024 * 1024)
+
+
 async def soak(url: str, port: int, args: argparse.Namespace, pid: int) -> dict[str, Any]:
     quiet, quiet_err = await normal_client(url, args.quiet_s)
     rss_before = rss_mib(pid)[0]
     stop = asyncio.Event()
     crowd_tally: dict[str, int] = {}
     slow_tally: dict[str, int] = {}
-    chunk = b"y" * (256 * 1024)
+    body_start = slow_body_start(args.slow_body_mib)
     tasks = [asyncio.ensure_future(crowd(url, args.crowd, args.crowd_tokens, stop, crowd_tally))]
     tasks += [
-        asyncio.ensure_future(slow_head(port, stop, slow_tally)) for _ in range(args.slow_heads)
+        asyncio.ensure_future(slow_client(port, SLOW_HEAD, b"X-Slow: 1\r\n", stop, slow_tally))
+        for _ in range(args.slow_heads)
     ]
     tasks += [
-        asyncio.ensure_future(slow_body(port, args.slow_body_mib, stop, slow_tally, chunk))
+        asyncio.ensure_future(slow_client(port, body_start, b"y", stop, slow_tally))
         for _ in range(args.slow_bodies)
     ]
     await asyncio.sleep(args.ramp_s)  # the crowd and the slow clients settle in
@@ -269,8 +220,7 @@ def main() -> int:
     )
     targets: dict[str, list[str]] = {"hgxserve": [str(HGXSERVE)]}
     if args.baseline_tree:
-        tree = os.path.abspath(args.baseline_tree)
-        targets = {"baseline": [sys.executable, "-c", _BASELINE_MAIN, tree], **targets}
+        targets = {"baseline": baseline_command(args.baseline_tree), **targets}
     results: dict[str, dict[str, Any]] = {}
     try:
         wait_http(f"http://127.0.0.1:{engine_port}/health")

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,15 +28,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from benchlib import baseline_command, free_port
+
 BIN = Path(sys.executable).parent
 ACCESS, SECRET = "BENCHACCESSKEY", "bench-secret-key-0000"
 BUCKET, PREFIX = "bench", "model/"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_tree(root: Path, shards: int, shard_mib: int, small: int) -> int:
@@ -102,15 +97,6 @@ def start_rclone(root: Path) -> tuple[subprocess.Popen, str]:
 
 # Runs the hgxserve CLI from another source tree: that tree first on sys.path, and the editable
 # install's finder (which maps `hgxserve` to this checkout) left out.
-_BASELINE_MAIN = (
-    "import sys; tree = sys.argv.pop(1); sys.path.insert(0, tree); "
-    "sys.meta_path[:] = [f for f in sys.meta_path "
-    "if not getattr(f, '__module__', '').startswith('__editable__')]; "
-    "import hgxserve; assert hgxserve.__file__.startswith(tree), hgxserve.__file__; "
-    "from hgxserve.cli import main; sys.argv[0] = 'hgxserve'; sys.exit(main())"
-)
-
-
 def tool_commands(
     url: str, dest: Path, cfg: Path, baseline: str | None = None
 ) -> dict[str, list[str]]:
@@ -132,7 +118,7 @@ def tool_commands(
     ]
     extra = {}
     if baseline:
-        base = [sys.executable, "-c", _BASELINE_MAIN, os.path.abspath(baseline)]
+        base = baseline_command(baseline)
         extra = {"hgxserve@baseline": base + ours}
     return extra | {
         "hgxserve": [

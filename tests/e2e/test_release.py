@@ -197,27 +197,21 @@ def test_pd_over_combined(lab: testbed_hosts.Testbed) -> None:
 
 def test_front_door_keys_and_an_unprivileged_proxy(lab: testbed_hosts.Testbed) -> None:
     """After the P/D switch: clients need the proxy's key, engines answer only the proxy."""
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(
-            urllib.request.Request(
-                "http://10.77.0.13:8000/v1/completions",
-                data=b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}',
-                headers={"Content-Type": "application/json"},
-            ),
-            timeout=10,
+
+    def keyless(url: str) -> urllib.error.HTTPError:
+        request = urllib.request.Request(
+            url,
+            data=b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}',
+            headers={"Content-Type": "application/json"},
         )
-    assert refused.value.code == 401
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        return refused.value
+
+    assert keyless("http://10.77.0.13:8000/v1/completions").code == 401
     # a client on the network going straight to the decode engine, key-less: vLLM's 401
-    with pytest.raises(urllib.error.HTTPError) as direct:
-        urllib.request.urlopen(
-            urllib.request.Request(
-                "http://10.77.0.12:8200/v1/completions",
-                data=b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}',
-                headers={"Content-Type": "application/json"},
-            ),
-            timeout=10,
-        )
-    assert direct.value.code == 401 and json.loads(direct.value.read()) == {"error": "Unauthorized"}
+    direct = keyless("http://10.77.0.12:8200/v1/completions")
+    assert direct.code == 401 and json.loads(direct.read()) == {"error": "Unauthorized"}
     assert complete("10.77.0.13", LONG_PROMPT)["choices"][0]["text"], "the proxy holds both keys"
     user = lab.ssh(
         "hgx-c",

@@ -22,13 +22,45 @@ pytestmark = pytest.mark.timeout(90)
 NIXL_P = '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
 NIXL_D = '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}'
 LONG = "explain the prefill phase in detail " * 40  # ~360 tokens by the byte estimate
-EVIL_PARAMS = {
-    "do_remote_prefill": True,
-    "remote_engine_id": "evil",
-    "remote_block_ids": [1, 2, 3],
-    "remote_host": "198.51.100.7",
-    "remote_port": 5600,
-}
+
+
+@pytest.fixture
+def trap() -> Any:
+    """A listener on 127.0.0.1 that no engine should ever dial; `.dialed()` says if one did."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    sock.setblocking(False)
+
+    class Trap:
+        port = sock.getsockname()[1]
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "evil",
+            "remote_block_ids": [1, 2, 3],
+            "remote_host": "127.0.0.1",
+            "remote_port": sock.getsockname()[1],
+        }
+
+        @staticmethod
+        def dialed() -> bool:
+            try:
+                sock.accept()[0].close()
+                return True
+            except BlockingIOError:
+                return False
+
+    yield Trap
+    sock.close()
+
+
+def pd_config(pre: SimEngine, dec: SimEngine, **kw: Any) -> dict[str, Any]:
+    return {
+        "protocol": "vllm-nixl",
+        "served_model_name": "m",
+        "pd_groups": [{"prefill": [pre.url], "decode": [dec.url]}],
+        **kw,
+    }
 
 
 def vllm(engines: Callable[..., SimEngine], role: str | None, **kw: Any) -> SimEngine:
@@ -211,48 +243,38 @@ def test_oversized_body_413_without_reaching_an_engine(engines, proxy, chunked: 
 # ---------------------------------------------------------------- what reaches the engines
 
 
-def test_client_kv_transfer_params_never_reach_a_combined_engine(engines, proxy) -> None:
-    comb = vllm(engines, None)
+def test_client_kv_transfer_params_never_reach_a_combined_engine(engines, proxy, trap) -> None:
+    comb = vllm(engines, "decode")  # a NIXL engine: it would dial what the params say
     px = proxy(combined_config(comb))
-    status, _ = completion(px.url, kv_transfer_params=EVIL_PARAMS, bootstrap_host="198.51.100.7")
+    status, _ = completion(px.url, kv_transfer_params=trap.params, bootstrap_host="127.0.0.1")
     assert status == 200
     req = comb.requests()[-1]
     assert req["kv_transfer_params_in"] is None and req["kv"] == "local"
+    assert not trap.dialed()
 
 
-def test_client_kv_transfer_params_never_reach_a_fallback_decode(engines, proxy) -> None:
+def test_client_kv_transfer_params_never_reach_a_fallback_decode(engines, proxy, trap) -> None:
     pre, dec = vllm(engines, "prefill"), vllm(engines, "decode")
-    px = proxy(
-        {
-            "protocol": "vllm-nixl",
-            "served_model_name": "m",
-            "pd_groups": [{"prefill": [pre.url], "decode": [dec.url]}],
-            "health": {"interval_s": 30, "timeout_s": 1},
-        }
-    )
+    px = proxy(pd_config(pre, dec, health={"interval_s": 30, "timeout_s": 1}))
     pre.kill()  # decode-only fallback: the decode prefills locally
-    status, _ = completion(px.url, LONG, kv_transfer_params=EVIL_PARAMS)
+    status, _ = completion(px.url, LONG, kv_transfer_params=trap.params)
     assert status == 200
     req = dec.requests()[-1]
     assert req["kv_transfer_params_in"] is None and req["kv"] == "local"
+    assert not trap.dialed()
 
 
-def test_client_kv_transfer_params_replaced_on_the_pd_route(engines, proxy) -> None:
+def test_client_kv_transfer_params_replaced_on_the_pd_route(engines, proxy, trap) -> None:
     pre, dec = vllm(engines, "prefill"), vllm(engines, "decode")
-    px = proxy(
-        {
-            "protocol": "vllm-nixl",
-            "served_model_name": "m",
-            "pd_groups": [{"prefill": [pre.url], "decode": [dec.url]}],
-        }
-    )
-    status, _ = completion(px.url, LONG, kv_transfer_params=EVIL_PARAMS, stream=False)
+    px = proxy(pd_config(pre, dec))
+    status, _ = completion(px.url, LONG, kv_transfer_params=trap.params, stream=False)
     assert status == 200
     p_req, d_req = pre.requests()[-1], dec.requests()[-1]
     assert p_req["kv_transfer_params_in"]["do_remote_decode"] is True
     params = d_req["kv_transfer_params_in"]
-    assert params["remote_engine_id"] != "evil" and params["remote_host"] != "198.51.100.7"
+    assert params["remote_engine_id"] != "evil" and params["remote_port"] != trap.port
     assert d_req["kv"] == "transferred"
+    assert not trap.dialed()
 
 
 def test_client_bootstrap_fields_stripped_on_every_sglang_route(engines, proxy) -> None:
@@ -277,7 +299,7 @@ def test_client_bootstrap_fields_stripped_on_every_sglang_route(engines, proxy) 
             "routing": {"pd_min_prompt_tokens": 200},
         }
     )
-    evil = {"bootstrap_host": "198.51.100.7", "bootstrap_port": 1, "bootstrap_room": 42}
+    evil = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 42}
     assert completion(px.url, "short", **evil)[0] == 200
     assert comb.requests()[-1]["bootstrap_room"] is None, "combined saw no bootstrap fields"
     assert completion(px.url, LONG, **evil)[0] == 200
@@ -434,14 +456,13 @@ def test_keyed_engines_refuse_others_and_serve_the_proxy(engines, proxy, tmp_pat
     key_file = tmp_path / "engine-key"
     key_file.write_text(key + "\n")
     px = proxy(
-        {
-            "protocol": "vllm-nixl",
-            "served_model_name": "m",
-            "pd_groups": [{"prefill": [pre.url], "decode": [dec.url]}],
-            "combined": [comb.url],
-            "routing": {"pd_min_prompt_tokens": 200},
-            "auth": {"upstream_api_key_file": str(key_file)},
-        }
+        pd_config(
+            pre,
+            dec,
+            combined=[comb.url],
+            routing={"pd_min_prompt_tokens": 200},
+            auth={"upstream_api_key_file": str(key_file)},
+        )
     )
     assert completion(px.url, "short")[0] == 200
     assert completion(px.url, LONG)[0] == 200
