@@ -84,6 +84,10 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+# one decoder for every request (json.loads with arguments would build one per call)
+_STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)
+
+
 def parse_body(raw: bytes) -> Any:
     """The client's JSON; ValueError for anything that is not strict JSON (NaN, Infinity,
     invalid UTF-8, nesting deep enough to exhaust the parser).
@@ -91,7 +95,8 @@ def parse_body(raw: bytes) -> Any:
     Example: parse_body(b'{"a": 1}') == {"a": 1}
     """
     try:
-        return json.loads(raw, parse_constant=_no_constant)
+        # as json.loads does with bytes, then the strict decoder
+        return _STRICT_JSON.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
