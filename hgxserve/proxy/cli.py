@@ -42,8 +42,9 @@ def check(config_path: str) -> None:
     hgxserve proxy check --config /etc/hgxserve/proxy.json
     """
     cfg = load_proxy_config(config_path)
-    if cfg.api_key_file:
-        read_api_key(cfg.api_key_file)
+    for key_file in (cfg.api_key_file, cfg.upstream_api_key_file):
+        if key_file:
+            read_api_key(key_file)
     click.echo(
         f"{config_path}: ok: {cfg.protocol} on {cfg.host}:{cfg.port}, model {cfg.served_model_name}"
     )
@@ -57,6 +58,16 @@ def check(config_path: str) -> None:
     threshold = cfg.routing.pd_min_prompt_tokens
     if cfg.pd_groups and cfg.combined and threshold:
         click.echo(f"  prompts >= {threshold} tokens go to P/D, shorter ones to combined")
+    click.echo(
+        f"  clients: {'key required' if cfg.api_key_file else 'no key (auth off)'}; "
+        f"engines: {'keyed' if cfg.upstream_api_key_file else 'no key sent'}"
+    )
+    limits = cfg.limits
+    click.echo(
+        f"  front door: {limits.max_connections} connections, {limits.max_in_flight} requests in "
+        f"flight, head within {limits.header_timeout_s:g} s, body within "
+        f"{limits.body_timeout_s:g} s"
+    )
 
 
 @proxy.command()

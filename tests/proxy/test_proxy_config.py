@@ -104,3 +104,39 @@ def test_prompt_estimate() -> None:
     assert estimate_prompt_tokens({"prompt": [1, 2, 3]}, 4.0) == 3
     chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 80}]}]}
     assert estimate_prompt_tokens(chat, 4.0) == 20
+
+
+def test_front_door_limits_and_keys_are_checked(tmp_path: Path) -> None:
+    base = {"protocol": "vllm-nixl", "served_model_name": "m", "combined": ["http://127.0.0.1:1"]}
+    with pytest.raises(ProxyConfigError) as err:
+        parse_proxy_config(
+            {
+                **base,
+                "limits": {
+                    "max_connections": 0,
+                    "header_timeout_s": -1,
+                    "max_body_bytes": 10_000_000,
+                    "max_buffered_body_bytes": 5_000_000,
+                },
+                "auth": {"upstream_api_key_file": "relative/key"},
+            }
+        )
+    text = str(err.value)
+    assert "$.limits.max_connections: must be an integer >= 1" in text
+    assert "$.limits.header_timeout_s: must be a number >= 0.01" in text
+    assert "$.limits.max_buffered_body_bytes: must be at least max_body_bytes" in text
+    assert "$.auth.upstream_api_key_file: must be an absolute path" in text
+    key = tmp_path / "engine-key"
+    key.write_text("line one\r\nInjected: header\n")
+    config = tmp_path / "p.json"
+    config.write_text(json.dumps({**base, "auth": {"upstream_api_key_file": str(key)}}))
+    out = subprocess.run(
+        [str(HGXSERVE), "proxy", "check", "--config", str(config)], capture_output=True, text=True
+    )
+    assert out.returncode == 1 and "printable ASCII" in out.stderr, "it would split a header"
+    key.write_text("engine-k3y\n")
+    out = subprocess.run(
+        [str(HGXSERVE), "proxy", "check", "--config", str(config)], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "engines: keyed" in out.stdout and "engine-k3y" not in out.stdout
+    assert "2048 requests in flight" in out.stdout
