@@ -396,6 +396,35 @@ def error_response(status: int, message: str, etype: str, code: str | None = Non
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
+# Bodies up to this size are read at once and not counted against max_buffered_body_bytes:
+# the in-flight cap bounds them (2048 x 64 KiB = 128 MiB), and a prompt of 16K tokens fits.
+SMALL_BODY_BYTES = 64 * 1024
+
+
+class BodyBudgetExceeded(Exception):
+    """Request bodies in flight would pass `max_buffered_body_bytes`."""
+
+
+class BodyHold:
+    """The bytes of one request's body counted in `Metrics.buffered_body_bytes`."""
+
+    __slots__ = ("metrics", "held")
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.held = 0
+
+    def add(self, size: int, budget: int) -> None:
+        if self.metrics.buffered_body_bytes + size > budget:
+            raise BodyBudgetExceeded()
+        self.metrics.buffered_body_bytes += size
+        self.held += size
+
+    def release(self) -> None:
+        self.metrics.buffered_body_bytes -= self.held
+        self.held = 0
+
+
 class _Refused(asyncio.Protocol):
     """A connection over the cap: one 503 answer, the client's bytes discarded, closed after
     the client closes or after a second (a plain close could reset the answer away)."""
@@ -639,27 +668,14 @@ class Proxy:
         if not self.authorized(request):
             self.metrics.request("none", endpoint, 401)
             return self.unauthorized()
-        limits = self.config.limits
         length = request.content_length
-        if length is not None and length > limits.max_body_bytes:
+        if length is not None and length > self.config.limits.max_body_bytes:
             return self.body_too_large(endpoint)
-        # the body's bytes (and what is parsed from them) stay held until the answer is done
-        held = limits.max_body_bytes if length is None else length
-        if self.metrics.buffered_body_bytes + held > limits.max_buffered_body_bytes:
-            self.metrics.refuse("body_bytes")
-            self.metrics.request("none", endpoint, 503)
-            resp = error_response(
-                503,
-                "The proxy holds too many request bodies; retry shortly.",
-                "service_unavailable",
-            )
-            resp.headers["Retry-After"] = "1"
-            return resp
-        self.metrics.buffered_body_bytes += held
+        hold = BodyHold(self.metrics)
         try:
-            return await self._generate(request, path, endpoint)
+            return await self._generate(request, path, endpoint, hold)
         finally:
-            self.metrics.buffered_body_bytes -= held
+            hold.release()
 
     def body_too_large(self, endpoint: str) -> web.Response:
         self.metrics.request("none", endpoint, 413)
@@ -668,22 +684,55 @@ class Proxy:
             413, f"Request body larger than {limit} bytes.", "invalid_request_error"
         )
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        """The whole body, within `body_timeout_s` (TimeoutError otherwise)."""
-        if request.content.is_eof():
-            return await request.read()  # already all here: no timer needed
-        async with asyncio.timeout(self.config.limits.body_timeout_s):
-            return await request.read()
+    async def _read_body(self, request: web.BaseRequest, hold: BodyHold) -> bytes:
+        """The whole body, within `body_timeout_s` (TimeoutError otherwise).
+
+        A body over SMALL_BODY_BYTES (or of unknown length) is read piece by piece and every
+        byte received counts against `max_buffered_body_bytes` until the answer is done
+        (BodyBudgetExceeded when it would pass it): memory follows what clients really sent,
+        and slow clients cannot reserve it by announcing large bodies they never send.
+        """
+        length = request.content_length
+        content = request.content
+        if length is not None and length <= SMALL_BODY_BYTES:
+            if content.is_eof():
+                return await request.read()  # already all here: no timer needed
+            async with asyncio.timeout(self.config.limits.body_timeout_s):
+                return await request.read()
+        limits = self.config.limits
+        parts = []
+        got = 0
+        async with asyncio.timeout(limits.body_timeout_s):
+            while chunk := await content.readany():
+                got += len(chunk)
+                if got > limits.max_body_bytes:
+                    raise web.HTTPRequestEntityTooLarge(
+                        max_size=limits.max_body_bytes, actual_size=got
+                    )
+                hold.add(len(chunk), limits.max_buffered_body_bytes)
+                parts.append(chunk)
+        return b"".join(parts)
 
     async def _generate(
-        self, request: web.BaseRequest, path: str, endpoint: str
+        self, request: web.BaseRequest, path: str, endpoint: str, hold: BodyHold
     ) -> web.StreamResponse:
         try:
             # bytes straight to json.loads: no text decode, and `raw` is relayed as it came
-            raw = await self._read_body(request)
+            raw = await self._read_body(request, hold)
             body = parse_body(raw)
         except web.HTTPRequestEntityTooLarge:
             return self.body_too_large(endpoint)
+        except BodyBudgetExceeded:
+            self.metrics.refuse("body_bytes")
+            self.metrics.request("none", endpoint, 503)
+            full = error_response(
+                503,
+                "The proxy holds too many request bodies; retry shortly.",
+                "service_unavailable",
+            )
+            full.headers["Retry-After"] = "1"
+            full.force_close()
+            return full
         except TimeoutError:
             self.metrics.refuse("body_timeout")
             self.metrics.request("none", endpoint, 408)
