@@ -92,7 +92,7 @@ class Limits:
     # longest silence between two bytes of a decode/combined answer
     read_timeout_s: float = 600.0
     # idle keep-alive connections to one engine, and how long one may stay idle
-    upstream_max_idle: int = 64
+    upstream_max_idle: int = 1024
     upstream_idle_timeout_s: float = 4.0
 
 

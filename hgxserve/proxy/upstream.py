@@ -18,7 +18,8 @@ could be made) or `TimeoutError`. A request whose connection was reused and clos
 before any answer byte is sent again once on a new connection (the engine closed an idle
 keep-alive connection; it never saw the request).
 
-The pool is bounded: at most `max_idle` idle connections per engine, each closed after
+The pool is bounded: at most `max_idle` idle connections per engine (1024: fewer makes a
+proxy under high concurrency close and reopen a connection per request), each closed after
 `idle_timeout` seconds unused (below uvicorn's 5 s keep-alive, which vLLM's API server uses, so
 the proxy rarely picks a connection the engine is closing). Connections in use are bounded by
 the proxy's in-flight cap: a request holds at most one connection per engine it talks to.
@@ -415,7 +416,7 @@ class Upstream:
         connect_timeout: float,
         *,
         api_key: str | None = None,
-        max_idle: int = 64,
+        max_idle: int = 1024,
         idle_timeout: float = 4.0,
     ) -> None:
         self.connect_timeout = connect_timeout
