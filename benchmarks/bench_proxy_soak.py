@@ -181,7 +181,7 @@ def main() -> int:
     ap.add_argument("--token-s", type=float, default=0.25, help="simulated seconds per token")
     ap.add_argument("--slow-heads", type=int, default=100)
     ap.add_argument("--slow-bodies", type=int, default=200)
-    ap.add_argument("--slow-body-mib", type=float, default=2.0)
+    ap.add_argument("--slow-body-mib", type=float, default=4.0)
     ap.add_argument("--quiet-s", type=float, default=5.0)
     ap.add_argument("--ramp-s", type=float, default=10.0)
     ap.add_argument("--soak-s", type=float, default=40.0)
@@ -231,7 +231,9 @@ def main() -> int:
                 "protocol": "vllm-nixl",
                 "served_model_name": "m",
                 "combined": [f"http://127.0.0.1:{engine_port}"],
-                "health": {"interval_s": 2},
+                # one simulated engine carries the whole crowd on a shared machine: a longer
+                # health timeout keeps its slow /health from ejecting it mid-soak (both proxies)
+                "health": {"interval_s": 2, "timeout_s": 10},
             }
             (work / f"{name}.json").write_text(json.dumps(config))
             proc = subprocess.Popen(
