@@ -163,7 +163,9 @@ def main() -> int:
             "protocol": "vllm-nixl",
             "served_model_name": "m",
             "pd_groups": [{"prefill": [prefill_url], "decode": [decode_url]}],
-            "health": {"interval_s": 5},
+            # a generous health timeout: on a loaded 2-core machine a 2 s check can miss and
+            # eject an engine mid-run (all proxies get the same configuration)
+            "health": {"interval_s": 5, "timeout_s": 10},
         }
         (work / "proxy.json").write_text(json.dumps(config))
         px = start(

@@ -32,6 +32,8 @@ Environment knobs (all optional):
                                port_{xmit,rcv}_data (default /var/lib/hgxserve-sim/infiniband):
                                a cross-host KV transfer adds its bytes there unless UCX_TLS
                                names no RDMA transport (a TCP fallback moves no counter)
+  HGXSERVE_SIM_KEEP_ALIVE_SECONDS  idle keep-alive connections are closed after this (default 5,
+                               uvicorn's timeout_keep_alive, which vLLM and SGLang serve with)
   HGXSERVE_SIM_FAIL            failure injection, comma-separated:
       never_healthy   port opens, /health (and generation) answer 503 forever
       crash_on_start  exit 1 after the start delay, port never opens
@@ -609,11 +611,18 @@ async def pause(conn: Conn | None, seconds: float) -> None:
 
 async def handle_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     conn = Conn(reader, writer)
+    # as uvicorn under vLLM and SGLang: an idle keep-alive connection is closed after 5 s
+    keep_alive = env_float("HGXSERVE_SIM_KEEP_ALIVE_SECONDS", 5.0)
     try:
         while not STATE.stopping:
             try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), keep_alive)
+            except (
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+                ConnectionError,
+                TimeoutError,
+            ):
                 break
             lines = head.decode("latin-1").split("\r\n")
             try:
