@@ -133,6 +133,7 @@ def main() -> None:
         )  # fmt: skip
         run(str(BIN / "hgxserve"), "bench", PD, "--scenario", "pd-long",
             "--tokenizer", str(tokenizer), "--inventory", "inventory/testhosts.py",
+            "--api-key-file", str(demo.api_key_file(tokenizer)),
             "--out", "bench-runs")  # fmt: skip
         print("   kept: bench-runs/<time>-demo-pd/ run.json, report.md, throughput/ttft/tpot.png")
 

@@ -36,6 +36,16 @@ DEMO_CREDENTIALS = {
 DEMO_API_KEY = "hgxserve-demo-api-key-0123456789"
 DEMO_ENGINE_KEY = "hgxserve-demo-engine-key-9876543210"
 CREDSTORE = {"hgxserve-api-key": DEMO_API_KEY, "hgxserve-engine-key": DEMO_ENGINE_KEY}
+
+
+def api_key_file(directory: Path) -> Path:
+    """The demo proxy's client key in a 0600 file, for `hgxserve bench --api-key-file`."""
+    path = directory / "demo-api-key"
+    path.touch(mode=0o600)
+    path.write_text(DEMO_API_KEY + "\n")
+    return path
+
+
 STATE = testbed_hosts.STATE_DIR / "demo-s3.json"
 # Make a test host look as if it never ran an hgxserve release (tests start from and leave this).
 FORGET_RELEASES = (
