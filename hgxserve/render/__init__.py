@@ -21,7 +21,7 @@ from hgxserve import paths
 from hgxserve.caches.key import cache_key
 from hgxserve.caches.layout import ENV_SUBDIRS, cache_env
 from hgxserve.caches.warmup import Shape, shapes_arg, warmup_plan
-from hgxserve.paths import AGENT, CREDENTIALS_DIR
+from hgxserve.paths import AGENT
 from hgxserve.render.engines import NodePlan, engine_args, engine_program, node_plan
 from hgxserve.render.proxy import render_proxy
 from hgxserve.render.systemd import (
@@ -40,6 +40,8 @@ from hgxserve.render.types import (
     RenderedUnit,
     RenderError,
     add_credential,
+    credential_for,
+    engine_secret_env,
     templates,
     unit_name,
 )
@@ -53,6 +55,7 @@ __all__ = [
     "RenderError",
     "RenderedFile",
     "RenderedUnit",
+    "credential_for",
     "render_host",
     "render_topology",
     "unit_name",
@@ -142,52 +145,6 @@ def engine_env(topo: Topology, engine: Engine, plan: NodePlan, key: str) -> dict
     for name, value in engine.env.items():
         env[name] = value
     return env
-
-
-def credential_for(var: str, ref: SecretRef) -> tuple[str, str, str | None]:
-    """(credential name, LoadCredential= value, file the release role writes or None)."""
-    if ref.kind == "credential":
-        return ref.value, ref.value, None
-    if ref.kind == "file":
-        name = var.lower().replace("_", "-")
-        return name, f"{name}:{ref.value}", None
-    name = ref.value.lower().replace("_", "-")
-    path = f"{CREDENTIALS_DIR}/{name}"
-    return name, f"{name}:{path}", path
-
-
-# vLLM reads its API key from here when --api-key is not given (never on a command line)
-ENGINE_KEY_VAR = "VLLM_API_KEY"
-
-
-def routed_engines(topo: Topology) -> set[str]:
-    """Names of the engines the proxy sends requests to."""
-    proxy = topo.proxy
-    if proxy is None:
-        return set()
-    return {n for r in proxy.routes for n in (*r.prefill, *r.decode)} | set(proxy.combined)
-
-
-def engine_secret_env(topo: Topology, engine: Engine) -> dict[str, SecretRef]:
-    """The engine's secret environment, plus VLLM_API_KEY when the proxy keys its engines."""
-    secrets = dict(engine.secret_env)
-    key = topo.proxy.engine_api_key if topo.proxy else None
-    if key is None or engine.name not in routed_engines(topo):
-        return secrets
-    if engine.engine != "vllm":
-        raise RenderError(
-            f"proxy.auth.engine_api_key: engine {engine.name} is {engine.engine}, which takes "
-            "its key only as --api-key on the command line, where every local user can read it; "
-            "keep it on the proxy's host (it listens on loopback there) or firewall its port, "
-            "and drop engine_api_key"
-        )
-    if ENGINE_KEY_VAR in secrets or ENGINE_KEY_VAR in engine.env:
-        raise RenderError(
-            f"engine {engine.name}: {ENGINE_KEY_VAR} is set in its env/secret_env and by "
-            "proxy.auth.engine_api_key; set it in one place (proxy.auth.engine_api_key)"
-        )
-    secrets[ENGINE_KEY_VAR] = key
-    return secrets
 
 
 def secret_wrapper(

@@ -25,11 +25,13 @@ from hgxserve.proxy.config import ProxyConfigError, parse_proxy_config
 from hgxserve.render.systemd import environment_value, exec_line, path_value
 from hgxserve.render.types import (
     CONTAINER_TOOLS,
+    ENGINE_KEY_VAR,
     CredentialSpec,
     RenderedFile,
     RenderedUnit,
     RenderError,
     add_credential,
+    credential_for,
     templates,
     unit_name,
 )
@@ -96,8 +98,6 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
 def _engine_key_credential(topo: Topology) -> tuple[str, str, str | None] | None:
     """(name, LoadCredential= value, file the release role writes) of the engines' key: the
     same credential the engine units load, so one file serves both on the proxy's host."""
-    from hgxserve.render import ENGINE_KEY_VAR, credential_for
-
     proxy = topo.proxy
     if proxy is None or proxy.engine_api_key is None:
         return None
