@@ -131,10 +131,20 @@ def main() -> None:
              "--tokenizer-only", str(tokenizer)],
             check=True, capture_output=True,
         )  # fmt: skip
-        run(str(BIN / "hgxserve"), "bench", PD, "--scenario", "pd-long",
-            "--tokenizer", str(tokenizer), "--inventory", "inventory/testhosts.py",
-            "--api-key-file", str(demo.api_key_file(tokenizer)),
-            "--out", "bench-runs")  # fmt: skip
+        # combined-0 listens on hgx-c's loopback only: its /metrics through an SSH tunnel
+        tunnel_argv = bed.ssh_argv("hgx-c")
+        tunnel_argv[-1:-1] = ["-N", "-L", "127.0.0.1:18300:127.0.0.1:8300"]
+        tunnel = subprocess.Popen(tunnel_argv, stdin=subprocess.DEVNULL)
+        try:
+            time.sleep(2)
+            run(str(BIN / "hgxserve"), "bench", PD, "--scenario", "pd-long",
+                "--tokenizer", str(tokenizer), "--inventory", "inventory/testhosts.py",
+                "--api-key-file", str(demo.api_key_file(tokenizer)),
+                "--engine-url", "combined-0=http://127.0.0.1:18300",
+                "--out", "bench-runs")  # fmt: skip
+        finally:
+            tunnel.terminate()
+            tunnel.wait(10)
         print("   kept: bench-runs/<time>-demo-pd/ run.json, report.md, throughput/ttft/tpot.png")
 
         step("Back to the baseline, all hosts together")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from hgxserve.errors import ExitCode, HgxserveError, UsageError
 from hgxserve.release.gate import parse_samples
 from hgxserve.topology import Topology
-from hgxserve.topology.ports import engine_url
+from hgxserve.topology.model import is_loopback
+from hgxserve.topology.ports import engine_bind, engine_url
 
 PROXY_OUTSTANDING = "hgxserve_proxy_outstanding_requests"
 # The engines' own names for the same facts (vLLM V1, SGLang).
@@ -109,6 +110,19 @@ def targets(
         if proxy.listen_host not in ("0.0.0.0", "::", ""):
             host = proxy.listen_host
         proxy_url = f"http://{host}:{proxy.listen_port}"
+    hidden = [
+        e.name
+        for e in topo.engines.values()
+        if e.name not in engine_urls and is_loopback(engine_bind(topo, e))
+    ]
+    if hidden:
+        first = topo.engines[hidden[0]]
+        raise UsageError(
+            f"{', '.join(hidden)} listen(s) on loopback only ({first.head} fronts it with the "
+            "proxy), so the controller cannot read its /metrics: pass --engine-url "
+            f"{first.name}=http://127.0.0.1:PORT through a tunnel, e.g. ssh -N -L "
+            f"PORT:127.0.0.1:{first.port} {topo.hosts[first.head].address}"
+        )
     engines = tuple(
         EngineTarget(
             e.name,

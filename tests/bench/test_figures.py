@@ -265,3 +265,19 @@ def test_compare_fails_on_a_regression_past_the_margin(tmp_path: Path) -> None:
     assert passed.returncode == 0 and "(+" in passed.stdout
     missing = subprocess.run([*args[:-1], str(tmp_path / "nope")], capture_output=True, text=True)
     assert missing.returncode == 2
+
+
+def test_an_engine_on_loopback_only_needs_an_engine_url() -> None:
+    from hgxserve.topology import load_topology
+
+    topo = load_topology(Path(__file__).resolve().parents[2] / "topologies/demo/demo-pd.yml")
+    with pytest.raises(UsageError, match=r"combined-0 listen\(s\) on loopback only .* ssh -N -L "
+                       r"PORT:127\.0\.0\.1:8300 10\.77\.0\.13"):  # fmt: skip
+        metrics.targets(topo)
+    t = metrics.targets(topo, engine_urls={"combined-0": "http://127.0.0.1:18300/"})
+    assert [e.url for e in t.engines] == [
+        "http://10.77.0.11:8100", "http://10.77.0.12:8200", "http://127.0.0.1:18300",
+    ]  # fmt: skip
+    assert t.proxy_url == "http://10.77.0.13:8000"
+    with pytest.raises(UsageError, match="names no engine"):
+        metrics.targets(topo, engine_urls={"nope": "http://127.0.0.1:1"})

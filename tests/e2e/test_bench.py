@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -49,6 +50,30 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
+def combined_url(lab: testbed_hosts.Testbed) -> Iterator[str]:
+    """combined-0 listens on hgx-c's loopback only (the proxy fronts it): reach its /metrics
+    through an SSH tunnel, as an operator would."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = lab.ssh_argv("hgx-c")
+    argv[-1:-1] = ["-N", "-L", f"127.0.0.1:{port}:127.0.0.1:8300"]
+    tunnel = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        tunnel.terminate()
+        tunnel.wait(10)
+
+
+@pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model's own tokenizer, built locally (no hub download)."""
     dest = tmp_path_factory.mktemp("tokenizer")
@@ -60,10 +85,15 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
+COMBINED: list[str] = []  # combined-0 through the SSH tunnel, set by each test
+
+
 def bench(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     if args and args[0] != "compare":  # the demo proxy wants its client key
         key_dir = Path(tempfile.mkdtemp(prefix="bench-key-"))
         args = (*args, "--api-key-file", str(demo.api_key_file(key_dir)))
+        if COMBINED:
+            args = (*args, f"--engine-url=combined-0={COMBINED[0]}")
     return subprocess.run(
         [str(REPO / ".venv/bin/hgxserve"), "bench", *args],
         capture_output=True,
@@ -84,8 +114,9 @@ def sim_requests(address: str, port: int) -> list[dict]:
 
 
 def test_two_scenarios_through_the_proxy_with_plots(
-    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+    lab: testbed_hosts.Testbed, combined_url: str, tokenizer: Path, tmp_path: Path
 ) -> None:
+    COMBINED[:] = [combined_url]
     proc = bench(str(PD), "--tokenizer", str(tokenizer), "--out", str(tmp_path),
                  "--inventory", "inventory/testhosts.py")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -129,8 +160,9 @@ def test_two_scenarios_through_the_proxy_with_plots(
 
 
 def test_a_leftover_client_makes_the_round_wait_then_refuse(
-    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+    lab: testbed_hosts.Testbed, combined_url: str, tokenizer: Path, tmp_path: Path
 ) -> None:
+    COMBINED[:] = [combined_url]
     stop = threading.Event()
 
     def leftover_client() -> None:  # seed 003 §11.4: a client from an earlier round
@@ -170,8 +202,9 @@ def test_a_leftover_client_makes_the_round_wait_then_refuse(
 
 
 def test_an_sla_the_engine_cannot_meet_exits_1_naming_the_figure(
-    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+    lab: testbed_hosts.Testbed, combined_url: str, tokenizer: Path, tmp_path: Path
 ) -> None:
+    COMBINED[:] = [combined_url]
     topology = tmp_path / "demo-pd.yml"
     shutil.copy(PD, topology)
     (tmp_path / "demo-pd.bench.yaml").write_text(
