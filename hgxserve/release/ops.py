@@ -176,7 +176,7 @@ def arm_deadman(
     if ok:
         host.log_styled(lines[-1] if lines else "dead-man timer re-armed", fg="blue")
         return True
-    detail = " ".join(lines).removeprefix("Error: ")
+    detail = " ".join(lines).removeprefix("Error: ").removeprefix("error: ")
     if "REVERTED ON ITS OWN" in detail:
         # named here; the host stays in the run so that settle reports it and reverts the rest
         coord.reverted_on_own[host.name] = f"{host.name} {detail}"
@@ -248,7 +248,7 @@ def settle(state: State, host: Host, coord: Coordination, release_id: str, root:
     if verdict[0]:
         ok, output = host.run_shell_command(f"{AGENT} release confirm {q_id} --root {q_root}")
         if not ok:
-            detail = " ".join(output.stderr_lines).removeprefix("Error: ")
+            detail = " ".join(output.stderr_lines).removeprefix("Error: ").removeprefix("error: ")
             return _fail(host, f"confirm failed on {host.name}: {detail}")
         if coord.rdma_note:
             host.log_styled(coord.rdma_note, fg="green")
