@@ -40,6 +40,10 @@ Environment knobs (all optional):
       exit_after:N    serve N generation requests, then die abruptly (exit 1, memory files left)
       slow_stop       ignore SIGTERM for HGXSERVE_SIM_SLOW_STOP_SECONDS (default 30)
       garbage         return wrong (random) text, as a broken kernel/executor would
+      loopback_side_channel
+                      bind and advertise the NIXL side channel on 127.0.0.1 whatever
+                      VLLM_NIXL_SIDE_CHANNEL_HOST says (seed 003 §11.3's footgun: a decode on
+                      another host cannot reach it and, with recompute, silently recomputes)
       error:CAPTURE   at start, print the real failure captured in CAPTURE.txt (a file of the
                       test hosts' fixtures, e.g. h200_error-802_hf-jobs) and exit 1, as the
                       real engine failing that way would
@@ -1333,6 +1337,8 @@ def configure(args: dict[str, Any]) -> None:
         extra = s.kv.get("kv_connector_extra_config") or {}
         s.failure_policy = str(extra.get("kv_load_failure_policy", "recompute"))
         s.side_channel_host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
+        if "loopback_side_channel" in STATE.fail:
+            s.side_channel_host = "127.0.0.1"
         s.side_channel_port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
         default_port = 8000
         default_host = None

@@ -288,16 +288,17 @@ def test_gate_catches_decode_recomputing_instead_of_pulling_kv(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
     current = {h: links(lab, h)["current"] for h in lab.names}
-    # The footgun of seed 003 §11.3, set by hand in env (the validator refuses it in `kv:`):
-    # the prefill advertises a loopback side channel, the decode on another host cannot reach
-    # it and, with kv_load_failure_policy=recompute, silently recomputes every prompt.
+    # The footgun of seed 003 §11.3: the prefill advertises a loopback side channel, the decode
+    # on another host cannot reach it and, with kv_load_failure_policy=recompute, silently
+    # recomputes every prompt. The validator refuses it in `kv:` and in `env:`, so the simulated
+    # prefill is told to do it itself (as a real engine on a host with a wrong bind would).
     bad = variant(
         tmp_path,
         PD,
         "pd-loopback",
         {
             "    port: 8100\n": (
-                "    port: 8100\n    env: {VLLM_NIXL_SIDE_CHANNEL_HOST: 127.0.0.1}\n"
+                "    port: 8100\n    env: {HGXSERVE_SIM_FAIL: loopback_side_channel}\n"
             ),
             "side_channel: {host: auto, port: 5600}}\n  combined-0": (
                 "side_channel: {host: auto, port: 5600}, failure_policy: recompute}\n  combined-0"
