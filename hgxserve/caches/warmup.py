@@ -88,7 +88,13 @@ class ShapeResult:
         }
 
 
-def _request(base_url: str, model: str, shape: Shape, salt: int, timeout: float) -> str | None:
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _request(
+    base_url: str, model: str, shape: Shape, salt: int, timeout: float, api_key: str | None
+) -> str | None:
     if shape.api == "chat":
         # Text of ~4 characters per token; chat prompts cannot be given as ids.
         words = " ".join(f"w{(salt + i) % 997}" for i in range(max(1, shape.input // 2)))
@@ -107,7 +113,7 @@ def _request(base_url: str, model: str, shape: Shape, salt: int, timeout: float)
     req = urllib.request.Request(
         base_url.rstrip("/") + path,
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **_headers(api_key)},
         method="POST",
     )
     try:
@@ -122,21 +128,29 @@ def _request(base_url: str, model: str, shape: Shape, salt: int, timeout: float)
 
 
 def run_shape(
-    base_url: str, model: str, shape: Shape, round_no: int, timeout: float = 600
+    base_url: str,
+    model: str,
+    shape: Shape,
+    round_no: int,
+    timeout: float = 600,
+    api_key: str | None = None,
 ) -> ShapeResult:
     """Send `concurrency` requests of one shape at the same time and wait for all."""
     started = time.monotonic()
     salts = [round_no * 100_003 + shape.input * 7 + i for i in range(shape.concurrency)]
     with ThreadPoolExecutor(max_workers=shape.concurrency) as pool:
-        outcomes = list(pool.map(lambda s: _request(base_url, model, shape, s, timeout), salts))
+        outcomes = list(
+            pool.map(lambda s: _request(base_url, model, shape, s, timeout, api_key), salts)
+        )
     errors = [o for o in outcomes if o]
     return ShapeResult(shape, len(outcomes) - len(errors), errors, time.monotonic() - started)
 
 
-def served_model(base_url: str, timeout: float = 10) -> str | None:
+def served_model(base_url: str, timeout: float = 10, api_key: str | None = None) -> str | None:
     """The first model id from /v1/models, or None."""
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/models", headers=_headers(api_key))
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             data = json.loads(resp.read())
         return str(data["data"][0]["id"])
     except (OSError, ValueError, KeyError, IndexError):
@@ -179,15 +193,22 @@ def parse_shapes(text: str) -> list[Shape]:
     return shapes
 
 
-def warm_up(base_url: str, shapes: list[Shape], log: Any, timeout: float = 600) -> list[str]:
-    """Send every shape to the engine at `base_url` (before any proxy admits it); return the
-    errors (empty when every request of every shape was answered)."""
-    model = served_model(base_url)
+def warm_up(
+    base_url: str,
+    shapes: list[Shape],
+    log: Any,
+    timeout: float = 600,
+    api_key: str | None = None,
+) -> list[str]:
+    """Send every shape to the engine at `base_url` (before any proxy admits it), with the
+    engine's API key when it has one; return the errors (empty when every request of every
+    shape was answered)."""
+    model = served_model(base_url, api_key=api_key)
     if model is None:
         return [f"{base_url}/v1/models names no model"]
     errors: list[str] = []
     for shape in shapes:
-        result = run_shape(base_url, model, shape, round_no=0, timeout=timeout)
+        result = run_shape(base_url, model, shape, round_no=0, timeout=timeout, api_key=api_key)
         log(
             f"hgxserve warm-up: {shape.input}x{shape.output}x{shape.concurrency} {shape.api} "
             f"({shape.label}): {result.ok}/{shape.concurrency} answered in {result.seconds:.2f} s"

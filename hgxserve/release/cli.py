@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 
@@ -205,8 +206,14 @@ def diagnose_cmd(release_id: str, root: str) -> None:
 @click.argument("url")
 @click.option("--timeout", type=float, default=1800.0, show_default=True)
 @click.option("--warmup", "shapes", help="Shapes to send once healthy: 128x64x8,4096x128x4:chat")
+@click.option(
+    "--api-key-env",
+    metavar="VAR",
+    help="Environment variable holding the engine's API key, sent as a Bearer token with the "
+    "warm-up (the unit exports it from its credential; never given on the command line)",
+)
 @cli_errors
-def wait_ready_cmd(url: str, timeout: float, shapes: str | None) -> None:
+def wait_ready_cmd(url: str, timeout: float, shapes: str | None, api_key_env: str | None) -> None:
     """Wait until URL (an engine's /health) answers 200, then send it the warm-up shapes: an
     engine unit's ExecStartPost=, so the unit is `activating` until the engine serves warm and
     TimeoutStartSec= bounds the whole start."""
@@ -220,7 +227,12 @@ def wait_ready_cmd(url: str, timeout: float, shapes: str | None) -> None:
         raise ReleaseError(f"{url} did not answer 200 within {timeout:.0f}s")
     _log(f"{url} answers 200")
     if plan:
-        errors = warm_up(url.removesuffix("/health"), plan, _log)
+        api_key = None
+        if api_key_env:
+            api_key = os.environ.get(api_key_env)
+            if not api_key:
+                raise UsageError(f"--api-key-env {api_key_env}: that variable is not set")
+        errors = warm_up(url.removesuffix("/health"), plan, _log, api_key=api_key)
         if errors:
             raise ReleaseError(f"warm-up failed: {'; '.join(errors[:3])}")
         _log(f"hgxserve warm-up done: {len(plan)} shape(s)")

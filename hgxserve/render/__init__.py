@@ -34,6 +34,7 @@ from hgxserve.render.systemd import (
 )
 from hgxserve.render.types import (
     CONTAINER_TOOLS,
+    ENGINE_KEY_VAR,
     CredentialSpec,
     HostRender,
     RenderedFile,
@@ -200,7 +201,8 @@ def _engine_unit(
     pre_dirs = sorted({env[v] for v in ENV_SUBDIRS if v in env})
     pre_dirs += [f"{rundir}/{d}" for d in ("tmp", "rpc", "cache", "hf")]
     execs = _Exec([exec_line([MKDIR, "-p", *pre_dirs])])
-    credential_lines, wrapper = secret_wrapper(engine_secret_env(topo, engine), name, creds)
+    secrets = engine_secret_env(topo, engine)
+    credential_lines, wrapper = secret_wrapper(secrets, name, creds)
     shipped = {f.host_path: f for f in topo.files.values()}
     used_files = sorted({p for _, _, p in engine.host_paths() if p in shipped})
     command = [*engine_program(engine), *engine_args(topo, engine, plan)]
@@ -234,6 +236,14 @@ def _engine_unit(
             # sent to the engine itself before the unit is active, and the proxy only starts
             # once every engine of the release is: no user request meets a cold shape
             wait += ["--warmup", shapes_arg(shapes)]
+            if ENGINE_KEY_VAR in secrets:
+                # a keyed engine answers 401 without its key: the warm-up gets it the same way
+                # the engine does (from the unit's credential, never on a command line)
+                key_name, _, _ = credential_for(ENGINE_KEY_VAR, secrets[ENGINE_KEY_VAR])
+                wait = [
+                    AGENT, "gpus", "exec-with-credentials", f"{ENGINE_KEY_VAR}={key_name}", "--",
+                    *wait, "--api-key-env", ENGINE_KEY_VAR,
+                ]  # fmt: skip
         elif topo.warmup:
             plan.notes.append(
                 "no warm-up before admission: SGLang prefill/decode serve only P/D-paired requests"
