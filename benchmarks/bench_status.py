@@ -100,12 +100,10 @@ def timed(argv: list[str], *, shell: bool = False) -> tuple[float, subprocess.Co
 def inventory_of(bed: testbed_hosts.Testbed, names: list[str], work: Path) -> str:
     """A pyinfra inventory file with just these test hosts (a release deploy wants every
     inventory host to be a host of the topology)."""
-    hosts = [
-        (name, {"ssh_hostname": bed.host(name).address, "ssh_user": "root",
-                "ssh_key": bed.ssh_key, "ssh_known_hosts_file": "/dev/null",
-                "ssh_strict_host_key_checking": "no"})
-        for name in names
-    ]  # fmt: skip
+    from hgxserve.status.remote import load_inventory
+
+    full = load_inventory(str(REPO / INVENTORY))  # its host data (ssh, runtime wheel source)
+    hosts = [(name, full.hosts[name].data) for name in names]
     path = work / f"inventory-{len(names)}.py"
     path.write_text(f"testhosts = {hosts!r}\n")
     return str(path)
