@@ -202,18 +202,46 @@ def diagnose_cmd(release_id: str, root: str) -> None:
         _log(f"no known failure signature in the journals of {len(spec.units)} unit(s)")
 
 
+CREDENTIAL_STORES = ("/etc/credstore", "/run/credstore", "/usr/lib/credstore")
+
+
+def read_credential(spec: str) -> str:
+    """The value of a credential named as in LoadCredential= (NAME or NAME:PATH)."""
+    name, _, path = spec.partition(":")
+    if not name or "/" in name or name in (".", ".."):
+        raise UsageError(f"not a credential name: {name!r}")
+    candidates = []
+    if os.environ.get("CREDENTIALS_DIRECTORY"):
+        candidates.append(os.path.join(os.environ["CREDENTIALS_DIRECTORY"], name))
+    candidates += [path] if path else [os.path.join(d, name) for d in CREDENTIAL_STORES]
+    for candidate in candidates:
+        try:
+            with open(candidate, encoding="utf-8") as fh:
+                value = fh.read().rstrip("\n")
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UsageError(f"cannot read credential {name!r}: {exc.strerror}") from None
+        if value:
+            return value
+    raise UsageError(f"credential {name!r} not found (looked in {', '.join(candidates)})")
+
+
 @release.command("wait-ready")
 @click.argument("url")
 @click.option("--timeout", type=float, default=1800.0, show_default=True)
 @click.option("--warmup", "shapes", help="Shapes to send once healthy: 128x64x8,4096x128x4:chat")
 @click.option(
-    "--api-key-env",
-    metavar="VAR",
-    help="Environment variable holding the engine's API key, sent as a Bearer token with the "
-    "warm-up (the unit exports it from its credential; never given on the command line)",
+    "--api-key-credential",
+    metavar="NAME[:PATH]",
+    help="The engine's API key as its unit's LoadCredential= names it, sent as a Bearer token "
+    "with the warm-up: read from $CREDENTIALS_DIRECTORY/NAME, else PATH, else the credential "
+    "stores (/etc/credstore, /run/credstore, /usr/lib/credstore); never the key itself",
 )
 @cli_errors
-def wait_ready_cmd(url: str, timeout: float, shapes: str | None, api_key_env: str | None) -> None:
+def wait_ready_cmd(
+    url: str, timeout: float, shapes: str | None, api_key_credential: str | None
+) -> None:
     """Wait until URL (an engine's /health) answers 200, then send it the warm-up shapes: an
     engine unit's ExecStartPost=, so the unit is `activating` until the engine serves warm and
     TimeoutStartSec= bounds the whole start."""
@@ -227,11 +255,7 @@ def wait_ready_cmd(url: str, timeout: float, shapes: str | None, api_key_env: st
         raise ReleaseError(f"{url} did not answer 200 within {timeout:.0f}s")
     _log(f"{url} answers 200")
     if plan:
-        api_key = None
-        if api_key_env:
-            api_key = os.environ.get(api_key_env)
-            if not api_key:
-                raise UsageError(f"--api-key-env {api_key_env}: that variable is not set")
+        api_key = read_credential(api_key_credential) if api_key_credential else None
         errors = warm_up(url.removesuffix("/health"), plan, _log, api_key=api_key)
         if errors:
             raise ReleaseError(f"warm-up failed: {'; '.join(errors[:3])}")

@@ -237,13 +237,12 @@ def _engine_unit(
             # once every engine of the release is: no user request meets a cold shape
             wait += ["--warmup", shapes_arg(shapes)]
             if ENGINE_KEY_VAR in secrets:
-                # a keyed engine answers 401 without its key: the warm-up gets it the same way
-                # the engine does (from the unit's credential, never on a command line)
-                key_name, _, _ = credential_for(ENGINE_KEY_VAR, secrets[ENGINE_KEY_VAR])
-                wait = [
-                    AGENT, "gpus", "exec-with-credentials", f"{ENGINE_KEY_VAR}={key_name}", "--",
-                    *wait, "--api-key-env", ENGINE_KEY_VAR,
-                ]  # fmt: skip
+                # A keyed engine answers 401 without its key. The warm-up reads it from the
+                # same credential source as the engine (named here, never its value): systemd
+                # 252 does not give ExecStartPost= the unit's credentials once the unit has a
+                # mount namespace (ProtectSystem=, PrivateTmp=), so no $CREDENTIALS_DIRECTORY.
+                _, source, _ = credential_for(ENGINE_KEY_VAR, secrets[ENGINE_KEY_VAR])
+                wait += ["--api-key-credential", source]
         elif topo.warmup:
             plan.notes.append(
                 "no warm-up before admission: SGLang prefill/decode serve only P/D-paired requests"

@@ -1,5 +1,6 @@
-"""Warm-up of a keyed engine: the key comes from the environment variable the unit exports from
-its credential, is sent as a Bearer token, and never appears on the command line."""
+"""Warm-up of a keyed engine: the key is read from the credential the unit names (its
+credentials directory, else the LoadCredential= source), sent as a Bearer token, and never
+appears on a command line."""
 
 from __future__ import annotations
 
@@ -72,18 +73,36 @@ def test_warm_up_sends_the_key_and_fails_without_it() -> None:
         server.shutdown()
 
 
-def test_wait_ready_reads_the_key_from_the_named_variable() -> None:
+def test_wait_ready_reads_the_key_from_the_named_credential(tmp_path: Path) -> None:
+    for folder in ("creds", "store"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "engine-key").write_text(KEY + "\n")
     server, url = _server()
     try:
         runner = CliRunner()
         args = ["wait-ready", f"{url}/health", "--timeout", "5", "--warmup", "8x2x1"]
+        # from the unit's credentials directory when systemd gives one ...
         keyed = runner.invoke(
-            release, [*args, "--api-key-env", "ENGINE_KEY"], env={"ENGINE_KEY": KEY}
+            release,
+            [*args, "--api-key-credential", "engine-key"],
+            env={"CREDENTIALS_DIRECTORY": str(tmp_path / "creds")},
         )
         assert keyed.exit_code == 0, keyed.output
         assert "warm-up done" in keyed.output
-        missing = runner.invoke(release, [*args, "--api-key-env", "ENGINE_KEY"], env={})
-        assert missing.exit_code != 0 and "ENGINE_KEY" in missing.output
+        # ... else from the LoadCredential= source path (ExecStartPost= on systemd 252)
+        source = runner.invoke(
+            release,
+            [*args, "--api-key-credential", f"engine-key:{tmp_path / 'store' / 'engine-key'}"],
+            env={"CREDENTIALS_DIRECTORY": ""},
+        )
+        assert source.exit_code == 0, source.output
+        missing = runner.invoke(
+            release,
+            [*args, "--api-key-credential", f"engine-key:{tmp_path / 'nothing'}"],
+            env={"CREDENTIALS_DIRECTORY": ""},
+        )
+        assert missing.exit_code != 0 and "engine-key" in missing.output
+        assert KEY not in missing.output
         unkeyed = runner.invoke(release, args)
         assert unkeyed.exit_code != 0
     finally:
@@ -98,6 +117,5 @@ def test_keyed_engine_unit_warms_up_with_its_credential_not_its_value() -> None:
     )
     post = [line for line in content.splitlines() if line.startswith("ExecStartPost=")]
     assert len(post) == 1
-    assert "exec-with-credentials VLLM_API_KEY=hgxserve-engine-key --" in post[0]
-    assert post[0].endswith("--api-key-env VLLM_API_KEY")
+    assert post[0].endswith("--api-key-credential hgxserve-engine-key")
     assert "LoadCredential=hgxserve-engine-key" in content
