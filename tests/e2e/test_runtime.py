@@ -214,7 +214,8 @@ def test_sglang_dp8_starts_with_its_template_delivered(
     body = json.dumps({"model": "tiny", "prompt": "Only answer: SGL", "max_tokens": 4}).encode()
     request = urllib.request.Request(
         "http://10.77.0.11:8000/v1/completions", data=body,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json",
+                 "Authorization": f"Bearer {demo.DEMO_API_KEY}"},  # the topology's proxy auth
     )  # fmt: skip
     with urllib.request.urlopen(request, timeout=30) as resp:
         assert json.loads(resp.read())["choices"][0]["text"]
