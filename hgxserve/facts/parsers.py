@@ -11,8 +11,37 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+# Terminal control sequences (CSI: ESC [ ... letter). nvidia-smi 580 underlines the header of
+# `topo -m` with ESC[4m ... ESC[0m even when its output is a pipe or a file (captured on a
+# lent H200, driver 580.159.04); posted copies of older outputs have none.
+_CSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def strip_terminal_codes(text: str) -> str:
+    """Remove terminal control sequences (colour, underline) from a tool's output.
+
+    >>> strip_terminal_codes("\\t\\x1b[4mGPU0\\tCPU Affinity\\x1b[0m")
+    '\\tGPU0\\tCPU Affinity'
+    """
+    return _CSI.sub("", text)
+
+
+def _plain_text(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """Give a parser the tool's output without terminal control sequences."""
+
+    @functools.wraps(parse)
+    def wrapper(text: str) -> _T:
+        return parse(strip_terminal_codes(text))
+
+    return wrapper
+
 
 MIB = 1024 * 1024
 
@@ -45,6 +74,7 @@ def _mib(text: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@_plain_text
 def parse_smi_table(text: str) -> dict[str, Any]:
     """Parse the default `nvidia-smi` table: versions, one entry per GPU, MIG devices, processes.
 
@@ -172,6 +202,7 @@ _LIST_MIG = re.compile(
 )
 
 
+@_plain_text
 def parse_smi_list(text: str) -> list[dict[str, Any]]:
     """Parse `nvidia-smi -L`: index, name, UUID per GPU, with its MIG devices (profile, UUID).
 
@@ -224,6 +255,7 @@ def _indent_tree(lines: list[str]) -> list[tuple[int, str, str | None]]:
     return entries
 
 
+@_plain_text
 def parse_smi_query(text: str) -> dict[str, Any]:
     """Parse `nvidia-smi -q` (same report as `-a`) into versions and per-GPU fields.
 
@@ -382,6 +414,7 @@ def parse_compute_apps(text: str) -> list[dict[str, Any]]:
 _TRAILING_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 
 
+@_plain_text
 def parse_topo_matrix(text: str) -> dict[str, Any]:
     """Parse `nvidia-smi topo -m` (tab- or space-separated) with its NIC legend.
 
@@ -446,6 +479,7 @@ def parse_topo_matrix(text: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+@_plain_text
 def parse_nvlink_status(text: str) -> list[dict[str, Any]]:
     """Parse `nvidia-smi nvlink --status [-i N]`: per GPU, link number -> GB/s (None if down).
 
@@ -483,6 +517,7 @@ def _int_or_text(value: str) -> int | str:
     return int(head) if re.fullmatch(r"\d+", head) else head
 
 
+@_plain_text
 def parse_ibv_devinfo(text: str) -> list[dict[str, Any]]:
     """Parse `ibv_devinfo`: one dict per HCA with its fields and `ports` (state, MTU, link layer).
 
@@ -518,6 +553,7 @@ def parse_ibv_devinfo(text: str) -> list[dict[str, Any]]:
     return devices
 
 
+@_plain_text
 def parse_ibstat(text: str) -> list[dict[str, Any]]:
     """Parse `ibstat`: one dict per CA (type, firmware) with `ports` (state, rate Gb/s, layer).
 
@@ -566,6 +602,7 @@ def parse_ibstat(text: str) -> list[dict[str, Any]]:
     return cas
 
 
+@_plain_text
 def parse_ibdev2netdev(text: str) -> list[dict[str, Any]]:
     """Parse `ibdev2netdev`: RDMA device, port, net device and link state (`Up`/`Down`).
 
