@@ -66,3 +66,15 @@ def cephfs_secret_file(user: str) -> str:
 def unit_credentials_dir(unit: str) -> str:
     """Where systemd exposes a unit's LoadCredential= files while it runs."""
     return f"{RUN_CREDENTIALS_DIR}/{unit}"
+
+# Monitoring (deploys/monitoring.py): Prometheus' own config directory (Debian's package), the
+# drop-in directory inside it (file_sd targets, rules) that its config names relative to itself,
+# the package's ARGS file, node exporter's ARGS file, the DCGM exporter's counters file and the
+# folder a Grafana file provider reads dashboards from.
+PROMETHEUS_DIR = "/etc/prometheus"
+PROMETHEUS_DROPIN = "hgxserve"
+PROMETHEUS_DEFAULTS = "/etc/default/prometheus"
+NODE_EXPORTER_DEFAULTS = "/etc/default/prometheus-node-exporter"
+MONITORING_CONFIG_DIR = f"{CONFIG_DIR}/monitoring"
+DCGM_COUNTERS = f"{MONITORING_CONFIG_DIR}/dcgm-counters.csv"
+GRAFANA_DASHBOARDS_DIR = "/var/lib/grafana/dashboards/hgxserve"

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Debian packages the tests and the demo need on the controller (root, apt): test hosts
 # (debootstrap, systemd-nspawn, ssh, ip, zstd), systemd-analyze for unit checks, graphviz for
-# `hgxserve plan --diagram`. Installs only what is missing; runs `apt-get update` only then.
+# `hgxserve plan --diagram`, promtool (Debian's prometheus package) for the monitoring rules
+# and their unit tests. Installs only what is missing; runs `apt-get update` only then.
 set -euo pipefail
-packages=(debootstrap systemd-container systemd openssh-client iproute2 zstd graphviz)
+packages=(debootstrap systemd-container systemd openssh-client iproute2 zstd graphviz prometheus)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

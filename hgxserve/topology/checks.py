@@ -98,6 +98,28 @@ def _cross_host(a: Engine, b: Engine) -> bool:
     return not (len(a.place) == 1 and a.hosts == b.hosts)
 
 
+@rule(
+    "monitoring-host",
+    "error",
+    "monitoring: Prometheus runs on a topology host; a container DCGM exporter names its image.",
+)
+def monitoring_host(topo: Topology) -> Iterator[Finding]:
+    mon = topo.monitoring
+    if mon is None:
+        return
+    if mon.prometheus_host is not None and mon.prometheus_host not in topo.hosts:
+        yield (
+            ("monitoring", "prometheus", "host"),
+            f"unknown host '{mon.prometheus_host}'; define it under hosts "
+            f"(hosts are: {', '.join(topo.hosts)})",
+        )
+    if mon.dcgm_exporter and mon.dcgm_source == "container" and mon.dcgm_image is None:
+        yield (
+            ("monitoring", "dcgm_exporter", "source"),
+            "source: container needs image: (nvcr.io/nvidia/k8s/dcgm-exporter@sha256:<digest>)",
+        )
+
+
 # -- 1. GPUs -------------------------------------------------------------------------------------
 
 

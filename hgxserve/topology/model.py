@@ -41,6 +41,9 @@ CacheDistribute = Literal["controller", "s3"]
 WarmupApi = Literal["completions", "chat"]
 SecretKind = Literal["env", "file", "credential"]
 ContainerTool = Literal["podman", "docker"]
+DcgmSource = Literal["package", "container"]
+# Top-level keys that change nothing the hosts serve: not part of the topology digest.
+UNSERVED_KEYS = ("monitoring",)
 
 
 def is_loopback(address: str) -> bool:
@@ -337,6 +340,66 @@ class GatePolicy:
 
 
 @dataclass(frozen=True)
+class MonitoringSla:
+    percentile: int
+    ttft_s: float | None
+    tpot_ms: float | None
+    error_rate: float
+
+
+@dataclass(frozen=True)
+class Monitoring:
+    """`monitoring:`: exporters, the Prometheus that scrapes them, rule thresholds."""
+
+    prometheus_host: str | None  # None: only drop-in files for an existing Prometheus
+    prometheus_port: int
+    retention: str
+    scrape_interval_s: int
+    evaluation_interval_s: int
+    alert_for_s: int
+    node_exporter: bool
+    node_exporter_port: int
+    dcgm_exporter: bool
+    dcgm_exporter_port: int
+    dcgm_source: DcgmSource
+    dcgm_image: str | None
+    sla: MonitoringSla
+    kv_cache_full: float
+    gpu_idle_util: float
+    gpu_temp_c: int
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> Monitoring:
+        prom = data.get("prometheus", {})
+        node = data.get("node_exporter", {})
+        dcgm = data.get("dcgm_exporter", {})
+        sla = data.get("sla", {})
+        return cls(
+            prometheus_host=prom.get("host"),
+            prometheus_port=_get(prom, "monitoringPrometheus", "port"),
+            retention=_get(prom, "monitoringPrometheus", "retention"),
+            scrape_interval_s=_get(data, "monitoring", "scrape_interval_s"),
+            evaluation_interval_s=_get(data, "monitoring", "evaluation_interval_s"),
+            alert_for_s=_get(data, "monitoring", "alert_for_s"),
+            node_exporter=_get(node, "monitoringExporter", "enabled"),
+            node_exporter_port=_get(node, "monitoringExporter", "port"),
+            dcgm_exporter=_get(dcgm, "monitoringDcgm", "enabled"),
+            dcgm_exporter_port=_get(dcgm, "monitoringDcgm", "port"),
+            dcgm_source=_get(dcgm, "monitoringDcgm", "source"),
+            dcgm_image=dcgm.get("image"),
+            sla=MonitoringSla(
+                percentile=_get(sla, "monitoringSla", "percentile"),
+                ttft_s=sla.get("ttft_s"),
+                tpot_ms=sla.get("tpot_ms"),
+                error_rate=_get(sla, "monitoringSla", "error_rate"),
+            ),
+            kv_cache_full=_get(data, "monitoring", "kv_cache_full"),
+            gpu_idle_util=_get(data, "monitoring", "gpu_idle_util"),
+            gpu_temp_c=_get(data, "monitoring", "gpu_temp_c"),
+        )
+
+
+@dataclass(frozen=True)
 class Topology:
     """A validated topology."""
 
@@ -351,13 +414,16 @@ class Topology:
     cache: CachePolicy
     gate: GatePolicy
     files: dict[str, TopologyFile] = field(default_factory=dict)
+    monitoring: Monitoring | None = None
     source_file: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def digest(self) -> str:
-        """sha256 of the topology's canonical JSON: changes exactly when its content changes."""
-        canon = json.dumps(self.raw, sort_keys=True, separators=(",", ":"))
+        """sha256 of the topology's canonical JSON: changes exactly when what the hosts serve
+        changes. `monitoring:` is left out, so a new alert threshold never starts a release."""
+        served = {k: v for k, v in self.raw.items() if k not in UNSERVED_KEYS}
+        canon = json.dumps(served, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()
 
     def engines_on(self, host: str) -> list[Engine]:
@@ -558,6 +624,7 @@ def build_topology(data: dict[str, Any], source_file: str = "") -> Topology:
             s3_prefix=cache_data.get("s3_prefix"),
         ),
         files=_files(data.get("files", {}), source_file),
+        monitoring=Monitoring.parse(data["monitoring"]) if "monitoring" in data else None,
         gate=GatePolicy.parse(data.get("gate", {})),
         source_file=source_file,
         raw=data,

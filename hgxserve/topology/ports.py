@@ -274,4 +274,52 @@ def listeners_by_host(topo: Topology) -> dict[str, list[Listener]]:
         for listener in engine_listeners(topo, engine):
             if listener.host in by_host:
                 by_host[listener.host].append(listener)
+    for listener in monitoring_listeners(topo):
+        if listener.host in by_host:
+            by_host[listener.host].append(listener)
     return by_host
+
+
+def monitoring_listeners(topo: Topology) -> list[Listener]:
+    """Exporters on every host in use and Prometheus on its host (when `monitoring:` asks)."""
+    mon = topo.monitoring
+    if mon is None:
+        return []
+    out: list[Listener] = []
+    used = topo.hosts_in_use()
+    engine_hosts = {h for e in topo.engines.values() for h in e.place}
+    for host in used:
+        if mon.node_exporter:
+            out.append(
+                Listener(
+                    mon.node_exporter_port,
+                    ANY_ADDRESS,
+                    "node-exporter",
+                    "metrics",
+                    host,
+                    ("monitoring", "node_exporter", "port"),
+                )
+            )
+        if mon.dcgm_exporter and host in engine_hosts:
+            out.append(
+                Listener(
+                    mon.dcgm_exporter_port,
+                    ANY_ADDRESS,
+                    "dcgm-exporter",
+                    "metrics",
+                    host,
+                    ("monitoring", "dcgm_exporter", "port"),
+                )
+            )
+    if mon.prometheus_host is not None:
+        out.append(
+            Listener(
+                mon.prometheus_port,
+                ANY_ADDRESS,
+                "prometheus",
+                "web",
+                mon.prometheus_host,
+                ("monitoring", "prometheus", "port"),
+            )
+        )
+    return out

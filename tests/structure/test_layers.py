@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "hgxserve.caches.layout",
         ),
     ),
-    ("render", ("hgxserve.render", "hgxserve.caches", "hgxserve.runtime")),
+    ("render", ("hgxserve.render", "hgxserve.caches", "hgxserve.runtime", "hgxserve.monitoring")),
     ("release", ("hgxserve.release",)),
     (
         "deploy helpers and status",

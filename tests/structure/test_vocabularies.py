@@ -23,6 +23,7 @@ from hgxserve.topology import model
         (model.CacheMode, "cache", "policy"),
         (model.CacheDistribute, "cache", "distribute"),
         (model.WarmupApi, "warmup", "api"),
+        (model.DcgmSource, "monitoringDcgm", "source"),
     ],
 )
 def test_literal_matches_the_schema_enum(literal, definition, prop):
