@@ -445,6 +445,7 @@ def _fit_text(data: dict[str, Any]) -> list[str]:
             f"{est['kv_bytes_per_token']:>9} {est['kv_tokens']:>10} {per_rank:>13} "
             f"{est['max_num_seqs']:>12}  {est['status']}"
         )
+        lines.extend(_fit_terms_text(est))
         for shape in est["shapes"]:
             mark = "ok" if shape["concurrency"] <= shape["capacity"] else "does not fit"
             lines.append(
@@ -455,6 +456,33 @@ def _fit_text(data: dict[str, Any]) -> list[str]:
         lines.append("  * SGLang picks its memory fraction when unset; vLLM's 0.9 assumed")
     if data.get("no_estimate"):
         lines.append(f"  no estimate (GPU memory unknown): {', '.join(data['no_estimate'])}")
+    return lines
+
+
+def _fit_terms_text(est: dict[str, Any]) -> list[str]:
+    """The `other` column term by term (fit.allowance_terms), and what lies outside it."""
+    terms = est.get("terms") or {}
+    if not terms:
+        return []
+    gib = 1 << 30
+    ws = max(
+        ("moe_workspace", "MoE"),
+        ("dsa_indexer", "DSA indexer"),
+        ("dsa_sparse", "FlashMLA-sparse"),
+        key=lambda item: terms.get(item[0], 0),
+    )
+    peak = "sampler" if terms["sampler"] >= terms["forward"] else "forward"
+    lines = [
+        f"      other: workspace {terms['workspace'] / gib:.1f} ({ws[1]}) + activations "
+        f"{terms['activations'] / gib:.1f} ({peak}) + non-torch {terms['non_torch'] / gib:.1f}"
+    ]
+    if "indexer_logits" in terms:
+        lines.append(
+            f"      not profiled: DSA indexer logits of one prefill chunk at max_model_len "
+            f"{terms['indexer_logits'] / gib:.1f}"
+        )
+    if est.get("seed_failure"):
+        lines.append(f"      {est['seed_failure']}: the estimate does not explain it")
     return lines
 
 

@@ -298,10 +298,31 @@ def fit_context(topo: Topology) -> Iterator[Finding]:
             f"{name}: one sequence of max_model_len {est.max_model_len} needs "
             f"~{fit.gib(need)} GiB of KV cache per GPU, but ~{fit.gib(est.kv_bytes)} GiB is "
             f"left ({fit.gib(est.budget)} budget - {fit.gib(est.weights)} weights - "
-            f"{fit.gib(est.allowance)} activations and runtime), ~{est.kv_tokens} tokens; vLLM "
+            f"{fit.gib(est.allowance)} workspace, activations and non-torch), ~{est.kv_tokens} "
+            "tokens; vLLM "
             "refuses to start ('To serve at least one request with the models's max seq len') "
             f"(seed 002: DeepSeek-V3.2 TP1 x DP8 on 8 x H200 OOMs at the full 163840, runs at "
             f"81920); lower max_model_len to <= {est.kv_tokens} or raise gpu_memory_utilization",
+        )
+
+
+@rule(
+    "fit-seed-oom",
+    "warning",
+    "No engine has a shape a seed saw run out of memory where the estimate says it fits.",
+)
+def fit_seed_oom(topo: Topology) -> Iterator[Finding]:
+    for name, est in _fits(topo).items():
+        if est.status != "seed-oom" or not est.max_model_len:
+            continue
+        need = est.max_model_len * est.kv_bytes_per_token
+        yield (
+            setting_path(topo, name, "args", "max_model_len"),
+            f"{name}: max_model_len {est.max_model_len} with every attention head on each "
+            f"GPU: {est.seed_failure}. The estimate leaves ~{fit.gib(est.kv_bytes)} GiB of KV "
+            f"per GPU where one sequence needs ~{fit.gib(need)} and does not explain that "
+            f"failure (docs/fit.md); set max_model_len <= {fit.SEED_DSA_TP1_WORKING_LEN} or "
+            "split attention (tp 2 with dp 4 ran in LMCache PR 2521)",
         )
 
 

@@ -53,23 +53,63 @@ DEFAULT_UTILIZATION = 0.9
 DEFAULT_BATCHED_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 1024
 DEFAULT_BLOCK_SIZE = 16
-# Runtime memory inside the budget that is not weights, KV or activations: CUDA context, NCCL
-# communicators and buffers, allocator slack. Calibrated on seed 003 §6 (see docs/fit.md).
-RUNTIME_GIB_SINGLE = 0.5
-RUNTIME_GIB_MULTI = 1.5
-# Peak activations of a profiled step, as bytes per batched token per hidden unit (residual
-# stream, norms, attention and MoE temporaries in bf16).
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 16
-# vLLM's fused-MoE kernels work through at most this many tokens at once (VLLM_FUSED_MOE_CHUNK_SIZE)
-MOE_CHUNK_TOKENS = 32768
-# DeepSeek sparse attention (vLLM): the indexer's prefill buffer holds 40 x max_model_len keys
-# of 128 fp8 + 4 scale bytes, the FlashMLA-sparse workspace 5 x max_model_len latents of 576 bf16.
-DSA_INDEXER_BUFFER = 40 * 132
-DSA_SPARSE_WORKSPACE = 5 * 576 * 2
+# How vLLM sizes the KV cache (vllm/v1/worker/gpu_worker.py determine_available_memory and
+# vllm/utils/mem_utils.py memory_profiling, 0.13 to 0.32): it snapshots the GPU after the CUDA
+# context and NCCL are up, runs one dummy forward of max_num_batched_tokens and one dummy sampler
+# step of max_num_seqs (gpu_model_runner.py profile_run), and gives the KV cache
+#     total x gpu_memory_utilization - (weights + torch peak increase + non-torch increase).
+# The CUDA context and NCCL's init-time buffers are in the snapshot, outside that budget; CUDA
+# graphs are captured after the KV cache, outside it too in 0.13 (later versions subtract a
+# profiled graph estimate, VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS). The terms below model the
+# profiled part.
+#
+# Non-torch memory (not from PyTorch's allocator), measured on one H200 (driver 580, CUDA 13.0,
+# torch 2.11+cu130; docs/fit.md): the CUDA context 0.514 GiB, +0.155 GiB once cuBLAS has run,
+# +0.545 GiB after NCCL init and one all_reduce (one rank; with 8 ranks NCCL's buffers grow, not
+# measured). vLLM snapshots after the context and NCCL init, so the context is outside the budget;
+# cuBLAS and NCCL's first-use buffers come after the snapshot, inside it. An engine on one GPU
+# has no NCCL communicator.
+CUDA_CONTEXT_GIB = 0.514
+NON_TORCH_CUBLAS_GIB = 0.155
+NON_TORCH_NCCL_GIB = 0.545
+# vLLM's shared workspace (vllm/v1/worker/workspace.py) is one buffer grown to the largest
+# request: the fused-MoE kernels' scratch, the DSA indexer's prefill keys and FlashMLA-sparse's
+# bf16 prefill workspace share it, so the term is their maximum, not their sum.
+# vllm/envs.py VLLM_FUSED_MOE_CHUNK_SIZE: the tokens one fused-MoE pass works through.
+MOE_CHUNK_TOKENS = 16 * 1024
+# DeepGEMM's grouped GEMM (FP8 block-quantised MoE; VLLM_USE_DEEP_GEMM=1 by default) aligns each
+# expert's rows to the 128 block: deep_gemm_utils.py compute_aligned_M =
+# round_up(M x topk + local_experts x (128 - 1), 128).
+DEEPGEMM_BLOCK_M = 128
+# DeepSeek sparse attention (deepseek_v2.py sparse_attn_indexer, indexer.py
+# get_max_prefill_buffer_size): the profile reserves the indexer's gathered prefill keys,
+# 40 x max_model_len rows of index_head_dim fp8 bytes + a 4-byte fp32 scale.
+DSA_INDEXER_ROWS_PER_LEN = 40
+# flashmla_sparse.py get_prefill_workspace_size: 5 x max_model_len bf16 latent rows of 576,
+# reserved when the KV cache is fp8_ds_mla (kv_cache_dtype fp8).
+DSA_SPARSE_ROWS_PER_LEN = 5
+# The dummy sampler step (gpu_model_runner.py _dummy_sampler_run with top-k and top-p set;
+# sampler.py; topk_topp_sampler.py apply_top_k_top_p, the PyTorch path vLLM uses unless
+# VLLM_USE_FLASHINFER_SAMPLER=1): bytes per request and vocabulary entry alive at its peak:
+# bf16 logits 2 + fp32 copy 4 + sorted values 4 + int64 sort indices 8 + top-k mask 1 + top-p
+# probabilities 4 + top-p mask 1 + scattered result 4.
+SAMPLER_BYTES_PER_VOCAB = 28
+# Residual stream copies alive through a decoder layer in bf16 (deepseek_v2.py / llama.py
+# decoder layer: hidden states, residual, the block's output and its all-reduced/combined copy).
+RESIDUAL_COPIES = 4
 # KV bytes per latent row: bf16 576 (512 latent + 64 rope); fp8 576; vLLM's fp8_ds_mla layout
 # for sparse MLA 656 (512 fp8 + 4 fp32 scales + 64 bf16 rope).
 FP8_DS_MLA_BYTES = 656
 INDEXER_KEY_BYTES = 4  # fp32 scale per indexer key, next to index_head_dim fp8 bytes
+
+# Seed 002 (vLLM 0.13, 8 x H200): DeepSeek-V3.2 with -tp 1 -dp 8 --enable-expert-parallel ran
+# out of memory at the full 163840 context and ran at 81920; LMCache PR 2521 saw the same shape
+# crash on H200 ("TP1 requires too much memory on each GPU"). The terms here leave ~21 GiB of KV
+# for it where one 163840 sequence needs 12: the estimate does not explain the failure, so a DSA
+# model with all heads on every GPU above 81920 tokens, on a GPU no larger than the H200, is
+# marked with the seed's fact instead of `ok` (docs/fit.md, "What the estimate does not explain").
+SEED_DSA_TP1_WORKING_LEN = 81920
+SEED_DSA_TP1_GPU_MIB = 143771
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 _KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float16": 2}
@@ -101,7 +141,11 @@ class ModelFacts:
     expert_bytes_each: float  # one routed expert in one layer
     experts_per_token: int
     moe_intermediate: int
+    intermediate: int  # dense MLP width (0: none)
+    dense_mlp_layers: int  # layers with a dense MLP instead of experts
+    block_fp8: bool  # FP8 block quantisation: vLLM runs its MoE on DeepGEMM
     heads: int
+    q_head_dim: int  # query width per head (MLA: qk_nope + qk_rope)
     absorbed_per_head: int  # MLA: kv_lora_rank x (qk_nope + v) bf16 elements per head and layer
     dtype_bytes: int
     max_position: int | None
@@ -122,6 +166,13 @@ def _weight_bytes(config: dict[str, Any], dtype_bytes: int) -> float:
     quant = config.get("quantization_config") or {}
     method = str(quant.get("quant_method", "")).lower()
     return _QUANT_BYTES.get(method, float(dtype_bytes))
+
+
+def _block_fp8(config: dict[str, Any]) -> bool:
+    quant = config.get("quantization_config") or {}
+    return str(quant.get("quant_method", "")).lower() == "fp8" and bool(
+        quant.get("weight_block_size")
+    )
 
 
 def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
@@ -153,6 +204,7 @@ def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
     moe_inter = _int(config, "moe_intermediate_size", inter)
     expert_each = 3 * hidden * moe_inter * wbytes
     latent = 0
+    q_head_dim = head_dim
     index_dim = 0
     absorbed = 0
     if kv_lora:
@@ -168,6 +220,7 @@ def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
         attn = q + hidden * (kv_lora + rope) + kv_lora * heads * (nope + v_dim)
         attn += heads * v_dim * hidden
         latent = kv_lora + rope
+        q_head_dim = nope + rope
         absorbed = kv_lora * (nope + v_dim)
         attention = "mla"
         if config.get("index_n_heads"):
@@ -209,7 +262,11 @@ def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
         expert_bytes_each=float(expert_each),
         experts_per_token=_int(config, "num_experts_per_tok", 0),
         moe_intermediate=moe_inter,
+        intermediate=inter,
+        dense_mlp_layers=first_dense if inter else 0,
+        block_fp8=_block_fp8(config),
         heads=heads,
+        q_head_dim=q_head_dim,
         absorbed_per_head=absorbed,
         dtype_bytes=dtype_bytes,
         max_position=config.get("max_position_embeddings"),
@@ -297,15 +354,20 @@ class EngineFit:
     longest_shape: int | None  # tokens of its longest warm-up shape
     longest_capacity: int | None  # sequences of that length one DP rank holds
     kv_fixed: bool  # KV size set by --kv-cache-memory-bytes
+    terms: dict[str, float] = field(default_factory=dict)  # allowance_terms, bytes
+    seed_failure: str | None = None  # a seed saw this shape fail where the estimate fits
 
     @property
     def status(self) -> str:
-        """`no-fit` (weights, or one max_model_len sequence), `tight` (max_num_seqs or a
-        warm-up shape does not fit) or `ok`."""
+        """`no-fit` (weights, or one max_model_len sequence), `seed-oom` (the estimate fits
+        but a seed saw the shape run out of memory), `tight` (max_num_seqs or a warm-up shape
+        does not fit) or `ok`."""
         if self.weights > self.budget:
             return "no-fit"
         if self.max_model_len and self.kv_tokens < self.max_model_len:
             return "no-fit"
+        if self.seed_failure:
+            return "seed-oom"
         if any(s.concurrency > s.capacity for s in self.shapes):
             return "tight"
         if self.longest_capacity is not None and self.max_num_seqs > self.longest_capacity:
@@ -333,6 +395,11 @@ def _expert_shards(engine: Engine) -> int:
     return engine.tp if engine.engine == "sglang" else engine.tp * engine.dp
 
 
+def _redundant_experts(engine: Engine) -> int:
+    eplb = engine.args.get("eplb_config") or {}
+    return int(eplb.get("num_redundant_experts") or 0) if engine.args.get("enable_eplb") else 0
+
+
 def weights_per_gpu(
     facts: ModelFacts, engine: Engine, *, tp: int | None = None, ep: bool | None = None
 ) -> float:
@@ -343,8 +410,7 @@ def weights_per_gpu(
     else:
         split = tp
         shards = engine.gpu_count if (engine.ep if ep is None else ep) else tp
-    eplb = engine.args.get("eplb_config") or {}
-    redundant = int(eplb.get("num_redundant_experts") or 0) if engine.args.get("enable_eplb") else 0
+    redundant = _redundant_experts(engine)
     experts = facts.expert_bytes + redundant * facts.moe_layers * facts.expert_bytes_each
     # vLLM's MLA keeps W_UK and W_UV of this rank's heads in bf16 next to the fp8 kv_b_proj
     absorbed = facts.layers * facts.absorbed_per_head * math.ceil(facts.heads / split) * 2
@@ -355,11 +421,7 @@ def kv_bytes_per_token(facts: ModelFacts, engine: Engine) -> int:
     """KV cache bytes one token takes on one GPU of the engine."""
     if facts.kv_bytes_given:
         return facts.kv_bytes_given
-    kv_dtype = str(engine.args.get("kv_cache_dtype", "auto"))
-    elem = _KV_DTYPE_BYTES.get(kv_dtype)
-    if elem is None:  # auto: the model's dtype (or the engine's --dtype)
-        dtype = str(engine.args.get("dtype", "auto"))
-        elem = _DTYPE_BYTES.get(dtype, facts.dtype_bytes)
+    elem = _kv_elem(facts, engine)
     if facts.attention in ("mla", "dsa"):
         # the latent is not split by heads: every TP rank keeps the whole latent row
         row = facts.latent * elem
@@ -394,25 +456,115 @@ def _kv_memory_override(engine: Engine) -> int | None:
     return None
 
 
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def _moe_workspace(facts: ModelFacts, engine: Engine, gathered: int) -> int:
+    """Bytes of vLLM's fused-MoE scratch for one pass over `gathered` tokens (modular_kernel.py
+    _allocate_buffers; deep_gemm_moe.py / fused_moe.py workspace_shapes, bf16)."""
+    if not facts.experts_per_token:
+        return 0
+    # without EP every rank holds a tp slice of all experts; with EP whole experts, redundant
+    # EPLB ones included, spread over the expert shards
+    local = facts.expert_count
+    if engine.ep:
+        local = -(-(facts.expert_count + _redundant_experts(engine)) // _expert_shards(engine))
+    # w13 is [local experts, N = 2 x intermediate, K = hidden]; without EP the intermediate is
+    # split over tp, with EP every expert is whole on its rank
+    n = 2 * facts.moe_intermediate // (1 if engine.ep else max(1, engine.tp))
+    k = facts.hidden
+    topk = facts.experts_per_token
+
+    def rows(m: int) -> int:
+        if facts.block_fp8:
+            return _round_up(m * topk + local * (DEEPGEMM_BLOCK_M - 1), DEEPGEMM_BLOCK_M)
+        return m * topk
+
+    def total(m_full: int) -> int:
+        chunk = min(m_full, MOE_CHUNK_TOKENS)
+        ws13 = rows(chunk) * max(n // 2, k)
+        ws2 = rows(chunk) * max(n, k)
+        out = m_full * k
+        if chunk == m_full and ws13 >= out:
+            out = 0  # the output reuses workspace13
+        return (ws13 + ws2 + out) * 2
+
+    need = total(gathered)
+    if _dp_ep(engine):
+        # the profile forces the worst case of a full chunk: random routing under DP + EP
+        # may not show it (modular_kernel.py, is_profile_run)
+        need = max(need, total(MOE_CHUNK_TOKENS))
+    return need
+
+
+def _dp_ep(engine: Engine) -> bool:
+    return engine.engine == "vllm" and engine.ep and engine.dp > 1
+
+
+def _max_len(facts: ModelFacts, engine: Engine) -> int:
+    return int(engine.args.get("max_model_len") or facts.max_position or 0)
+
+
+def _kv_elem(facts: ModelFacts, engine: Engine) -> int:
+    kv_dtype = str(engine.args.get("kv_cache_dtype", "auto"))
+    elem = _KV_DTYPE_BYTES.get(kv_dtype)
+    if elem is None:  # auto: the model's dtype (or the engine's --dtype)
+        dtype = str(engine.args.get("dtype", "auto"))
+        elem = _DTYPE_BYTES.get(dtype, facts.dtype_bytes)
+    return elem
+
+
+def allowance_terms(facts: ModelFacts, engine: Engine) -> dict[str, float]:
+    """Bytes per GPU inside the budget besides weights and KV, term by term (docs/fit.md):
+
+    `workspace` vLLM's shared workspace (the largest of `moe_workspace`, `dsa_indexer`,
+    `dsa_sparse`), held from the profile on; `activations` the larger of `forward` and
+    `sampler`, the transient peak on top of it; `non_torch` cuBLAS and NCCL (measured).
+    `indexer_logits` (DSA) is not inside the profile and not in the total: the fp32 logits a
+    prefill chunk of max_num_batched_tokens allocates against a max_model_len context.
+    """
+    tokens = int(engine.args.get("max_num_batched_tokens", DEFAULT_BATCHED_TOKENS))
+    split = _attention_split(engine)
+    hidden2 = facts.hidden * 2
+    # vLLM DP + EP (all-gather / reduce-scatter, the default all2all backend): every DP rank's
+    # tokens reach the experts (fused_moe/layer.py forward_impl, get_ep_group().dispatch)
+    gathered = tokens * engine.dp if _dp_ep(engine) else tokens
+    terms: dict[str, float] = {"moe_workspace": _moe_workspace(facts, engine, gathered)}
+    length = _max_len(facts, engine)
+    if facts.attention == "dsa":
+        terms["dsa_indexer"] = (
+            DSA_INDEXER_ROWS_PER_LEN * length * (facts.index_head_dim + INDEXER_KEY_BYTES)
+        )
+        if _kv_elem(facts, engine) == 1:  # fp8_ds_mla
+            terms["dsa_sparse"] = DSA_SPARSE_ROWS_PER_LEN * length * facts.latent * 2
+        terms["indexer_logits"] = tokens * length * 4
+    terms["workspace"] = max(
+        terms["moe_workspace"], terms.get("dsa_indexer", 0), terms.get("dsa_sparse", 0)
+    )
+    moe = 0
+    if facts.experts_per_token:
+        # gathered hidden states and router logits (bf16), one chunk's fp8 quantised input
+        moe = gathered * (hidden2 + facts.expert_count * 2)
+        moe += min(gathered, MOE_CHUNK_TOKENS) * facts.hidden
+    dense = 0
+    if facts.dense_mlp_layers:
+        # gate_up output (2 x intermediate) and the activation (intermediate), bf16, split by tp
+        dense = tokens * 3 * (facts.intermediate // max(1, engine.tp)) * 2
+    attn = tokens * -(-facts.heads // split) * facts.q_head_dim * 2 * 2  # q and attention output
+    terms["forward"] = RESIDUAL_COPIES * tokens * hidden2 + max(moe, dense, attn)
+    seqs = min(_seqs_per_rank(engine), tokens)
+    terms["sampler"] = seqs * facts.vocab * SAMPLER_BYTES_PER_VOCAB + tokens * hidden2
+    terms["activations"] = max(terms["forward"], terms["sampler"])
+    multi = engine.tp * engine.pp > 1 or engine.dp > 1
+    terms["non_torch"] = (NON_TORCH_CUBLAS_GIB + (NON_TORCH_NCCL_GIB if multi else 0)) * GIB
+    return terms
+
+
 def allowance(facts: ModelFacts, engine: Engine) -> float:
     """Bytes per GPU inside the budget for everything but weights and KV (profiled peak)."""
-    runtime = (
-        RUNTIME_GIB_MULTI if engine.tp * engine.pp > 1 or engine.dp > 1 else (RUNTIME_GIB_SINGLE)
-    )
-    tokens = int(engine.args.get("max_num_batched_tokens", DEFAULT_BATCHED_TOKENS))
-    seqs = _seqs_per_rank(engine)
-    act = tokens * facts.hidden * ACTIVATION_BYTES_PER_TOKEN_HIDDEN
-    if facts.experts_per_token:
-        # fused-MoE workspaces (bf16): vLLM's DP + EP gathers every DP rank's tokens first
-        gathered = tokens * engine.dp if engine.ep and engine.engine == "vllm" else tokens
-        rows = min(gathered, MOE_CHUNK_TOKENS) * facts.experts_per_token
-        width = max(2 * facts.moe_intermediate, facts.hidden) + facts.moe_intermediate
-        act += rows * width * 2
-    act += seqs * facts.vocab * 4 * 2  # fp32 logits and the sampler's copy
-    if facts.attention == "dsa":
-        length = int(engine.args.get("max_model_len") or facts.max_position or 0)
-        act += length * (DSA_INDEXER_BUFFER + DSA_SPARSE_WORKSPACE)
-    return runtime * GIB + act
+    terms = allowance_terms(facts, engine)
+    return terms["workspace"] + terms["activations"] + terms["non_torch"]
 
 
 def _seqs_per_rank(engine: Engine) -> int:
@@ -439,7 +591,8 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
     util = float(util_set) if util_set is not None else DEFAULT_UTILIZATION
     budget = gpu_bytes * util
     weights = weights_per_gpu(facts, engine)
-    other = allowance(facts, engine)
+    terms = allowance_terms(facts, engine)
+    other = terms["workspace"] + terms["activations"] + terms["non_torch"]
     fixed = _kv_memory_override(engine)
     kv_bytes = float(fixed) if fixed is not None else max(0.0, budget - weights - other)
     per_token = kv_bytes_per_token(facts, engine)
@@ -480,6 +633,28 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
         longest_shape=longest,
         longest_capacity=kv_tokens // _rounded(longest, block) if longest else None,
         kv_fixed=fixed is not None,
+        terms=terms,
+        seed_failure=_seed_failure(facts, engine, gpu_bytes, int(max_len) if max_len else None),
+    )
+
+
+def _seed_failure(
+    facts: ModelFacts, engine: Engine, gpu_bytes: int, max_len: int | None
+) -> str | None:
+    if not (
+        facts.attention == "dsa"
+        and engine.engine == "vllm"
+        and _attention_split(engine) == 1
+        and gpu_bytes <= SEED_DSA_TP1_GPU_MIB * MIB
+        and max_len
+        and max_len > SEED_DSA_TP1_WORKING_LEN
+    ):
+        return None
+    return (
+        "seed 002: DeepSeek-V3.2 with -tp 1 -dp 8 --enable-expert-parallel on 8 x H200 "
+        f"(vLLM 0.13) ran out of memory at the full 163840 context and ran at "
+        f"{SEED_DSA_TP1_WORKING_LEN}; LMCache PR 2521 saw the same shape crash ('TP1 requires "
+        "too much memory on each GPU')"
     )
 
 
