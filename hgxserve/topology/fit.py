@@ -1,18 +1,21 @@
 """Does the model fit? Weights per GPU, KV bytes per token, KV tokens, concurrent sequences.
 
 An estimate from the model's `config.json` (`model.config` in the topology, a path relative to
-the topology file) and the engine's settings, following how vLLM sizes its KV cache:
+the topology file) and the engine's settings, following how vLLM sizes its KV cache
+(gpu_worker.py determine_available_memory):
 
-    budget    = GPU memory x gpu_memory_utilization            (per GPU)
+    budget    = GPU total x gpu_memory_utilization              (per GPU)
     weights   = dense / attention-TP + embeddings / attention-TP + experts / expert shards
-    allowance = runtime + activations (+ DSA workspaces)        (profiled peak, inside the budget)
+    allowance = shared workspace + max(forward, sampler step) + non-torch   (the profiled peak)
     KV bytes  = budget - weights - allowance                    (per GPU)
     KV tokens = KV bytes / KV bytes per token                   (per DP rank: TP ranks share it)
     sequences = KV tokens // (length rounded up to block_size)  (per DP rank, x dp per engine)
 
-CUDA graphs are captured after the KV cache is allocated, outside the budget (the seeds' cards
-sit above gpu_memory_utilization for that reason: seed 003 §1, ~93 GiB of 95.6 on an H20 at
-0.88). docs/fit.md compares the estimate with what the seeds' engines reported.
+Each allowance term follows vLLM's source (allowance_terms; docs/fit.md names file and figure).
+The CUDA context and CUDA graphs are outside the budget (the seeds' cards sit above
+gpu_memory_utilization for that reason: seed 003 §1, ~93 GiB of 95.6 on an H20 at 0.88).
+docs/fit.md compares the estimate with what the seeds' engines reported, and says where it does
+not explain them (seed 002's TP1 x DP8 at 163840).
 
 A config may carry an `hgxserve_fit` block for what `config.json` cannot say (a model whose
 attention the formulas here do not cover): `weights` ({"experts": bytes, "dense": bytes}),
@@ -45,6 +48,11 @@ GPU_MEMORY_MIB = {
     "H200": 143771,
     "B200": 171661,
 }
+# What vLLM multiplies by gpu_memory_utilization is the total torch.cuda.mem_get_info() reports:
+# nvidia-smi's total less what the driver reserves. Measured on one H200 (driver 580, torch
+# 2.11+cu130): 150109880320 bytes = nvidia-smi's 143771 MiB - 616 MiB. The other kinds have no
+# such measurement here and use nvidia-smi's total (their captures show 454-700 MiB reserved).
+GPU_USABLE_BYTES = {"H200": 150109880320}
 # vLLM's default --gpu-memory-utilization. SGLang picks --mem-fraction-static itself when it is
 # unset; the estimate then assumes the same figure and says so.
 DEFAULT_UTILIZATION = 0.9
@@ -502,6 +510,11 @@ def _dp_ep(engine: Engine) -> bool:
     return engine.engine == "vllm" and engine.ep and engine.dp > 1
 
 
+def _gathers(engine: Engine) -> bool:
+    backend = engine.args.get("all2all_backend") or engine.env.get("VLLM_ALL2ALL_BACKEND")
+    return str(backend or "allgather_reducescatter") in ("allgather_reducescatter", "naive")
+
+
 def _max_len(facts: ModelFacts, engine: Engine) -> int:
     return int(engine.args.get("max_model_len") or facts.max_position or 0)
 
@@ -527,9 +540,11 @@ def allowance_terms(facts: ModelFacts, engine: Engine) -> dict[str, float]:
     tokens = int(engine.args.get("max_num_batched_tokens", DEFAULT_BATCHED_TOKENS))
     split = _attention_split(engine)
     hidden2 = facts.hidden * 2
-    # vLLM DP + EP (all-gather / reduce-scatter, the default all2all backend): every DP rank's
-    # tokens reach the experts (fused_moe/layer.py forward_impl, get_ep_group().dispatch)
-    gathered = tokens * engine.dp if _dp_ep(engine) else tokens
+    # vLLM DP + EP with the all-gather / reduce-scatter backend (vllm/envs.py
+    # VLLM_ALL2ALL_BACKEND default): every DP rank's tokens reach the experts (fused_moe/layer.py
+    # forward_impl, get_ep_group().dispatch). DeepEP / pplx send each rank only its routed tokens
+    # (their own buffers are not modelled).
+    gathered = tokens * engine.dp if _dp_ep(engine) and _gathers(engine) else tokens
     terms: dict[str, float] = {"moe_workspace": _moe_workspace(facts, engine, gathered)}
     length = _max_len(facts, engine)
     if facts.attention == "dsa":
@@ -586,7 +601,7 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
     if not gpus or gpus[0] not in GPU_MEMORY_MIB:
         return None
     gpu = gpus[0]
-    gpu_bytes = GPU_MEMORY_MIB[gpu] * MIB
+    gpu_bytes = GPU_USABLE_BYTES.get(gpu, GPU_MEMORY_MIB[gpu] * MIB)
     util_set = engine.args.get("gpu_memory_utilization")
     util = float(util_set) if util_set is not None else DEFAULT_UTILIZATION
     budget = gpu_bytes * util
