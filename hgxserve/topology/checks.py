@@ -927,34 +927,41 @@ def warmup_max_model_len(topo: Topology) -> Iterator[Finding]:
             )
 
 
-# A name is secret-looking when it ends in one of these words (HF_TOKEN, VLLM_API_KEY,
-# AWS_SESSION_TOKEN, OPENAI_API_KEYS), after any of _VALUE_WORDS (API_KEY_VALUE). In the middle of
-# a name TOKEN and KEY describe something else: vLLM's VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD and
-# VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD are token counts (vllm/envs.py).
-_SECRET_LAST_WORDS = {
-    "KEY",
-    "KEYS",
-    "APIKEY",
-    "TOKEN",
-    "SECRET",
-    "PASSWORD",
-    "PASSWD",
-    "CREDENTIAL",
-    "CREDENTIALS",
+# Words that mark a name as holding a secret (words, not substrings: TOKENIZERS_PARALLELISM is
+# not a token). TOKEN and KEY also name counts and sizes: followed by one of _QUANTITY_WORDS they
+# do not count (vLLM's VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD and
+# VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD are token counts, vllm/envs.py). SECRET, PASSWORD and
+# CREDENTIAL always count; so does a TOKEN or KEY followed by anything else (HF_TOKEN,
+# HF_TOKEN_2, API_KEY_PROD).
+_SECRET_WORDS = {"SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"}
+_SECRET_IF_NOT_COUNTED = {"KEY", "KEYS", "APIKEY", "TOKEN"}
+_QUANTITY_WORDS = {
+    "THRESHOLD",
+    "THRESHOLDS",
+    "LIMIT",
+    "BUDGET",
+    "COUNT",
+    "NUM",
+    "SIZE",
+    "LEN",
+    "LENGTH",
+    "MAX",
+    "MIN",
+    "RATIO",
+    "PER",
+    "INTERVAL",
 }
-# these mark a secret wherever they stand (AWS_SECRET_ACCESS_KEY, DB_PASSWORD_PRIMARY)
-_SECRET_ANY_WORDS = {"SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS"}
-_VALUE_WORDS = {"VALUE", "B64", "BASE64", "RAW", "STR", "STRING", "HEX"}
 # words that mark a variable holding a location or a switch, not the secret itself
 _NOT_SECRET_WORDS = {"FILE", "PATH", "DIR", "ID", "ENABLE", "ENABLED", "DISABLE"}
 _SECRET_FLAGS = ("--api-key", "--hf-token")
 
 
 def _secret_key(key: str) -> bool:
-    """Whether an env name looks like it holds a secret (words, not substrings).
+    """Whether an env name looks like it holds a secret.
 
-    >>> [_secret_key(k) for k in ("HF_TOKEN", "VLLM_API_KEY", "AWS_SECRET_ACCESS_KEY")]
-    [True, True, True]
+    >>> [_secret_key(k) for k in ("HF_TOKEN", "VLLM_API_KEY", "AWS_SECRET_ACCESS_KEY",
+    ...     "HF_TOKEN_2")]
+    [True, True, True, True]
     >>> [_secret_key(k) for k in ("TOKENIZERS_PARALLELISM", "HF_TOKEN_PATH",
     ...     "VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD", "VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE")]
     [False, False, False, False]
@@ -962,9 +969,13 @@ def _secret_key(key: str) -> bool:
     words = [w for w in re.split(r"[^A-Za-z0-9]+", key.upper()) if w]
     if set(words) & _NOT_SECRET_WORDS:
         return False
-    while len(words) > 1 and words[-1] in _VALUE_WORDS:
-        words.pop()
-    return bool(words) and (words[-1] in _SECRET_LAST_WORDS or bool(set(words) & _SECRET_ANY_WORDS))
+    if set(words) & _SECRET_WORDS:
+        return True
+    return any(
+        word in _SECRET_IF_NOT_COUNTED
+        and (i + 1 == len(words) or words[i + 1] not in _QUANTITY_WORDS)
+        for i, word in enumerate(words)
+    )
 
 
 @rule("secret-env", "error", "No secret values in env or extra_args; use secret_env references.")

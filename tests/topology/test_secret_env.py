@@ -37,6 +37,9 @@ def _env_errors(tmp_path: Path, name: str, value: str = "x1") -> list[str]:
         "OPENAI_API_KEYS",  # seed 003 §10: OpenWebUI's key list
         "MY_API_KEY_VALUE",
         "GITHUB_TOKEN_B64",
+        "HF_TOKEN_2",
+        "API_KEY_PROD",
+        "TOKEN",
         "DB_PASSWORD",
         "REDIS_PASSWD",
         "CEPH_SECRET",
@@ -57,6 +60,8 @@ def test_secret_looking_names_are_still_refused(tmp_path: Path, name: str) -> No
         "VLLM_MULTI_STREAM_GEMM_TOKEN_THRESHOLD",
         "VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD",
         "VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE",
+        "MY_KEY_SIZE",
+        "PREFILL_TOKEN_BUDGET",
         "TOKENIZERS_PARALLELISM",
         # locations and ids, not the secret itself
         "HF_TOKEN_PATH",
