@@ -950,6 +950,13 @@ _QUANTITY_WORDS = {
     "RATIO",
     "PER",
     "INTERVAL",
+    "SECONDS",
+    "SECS",
+    "MS",
+    "TIMEOUT",
+    "RATE",
+    "USAGE",
+    "IDS",
 }
 # words that mark a variable holding a location or a switch, not the secret itself
 _NOT_SECRET_WORDS = {"FILE", "PATH", "DIR", "ID", "ENABLE", "ENABLED", "DISABLE"}

@@ -234,3 +234,18 @@ def test_non_torch_memory_is_the_h200_measurement() -> None:
     single = fit.topology_fit(load_topology("topologies/demo/demo-vllm-cpu.yml"))[1]
     assert single["combined-0"].terms["non_torch"] == 0.155 * GIB
     assert _fixture("seed002-tp8.yml").terms["non_torch"] == (0.155 + 0.545) * GIB
+
+
+def test_plan_names_the_terms_and_the_seed_failure() -> None:
+    rel = "tests/topology/fit/seed002-tp1-dp8-ep-163840.yml"
+    text = CliRunner().invoke(plan, [rel]).output
+    assert "other: workspace 4.5 (MoE) + activations 3.6 (sampler) + non-torch 0.7" in text
+    assert "not profiled: DSA indexer logits of one prefill chunk at max_model_len 5.0" in text
+    assert "seed-oom" in text and "the estimate does not explain it" in text
+    est = json.loads(CliRunner().invoke(plan, [rel, "--format", "json"]).output)["fit"]["engines"][
+        "combined-0"
+    ]
+    assert est["status"] == "seed-oom" and est["seed_failure"].startswith("seed 002")
+    assert {"workspace", "moe_workspace", "dsa_indexer", "forward", "sampler", "non_torch"} <= set(
+        est["terms"]
+    )

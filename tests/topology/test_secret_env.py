@@ -62,6 +62,8 @@ def test_secret_looking_names_are_still_refused(tmp_path: Path, name: str) -> No
         "VLLM_MAX_TOKENS_PER_EXPERT_FP4_MOE",
         "MY_KEY_SIZE",
         "PREFILL_TOKEN_BUDGET",
+        "SIM_TOKEN_SECONDS",
+        "STOP_TOKEN_IDS",
         "TOKENIZERS_PARALLELISM",
         # locations and ids, not the secret itself
         "HF_TOKEN_PATH",
