@@ -61,6 +61,8 @@ DEFAULT_UTILIZATION = 0.9
 DEFAULT_BATCHED_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 1024
 DEFAULT_BLOCK_SIZE = 16
+# vllm/platforms/cuda.py: FlashMLA-sparse runs on 64-token blocks, FlashMLA on multiples of 64
+MLA_BLOCK_SIZE = 64
 # How vLLM sizes the KV cache (vllm/v1/worker/gpu_worker.py determine_available_memory and
 # vllm/utils/mem_utils.py memory_profiling, 0.13 to 0.32): it snapshots the GPU after the CUDA
 # context and NCCL are up, runs one dummy forward of max_num_batched_tokens and one dummy sampler
@@ -591,6 +593,17 @@ def _seqs_per_rank(engine: Engine) -> int:
     return seqs
 
 
+def _block_size(facts: ModelFacts, engine: Engine) -> int:
+    """The KV block size: vLLM on CUDA forces 64 for FlashMLA-sparse (DSA) whatever is set, and
+    a multiple of 64 for FlashMLA (MLA) (vllm/platforms/cuda.py check_and_update_config)."""
+    block = int(engine.args.get("block_size", DEFAULT_BLOCK_SIZE))
+    if engine.engine == "vllm" and facts.attention == "dsa":
+        return MLA_BLOCK_SIZE
+    if engine.engine == "vllm" and facts.attention == "mla" and block % MLA_BLOCK_SIZE:
+        return MLA_BLOCK_SIZE
+    return block
+
+
 def _rounded(tokens: int, block: int) -> int:
     return math.ceil(tokens / block) * block
 
@@ -611,7 +624,7 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
     fixed = _kv_memory_override(engine)
     kv_bytes = float(fixed) if fixed is not None else max(0.0, budget - weights - other)
     per_token = kv_bytes_per_token(facts, engine)
-    block = int(engine.args.get("block_size", DEFAULT_BLOCK_SIZE))
+    block = _block_size(facts, engine)
     kv_tokens = int(kv_bytes // per_token) // block * block
     max_len = engine.args.get("max_model_len") or facts.max_position
     concurrency = kv_tokens / _rounded(int(max_len), block) if max_len else None
