@@ -249,3 +249,24 @@ def test_plan_names_the_terms_and_the_seed_failure() -> None:
     assert {"workspace", "moe_workspace", "dsa_indexer", "forward", "sampler", "non_torch"} <= set(
         est["terms"]
     )
+
+
+def test_seed_001_decode_on_one_node_has_less_than_half_the_kv(tmp_path: Path) -> None:
+    """Seed 001 §6: one decode node exhausted its KV cache, two gave room (docs/fit.md row)."""
+    text = (REPO / "topologies" / "h200-dsv32-2p1d.yml").read_text()
+    two = fit.topology_fit(load_topology("topologies/h200-dsv32-2p1d.yml"))[1]["decode-0"]
+    eight = "[0, 1, 2, 3, 4, 5, 6, 7]"
+    both = f"    place: {{h200-e: {eight}, h200-f: {eight}}}\n    tp: 2\n    dp: 8\n"
+    assert both in text
+    text = text.replace(
+        both, "    place: {h200-e: [0, 1, 2, 3, 4, 5, 6, 7]}\n    tp: 2\n    dp: 4\n"
+    )
+    text = text.replace("config: models/", f"config: {MODELS}/")
+    path = tmp_path / "one-node.yml"
+    path.write_text(text)
+    result = check_topology(path)
+    assert result.topology is not None, result.problems
+    one = fit.topology_fit(result.topology)[1]["decode-0"]
+    assert round(one.weights / GIB, 1) == 91.1 and round(two.weights / GIB, 1) == 50.7
+    assert round(one.kv_bytes / GIB, 1) == 29.5 and round(two.kv_bytes / GIB, 1) == 70.0
+    assert one.kv_bytes < two.kv_bytes / 2
