@@ -131,26 +131,27 @@ def main() -> None:
              "--tokenizer-only", str(tokenizer)],
             check=True, capture_output=True,
         )  # fmt: skip
-        # combined-0 listens on hgx-c's loopback only: its /metrics through an SSH tunnel
-        tunnel_argv = bed.ssh_argv("hgx-c")
-        tunnel_argv[-1:-1] = ["-N", "-L", "127.0.0.1:18300:127.0.0.1:8300"]
-        tunnel = subprocess.Popen(tunnel_argv, stdin=subprocess.DEVNULL)
-        try:
-            time.sleep(2)
-            run(str(BIN / "hgxserve"), "bench", PD, "--scenario", "pd-long",
-                "--tokenizer", str(tokenizer), "--inventory", "inventory/testhosts.py",
-                "--api-key-file", str(demo.api_key_file(tokenizer)),
-                "--engine-url", "combined-0=http://127.0.0.1:18300",
-                "--out", "bench-runs")  # fmt: skip
-        finally:
-            tunnel.terminate()
-            tunnel.wait(10)
-        print("   kept: bench-runs/<time>-demo-pd/ run.json, report.md, throughput/ttft/tpot.png")
+        # the load starts on hgx-a (the client network) through an SSH tunnel; each engine's
+        # /metrics is read through its own host (combined-0 listens on hgx-c's loopback only)
+        runs = REPO / "bench-runs"
+        run(str(BIN / "hgxserve"), "bench", PD, "--scenario", "pd-long",
+            "--tokenizer", str(tokenizer), "--inventory", "inventory/testhosts.py",
+            "--from", "hgx-a", "--api-key-file", str(demo.api_key_file(tokenizer)),
+            "--out", str(runs))  # fmt: skip
+        kept = max((p for p in runs.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+        plots = [kept / name for name in ("throughput.png", "ttft.png", "tpot.png")]
+        missing = [p.name for p in plots if not p.is_file()]
+        if missing:
+            raise SystemExit(f"demo: the bench wrote no {', '.join(missing)} in {kept}")
+        print(f"   kept: {kept.relative_to(REPO)}/ run.json, report.md, "
+              "throughput.png, ttft.png, tpot.png")  # fmt: skip
 
         step("Back to the baseline, all hosts together")
         pyinfra("deploys/rollback.py", "--data", "to=baseline")
         complete("10.77.0.11", "Only answer: hello")
         step("Done")
+        names = ", ".join(p.name for p in plots)
+        print(f"   the bench's report and plots: {kept.relative_to(REPO)}/report.md, {names}")
     finally:
         others = testbed_hosts.drop_lease(os.getpid())
         if not args.keep:

@@ -86,6 +86,14 @@ def bench() -> None:
     help="pyinfra inventory: read each host's running release over SSH (read-only).",
 )
 @click.option(
+    "--from",
+    "from_host",
+    metavar="HOST",
+    help="Send the load from this inventory host (the client network): the connections to the "
+    "proxy start there, through an SSH tunnel from the controller, which runs AIPerf. "
+    "Needs --inventory.",
+)
+@click.option(
     "--drain-timeout",
     type=click.FloatRange(0, 3600),
     help="Seconds to wait for the proxy and engines to be idle before a round "
@@ -109,11 +117,12 @@ def run_cmd(
     api_key_file: str | None,
     release_id: str | None,
     inventory: str | None,
-    drain_timeout: float | None,
-    round_timeout: float,
+    from_host: str | None,
+    **timeouts: float | None,
 ) -> None:
     """Run the topology's bench scenarios; exit 1 when an SLA is missed."""
     from hgxserve.bench import report
+    from hgxserve.bench.reach import open_reach
     from hgxserve.bench.run import RunOptions, run_bench
     from hgxserve.bench.scenario import load_bench
     from hgxserve.topology import TopologyError
@@ -137,17 +146,30 @@ def run_cmd(
     register_secret(api_key)
     if release_id is None and inventory is not None:
         release_id = _running_releases(spec.topology, inventory)
-    opts = RunOptions(
-        out_root=Path(out_root),
+    reach = open_reach(
+        spec.topology,
+        inventory=inventory,
+        from_host=from_host,
         proxy_url=proxy_url,
         engine_urls=urls,
+    )
+    for name, how in reach.via.items():
+        _progress(f"{name}: through an SSH tunnel to {how}")
+    opts = RunOptions(
+        out_root=Path(out_root),
+        proxy_url=reach.proxy_url,
+        engine_urls=reach.engine_urls,
         tokenizer=tokenizer,
         api_key=api_key,
         release_id=release_id,
-        round_timeout_s=round_timeout,
-        drain_timeout_s=drain_timeout,
+        round_timeout_s=float(timeouts["round_timeout"] or 3600),
+        drain_timeout_s=timeouts["drain_timeout"],
+        origin=reach.origin,
     )
-    run_dir, result = run_bench(spec, scenarios, opts, _progress)
+    try:
+        run_dir, result = run_bench(spec, scenarios, opts, _progress)
+    finally:
+        reach.close()
     path = report.write_report(run_dir, result)
     click.echo(path.read_text())
     click.echo(f"run: {run_dir}\nreport: {path}")

@@ -119,7 +119,8 @@ def targets(
         first = topo.engines[hidden[0]]
         raise UsageError(
             f"{', '.join(hidden)} listen(s) on loopback only ({first.head} fronts it with the "
-            "proxy), so the controller cannot read its /metrics: pass --engine-url "
+            "proxy), so the controller cannot read its /metrics: pass --inventory (each engine "
+            "is then read through its own host over SSH), or --engine-url "
             f"{first.name}=http://127.0.0.1:PORT through a tunnel, e.g. ssh -N -L "
             f"PORT:127.0.0.1:{first.port} {topo.hosts[first.head].address}"
         )

@@ -45,6 +45,7 @@ class RunOptions:
     release_id: str | None = None
     round_timeout_s: float = 3600.0
     drain_timeout_s: float | None = None
+    origin: str = "controller"  # where the connections to the proxy start
 
 
 def _busy_text(busy: dict[str, float]) -> str:
@@ -102,9 +103,7 @@ def verdicts(scenario: Scenario, point: dict[str, Any]) -> list[dict[str, Any]]:
     def ms_to_s(v: float | None) -> float | None:
         return v / 1000 if v is not None else None
 
-    checks.append(
-        (f"TTFT p{pct}", ms_to_s(client.get(f"ttft_ms_p{pct}")), sla.ttft_s, "<=", "s")
-    )
+    checks.append((f"TTFT p{pct}", ms_to_s(client.get(f"ttft_ms_p{pct}")), sla.ttft_s, "<=", "s"))
     checks.append((f"TPOT p{pct}", client.get(f"tpot_ms_p{pct}"), sla.tpot_ms, "<=", "ms"))
     checks.append(
         (
@@ -165,6 +164,7 @@ def run_bench(
         "scenario_source": spec.source,
         "release_id": _release_text(opts.release_id),
         "proxy_url": t.proxy_url,
+        "load_from": opts.origin,
         "engine_versions": metrics.engine_versions(t),
         "generator": {"name": "aiperf", "command": generator.aiperf_command()[0]},
         "scenarios": [s.to_dict() for s in scenarios],
@@ -175,7 +175,8 @@ def run_bench(
         "refused": None,
     }
     progress(
-        f"bench {run_id}: {len(scenarios)} scenario(s) through {t.proxy_url}, {gpus} GPUs, "
+        f"bench {run_id}: {len(scenarios)} scenario(s) through {t.proxy_url} from "
+        f"{opts.origin}, {gpus} GPUs, "
         f"results in {run_dir}"
     )
     try:

@@ -49,8 +49,9 @@ def gate_host(topo: Topology) -> str | None:
     return topo.gate.from_host or topo.proxy.host
 
 
-def _proxy_url(topo: Topology, proxy: Proxy, gate_host_name: str) -> str:
-    """The proxy as the gate host reaches it: loopback on its own host, else its address."""
+def proxy_url_from(topo: Topology, proxy: Proxy, gate_host_name: str) -> str:
+    """The proxy as a host (the gate's, a bench's `--from`) reaches it: loopback on its own
+    host, else its routable address."""
     if gate_host_name == proxy.host:
         return _local_url(proxy.listen_host, proxy.listen_port, "")
     address = proxy.listen_host
@@ -96,7 +97,7 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
         ["long"] if proxy.routes else []
     )
     return {
-        "proxy_url": _proxy_url(topo, proxy, host),
+        "proxy_url": proxy_url_from(topo, proxy, host),
         "served_name": topo.model.served_name,
         "api_key_file": api_key_file,
         "pd_engine": pd_engine if proxy.routes else None,

@@ -276,7 +276,8 @@ class Sessions:
         for client in clients.values():
             client.close()
 
-    def _client(self, name: str) -> Any:
+    def client(self, name: str) -> Any:
+        """The connected paramiko client of one host (connecting now if needed)."""
         with self._lock:
             client = self.clients.get(name)
         transport = client.get_transport() if client is not None else None
@@ -297,7 +298,7 @@ class Sessions:
         """Run `command` on one host; never raises for an unreachable host."""
         started = time.monotonic()
         try:
-            client = self._client(name)
+            client = self.client(name)
             _, stdout, stderr = client.exec_command(command, timeout=timeout)
             out = stdout.read().decode("utf-8", "replace")
             err = stderr.read().decode("utf-8", "replace")
@@ -327,7 +328,7 @@ class Sessions:
         to `on_line(host, line)` as it arrives, until it ends or `stop` is set."""
         started = time.monotonic()
         try:
-            client = self._client(name)
+            client = self.client(name)
             transport = client.get_transport()
             channel = transport.open_session()
             channel.get_pty()

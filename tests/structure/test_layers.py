@@ -95,6 +95,7 @@ SAME_LAYER = {
     ("hgxserve.render", "hgxserve.caches"),
     ("hgxserve.topology", "hgxserve.caches"),  # checks -> caches.layout (the cache variables)
     ("hgxserve.weights", "hgxserve.render"),  # cephfs -> render.systemd (unit value escaping)
+    ("hgxserve.bench", "hgxserve.status"),  # reach/releasegate -> SSH tunnels, the inventory
 }
 
 
