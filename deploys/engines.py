@@ -6,6 +6,7 @@ all hosts together, gate the topology, then confirm everywhere or roll back ever
 
 from pyinfra import host, inventory
 
+from hgxserve.bench.releasegate import bench_step_for
 from hgxserve.deploying import (
     plan_switch,
     release_plans,
@@ -33,14 +34,26 @@ coord.rdma_roles = rdma_roles(topology)
 rdma_root = str(host.data.get("rdma_sysfs", RDMA_SYSFS))
 devices = list(topology.hosts[host.name].rdma) if host.name in topology.hosts else []
 
+is_gate_host = host.name == gate_host(topology)
+bench = topology.gate.bench
+# the SLA bench (`gate.bench:`) runs on the controller; --data bench_tokenizer=DIR is the
+# model's tokenizer there (default: AIPerf's built-in encoding, which needs its cache offline)
+step = (
+    bench_step_for(topology, topology.source_file, active, host.data.get("bench_tokenizer"))
+    if bench is not None and is_gate_host
+    else None
+)
+
 agent()
 release(
     plan=plan,
     secret_values=secret_values(plan),
     switch=host.name in coord.switching,
     coord=coord,
-    gate=bool(coord.switching) and host.name == gate_host(topology),
+    gate=bool(coord.switching) and is_gate_host,
     confirm_within=int(host.data.get("confirm_within", CONFIRM_WITHIN_S)),
     peers_within=switch_bound_s(plans, SWITCH_OVERHEAD_S),
     rdma=(rdma_root, devices) if host.name in coord.rdma_roles else None,
+    bench=step,
+    bench_s=bench.timeout_s if bench is not None else 0,
 )

@@ -9,6 +9,7 @@ from pathlib import Path
 from pyinfra.api import deploy
 from pyinfra.operations import files, python, systemd
 
+from hgxserve.bench.releasegate import BenchStep, run_bench_gate
 from hgxserve.credfiles import secret_file
 from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release import CONFIRM_WITHIN_S
@@ -43,6 +44,8 @@ def release(
     confirm_within: int = CONFIRM_WITHIN_S,
     peers_within: int = 0,
     rdma: tuple[str, list[str]] | None = None,
+    bench: BenchStep | None = None,
+    bench_s: int = 0,
     root: str = RELEASE_ROOT,
 ) -> None:
     """Stage `plan` under releases/<id>, switch to it when `switch`, gate and settle.
@@ -52,6 +55,8 @@ def release(
     + switch: this host's current release differs (decided from ReleaseState by the deploy)
     + coord: shared by all hosts of the run (who switched, the gate's verdict)
     + gate: run the topology's gate on this host (the proxy's host) after all hosts switched
+    + bench: the SLA bench after the gate (`gate.bench:`), on the gate's host only
+    + bench_s: seconds that bench may take (every switched host's timer is extended by it)
     """
     reconcile_unit = files.put(
         name="Install the boot-time release reconcile unit",
@@ -99,6 +104,8 @@ def release(
         confirm_within=confirm_within,
         peers_within=peers_within,
         rdma=rdma,
+        bench=bench,
+        bench_s=bench_s,
         root=root,
     )
 
@@ -113,6 +120,8 @@ def switch_to(
     confirm_within: int = CONFIRM_WITHIN_S,
     peers_within: int = 0,
     rdma: tuple[str, list[str]] | None = None,
+    bench: BenchStep | None = None,
+    bench_s: int = 0,
     root: str = RELEASE_ROOT,
 ) -> None:
     """Switch to an already staged release (rollback), with the same gate and settle steps.
@@ -121,6 +130,8 @@ def switch_to(
     + confirm_within: seconds the gate has, from the moment every host switched
     + peers_within: seconds the slowest host may take to switch (see switch_bound_s)
     + rdma: (counters root, devices) when this host's RDMA counters are P/D evidence
+    + bench: the SLA bench to run after the gate on this host (the gate's host)
+    + bench_s: seconds the bench may take: the switched hosts' timers are extended by it
     """
     gating = bool(coord.switching)
     if switch:
@@ -171,6 +182,25 @@ def switch_to(
             when="after",
             root=rdma[0],
             devices=rdma[1],
+        )
+    if switch and bench_s:
+        python.call(
+            name=f"Bench next: each reverts in {confirm_within + bench_s}s unless confirmed",
+            function=arm_deadman,
+            coord=coord,
+            release_id=release_id,
+            confirm_within=confirm_within + bench_s,
+            root=root,
+        )
+    if gate and bench is not None:
+        python.call(
+            name=f"Bench the release: scenario {bench.scenario} through the proxy, SLA and "
+            "regression against the last confirmed release",
+            function=run_bench_gate,
+            coord=coord,
+            release_id=release_id,
+            step=bench,
+            root=root,
         )
     if switch:
         python.call(

@@ -1104,6 +1104,17 @@ def gate_settings(topo: Topology) -> Iterator[Finding]:
         )
     if gate.from_host is not None and topo.proxy is None:
         yield ("gate", "from"), "the gate runs through the proxy: this topology has none"
+    if gate.bench is not None:
+        names = [s.get("name") for s in (topo.raw.get("bench") or {}).get("scenarios") or []]
+        if topo.proxy is None:
+            yield ("gate", "bench"), "the bench runs through the proxy: this topology has none"
+        elif gate.bench.scenario not in names:
+            yield (
+                ("gate", "bench", "scenario"),
+                f"no scenario '{gate.bench.scenario}' in this topology's bench: section "
+                f"(scenarios: {', '.join(map(str, names)) or 'none'}); the release's SLA lives "
+                "in the topology itself, not in a bench file beside it",
+            )
     for key, arg in (("reasoning", "reasoning_parser"), ("tool_call", "tool_call_parser")):
         if getattr(gate, key) == "on" and not any(e.args.get(arg) for e in topo.engines.values()):
             yield (

@@ -307,6 +307,23 @@ class TopologyFile:
 
 
 @dataclass(frozen=True)
+class BenchGate:
+    """`gate.bench:`: the bench scenario a release must pass after the probes."""
+
+    scenario: str
+    max_regression_pct: float | None
+    timeout_s: int
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> BenchGate:
+        return cls(
+            scenario=data["scenario"],
+            max_regression_pct=data.get("max_regression_pct"),
+            timeout_s=_get(data, "gate_bench", "timeout_s"),
+        )
+
+
+@dataclass(frozen=True)
 class GatePolicy:
     """`gate:`: what the release gate must see (defaults from the schema)."""
 
@@ -321,6 +338,7 @@ class GatePolicy:
     rdma: str  # auto | off
     from_host: str | None
     timeout_s: int
+    bench: BenchGate | None = None
 
     @classmethod
     def parse(cls, data: dict[str, Any]) -> GatePolicy:
@@ -336,6 +354,7 @@ class GatePolicy:
             rdma=_get(data, "gate", "rdma"),
             from_host=data.get("from"),
             timeout_s=_get(data, "gate", "timeout_s"),
+            bench=BenchGate.parse(data["bench"]) if data.get("bench") else None,
         )
 
 

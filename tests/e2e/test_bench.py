@@ -8,6 +8,7 @@ the next round wait and then refuse, and an SLA tighter than the simulated engin
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -114,14 +115,19 @@ def sim_requests(address: str, port: int) -> list[dict]:
 
 
 def test_two_scenarios_through_the_proxy_with_plots(
-    lab: testbed_hosts.Testbed, combined_url: str, tokenizer: Path, tmp_path: Path
+    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
 ) -> None:
-    COMBINED[:] = [combined_url]
+    """From hgx-a (the client network, through an SSH tunnel); each engine's /metrics read
+    through its own host, combined-0 on hgx-c's loopback included."""
+    COMBINED[:] = []
     proc = bench(str(PD), "--tokenizer", str(tokenizer), "--out", str(tmp_path),
-                 "--inventory", "inventory/testhosts.py")  # fmt: skip
+                 "--inventory", "inventory/testhosts.py", "--from", "hgx-a")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "proxy: through an SSH tunnel to http://10.77.0.13:8000 from hgx-a" in proc.stderr
+    assert "combined-0: through an SSH tunnel to http://127.0.0.1:8300 on hgx-c" in proc.stderr
     run = only_run(tmp_path)
     run_dir = tmp_path / run["run_id"]
+    assert run["load_from"] == "hgx-a (SSH tunnel from the controller to http://10.77.0.13:8000)"
     assert run["passed"] is True and run["topology"]["gpus"] == 10  # 4 + 4 + 2
     assert run["topology"]["digest"]
     current = {
@@ -220,3 +226,57 @@ def test_an_sla_the_engine_cannot_meet_exits_1_naming_the_figure(
     run = only_run(tmp_path / "runs")
     assert run["passed"] is False
     assert [v["figure"] for v in run["verdicts"]] == ["TPOT p90"]
+
+
+TIGHT = (
+    "bench:\n"
+    "  scenarios:\n"
+    "    - {name: tight, input: 240, output: 16, concurrency: [2], requests: 8,\n"
+    "       sla: {ttft_s: 3, tpot_ms: 2}}\n"  # 2 ms per token: the simulated engine takes 10
+)
+
+
+def _releases(lab: testbed_hosts.Testbed) -> dict[str, dict]:
+    return {
+        h: json.loads(lab.ssh(h, "/opt/hgxserve/bin/hgxserve release status").stdout)
+        for h in ("hgx-a", "hgx-b", "hgx-c")
+    }
+
+
+def test_the_same_sla_in_a_release_rolls_it_back(
+    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+) -> None:
+    """`gate.bench:` names the too-tight scenario: the release switches, its probes pass, the
+    bench (from the gate's host, hgx-c, each engine's /metrics through its own host) misses
+    TPOT, and every host goes back to the running demo-pd release."""
+    before = _releases(lab)
+    topology = tmp_path / "demo-pd-sla.yml"
+    topology.write_text(
+        PD.read_text() + TIGHT + "gate:\n  bench: {scenario: tight, max_regression_pct: 50}\n"
+    )
+    proc = lab.pyinfra(
+        "deploys/engines.py", "--data", f"topology={topology}",
+        "--data", f"bench_tokenizer={tokenizer}", "--data", "health_timeout=75",
+        "--data", "confirm_within=120",
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "bench: SLA missed: tight c2: TPOT p90" in out, out[-4000:]
+    for host in ("hgx-a", "hgx-b", "hgx-c"):  # every switched host names the failing figure
+        assert re.search(
+            rf"{host}.*rolled back to the previous release: gate failed: bench SLA missed: "
+            r"tight c2: TPOT p90 [\d.]+ ms, SLA <= 2 ms",
+            out,
+        ), out[-4000:]
+    assert "combined-0: through an SSH tunnel to http://127.0.0.1:8300 on hgx-c" in out
+    after = _releases(lab)
+    assert {h: s["current"] for h, s in after.items()} == {
+        h: s["current"] for h, s in before.items()
+    }
+    assert all(s["pending"] is None for s in after.values())
+    # the failed release's result is kept beside it on the gate's host
+    kept = lab.ssh("hgx-c", "cat /var/lib/hgxserve/releases/*/bench/run.json").stdout
+    run = json.loads(kept)
+    assert run["passed"] is False and [v["figure"] for v in run["verdicts"]] == ["TPOT p90"]
+    assert run["load_from"].startswith("hgx-c (SSH tunnel") and run["release_id"].count("=") == 3
+    assert before["hgx-c"]["current"] not in run["release_id"]
