@@ -26,6 +26,7 @@ from typing import Any
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
+from hgxserve.defaults import BENCH_RUNS_DIR
 from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release.ops import Coordination
 from hgxserve.status.remote import _CONNECTION_KEYS
@@ -48,6 +49,7 @@ class BenchStep:
     api_key_file: str | None = None  # on the gate's host, read over SSH (never logged)
     connections: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> SSH settings
     previous: tuple[str, str] | None = None  # (host, release id) of the last confirmed gate
+    out_root: str = BENCH_RUNS_DIR  # the controller keeps its copy of every run here too
 
 
 def connection_data(host: Host) -> dict[str, Any]:
@@ -92,6 +94,11 @@ def bench_argv(
     if step.tokenizer:
         argv += ["--tokenizer", step.tokenizer]
     return argv
+
+
+def _runs(out_root: Path) -> set[Path]:
+    """The run directories (with a run.json) under `out_root`."""
+    return {p.parent for p in out_root.glob("*/run.json")} if out_root.is_dir() else set()
 
 
 def _read_remote(host: Host, path: str) -> str | None:
@@ -181,10 +188,10 @@ def run_bench_gate(
             key_file.touch(mode=0o600)
             key_file.write_text(key.strip() + "\n")
         inventory = _inventory_file(work, step.connections)
-        runs = work / "runs"
         hosts_ids = " ".join(f"{h}={i}" for h, i in sorted(coord.targets.items()))
+        earlier = _runs(Path(step.out_root))
         argv = bench_argv(step, inventory=inventory, from_host=host.name,
-                          release_id=hosts_ids or release_id, out=runs,
+                          release_id=hosts_ids or release_id, out=Path(step.out_root),
                           api_key_file=key_file)  # fmt: skip
         host.log_styled(
             f"bench gate: scenario {step.scenario} through the proxy from {host.name} "
@@ -192,16 +199,18 @@ def run_bench_gate(
             fg="blue",
         )
         code, lines = _child(argv, step.timeout_s, host)
-        run_dirs = sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []
-        if run_dirs:
-            kept = _keep(host, release_id, root, run_dirs[-1])
-            host.log_styled(f"bench result kept on {host.name}: {kept}/run.json")
+        # a refused or failed run prints no `run:` line but keeps its run.json: the new one
+        new = sorted(_runs(Path(step.out_root)) - earlier)
+        run_dir = new[-1] if new else None
+        if run_dir is not None:
+            kept = _keep(host, release_id, root, run_dir)
+            host.log_styled(f"bench run kept on {host.name}: {kept}/run.json (here: {run_dir})")
         if code != 0:
             coord.verdict = (False, f"gate failed: {_failure(code, lines)}")
             host.log_styled(coord.verdict[1], fg="red")
             return True
-        if step.max_regression_pct is not None and run_dirs:
-            _regression(state, host, coord, step, root, work, run_dirs[-1])
+        if step.max_regression_pct is not None and run_dir is not None:
+            _regression(state, host, coord, step, root, work, run_dir)
         if coord.verdict and coord.verdict[0]:
             coord.verdict = (True, f"{coord.verdict[1]}; bench {step.scenario} met its SLA")
     return True
