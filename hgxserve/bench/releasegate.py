@@ -134,26 +134,26 @@ def _keep(host: Host, release_id: str, root: str, run_dir: Path) -> str:
     return dest
 
 
-def _child(argv: list[str], timeout_s: float, host: Host) -> tuple[int, list[str]]:
-    """Run a bench command, passing its lines to the deploy's output as they come; killed
-    after `timeout_s`."""
+def _child(argv: list[str], timeout_s: float, host: Host, work: Path) -> tuple[int, list[str]]:
+    """Run a bench command, passing its progress (stderr) to the deploy's output as it comes
+    (the report it prints on stdout is kept with the run); killed after `timeout_s`."""
     lines: list[str] = []
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    timer = threading.Timer(timeout_s, proc.kill)
-    timer.start()
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            lines.append(line)
-            if line.strip() and not line.startswith("|"):  # the report table is kept
-                host.log_styled(f"bench: {line}")
-        code = proc.wait()
-    finally:
-        timer.cancel()
+    with open(work / "bench.stdout", "w", encoding="utf-8") as stdout:
+        proc = subprocess.Popen(
+            argv, stdout=stdout, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+        )
+        timer = threading.Timer(timeout_s, proc.kill)
+        timer.start()
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                line = line.rstrip("\n")
+                lines.append(line)
+                if line.strip():
+                    host.log_styled(f"bench: {line}")
+            code = proc.wait()
+        finally:
+            timer.cancel()
     if code < 0:
         lines.append(f"error: the bench took longer than gate.bench.timeout_s ({timeout_s:.0f} s)")
     return code, lines
@@ -198,7 +198,7 @@ def run_bench_gate(
             f"(up to {step.timeout_s} s)",
             fg="blue",
         )
-        code, lines = _child(argv, step.timeout_s, host)
+        code, lines = _child(argv, step.timeout_s, host, work)
         # a refused or failed run prints no `run:` line but keeps its run.json: the new one
         new = sorted(_runs(Path(step.out_root)) - earlier)
         run_dir = new[-1] if new else None
