@@ -476,6 +476,11 @@ def _fit_terms_text(est: dict[str, Any]) -> list[str]:
         f"      other: workspace {terms['workspace'] / gib:.1f} ({ws[1]}) + activations "
         f"{terms['activations'] / gib:.1f} ({peak}) + non-torch {terms['non_torch'] / gib:.1f}"
     ]
+    if "headroom" in terms:
+        lines.append(
+            f"      outside the budget: CUDA context {terms['context'] / gib:.1f}, "
+            f"{terms['headroom'] / gib:.1f} left for CUDA graphs and run-time buffers"
+        )
     if "indexer_logits" in terms:
         lines.append(
             f"      not profiled: DSA indexer logits of one prefill chunk at max_model_len "

@@ -578,12 +578,6 @@ def allowance_terms(facts: ModelFacts, engine: Engine) -> dict[str, float]:
     return terms
 
 
-def allowance(facts: ModelFacts, engine: Engine) -> float:
-    """Bytes per GPU inside the budget for everything but weights and KV (profiled peak)."""
-    terms = allowance_terms(facts, engine)
-    return terms["workspace"] + terms["activations"] + terms["non_torch"]
-
-
 def _seqs_per_rank(engine: Engine) -> int:
     """max_num_seqs of one DP rank: vLLM's is per rank; SGLang's --max-running-requests is the
     engine's, shared by its DP attention ranks."""
@@ -621,6 +615,10 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
     weights = weights_per_gpu(facts, engine)
     terms = allowance_terms(facts, engine)
     other = terms["workspace"] + terms["activations"] + terms["non_torch"]
+    # outside the budget: the CUDA context (in vLLM's snapshot), and what is left beside it for
+    # CUDA graphs and buffers allocated at run time (not modelled)
+    terms["context"] = CUDA_CONTEXT_GIB * GIB
+    terms["headroom"] = max(0.0, gpu_bytes * (1 - util) - terms["context"])
     fixed = _kv_memory_override(engine)
     kv_bytes = float(fixed) if fixed is not None else max(0.0, budget - weights - other)
     per_token = kv_bytes_per_token(facts, engine)

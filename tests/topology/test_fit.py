@@ -242,6 +242,8 @@ def test_plan_names_the_terms_and_the_seed_failure() -> None:
     assert "other: workspace 4.5 (MoE) + activations 3.6 (sampler) + non-torch 0.7" in text
     assert "not profiled: DSA indexer logits of one prefill chunk at max_model_len 5.0" in text
     assert "seed-oom" in text and "the estimate does not explain it" in text
+    # outside the budget: 139.8 GiB x 0.1 - the measured 0.514 GiB context
+    assert "outside the budget: CUDA context 0.5, 13.5 left for CUDA graphs" in text
     est = json.loads(CliRunner().invoke(plan, [rel, "--format", "json"]).output)["fit"]["engines"][
         "combined-0"
     ]
