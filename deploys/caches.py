@@ -9,7 +9,15 @@ import os
 
 from pyinfra import host, inventory
 
-from hgxserve.deploying import cache_entries, elect_bakers, topology_file, topology_from_data
+from hgxserve.credfiles import secret_file
+from hgxserve.deploying import (
+    cache_entries,
+    elect_bakers,
+    env_secret_values,
+    topology_file,
+    topology_from_data,
+)
+from hgxserve.render import render_host
 from roles.agent import agent
 from roles.caches import caches
 
@@ -20,6 +28,18 @@ if topology.cache.policy != "off" and topology.engines_on(host.name):
     bakers = elect_bakers(topology, list(inventory.iter_activated_hosts()))
 
     agent()  # `hgxserve cache bake|restore` run on the host
+
+    if host.name in bakers.values():
+        # a bake starts the engine with its unit's secrets (a keyed engine's VLLM_API_KEY):
+        # credentials from the controller's environment must be on the host before it
+        rendered = render_host(topology, host.name).credentials
+        pushed = env_secret_values({c.path: c.ref for c in rendered if c.path is not None})
+        for path in sorted(pushed):
+            secret_file(
+                name=f"Install credential {path} for the bake (0600 in a 0700 directory)",
+                dest=path,
+                content=pushed[path],
+            )
 
     caches(
         engines=cache_entries(topology, host),

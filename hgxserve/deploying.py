@@ -17,6 +17,7 @@ from hgxserve.release.ops import Coordination, ReleaseState, coordination, needs
 from hgxserve.release.plan import HostRelease, plan_release
 from hgxserve.runstate import per_run
 from hgxserve.topology import Topology, TopologyError, load_topology
+from hgxserve.topology.model import SecretRef
 
 
 def topology_from_data(host: Host) -> Topology:
@@ -77,8 +78,14 @@ def plan_switch(key: str, hosts: list[Host], targets: dict[str, str]) -> Coordin
 
 def secret_values(plan: HostRelease) -> dict[str, str]:
     """Values for credentials the controller pushes: only `env` references (read here)."""
+    return env_secret_values(plan.secrets)
+
+
+def env_secret_values(secrets: dict[str, SecretRef]) -> dict[str, str]:
+    """host path -> value for the `env` references among `secrets` (read from the controller's
+    environment); `file` and `credential` references are already on the host."""
     values = {}
-    for path, ref in plan.secrets.items():
+    for path, ref in secrets.items():
         if ref.kind != "env":
             continue
         value = os.environ.get(ref.value)

@@ -1,12 +1,15 @@
 """Bake a JIT/compile cache: start the engine as its unit would, warm every shape, until quiet.
 
 The engine runs as a local child process with exactly the unit's argv and environment (plus the
-PATH and locale systemd gives every unit), its output in a log file. After `/health` answers 200
-the bake sends every warm-up shape, scans what the engine logged meanwhile for JIT/compile lines,
-and warms again until a round logs none (bounded). Then it stops the engine like systemd would
-(SIGTERM to its process group, wait, SIGKILL after a timeout) and writes a bake record into the
-cache directory. For SGLang it first runs `python -m sglang.compile_deep_gemm` with the server's
-own arguments, which compiles DeepGEMM kernels for every M ahead of time.
+PATH and locale systemd gives every unit, and its secret variables read from the credentials
+its LoadCredential= lines name, as `exec-with-credentials` gives them in the unit), its output
+in a log file; a keyed engine (VLLM_API_KEY) gets its key with every warm-up request. After
+`/health` answers 200 the bake sends every warm-up shape, scans what the engine logged meanwhile
+for JIT/compile lines, and warms again until a round logs none (bounded). Then it stops the
+engine like systemd would (SIGTERM to its process group, wait, SIGKILL after a timeout) and
+writes a bake record into the cache directory. For SGLang it first runs
+`python -m sglang.compile_deep_gemm` with the server's own arguments, which compiles DeepGEMM
+kernels for every M ahead of time.
 
     >>> record = bake(BakeSpec(argv=unit.argv, env=unit.env, cache_dir=d,  # doctest: +SKIP
     ...                        base_url="http://127.0.0.1:8100", shapes=plan))
@@ -30,6 +33,7 @@ from typing import Any
 from hgxserve.caches.layout import BAKE_RECORD, ENV_SUBDIRS
 from hgxserve.caches.logscan import JitHit, read_from, scan
 from hgxserve.caches.warmup import Shape, run_shape, served_model
+from hgxserve.credstore import read_credential
 from hgxserve.defaults import ENGINE
 from hgxserve.errors import HgxserveError
 
@@ -64,6 +68,9 @@ class BakeSpec:
     compile_deep_gemm: bool = True
     model: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # secret variables -> LoadCredential= source (NAME or NAME:PATH); values read at bake time
+    secret_env: dict[str, str] = field(default_factory=dict)
+    api_key_var: str | None = None  # the secret variable the engine takes its API key from
 
 
 def unit_environment(env: dict[str, str]) -> dict[str, str]:
@@ -113,6 +120,18 @@ def ensure_cache_dirs(env: dict[str, str]) -> list[str]:
             os.makedirs(path, exist_ok=True)
             made.append(path)
     return sorted(set(made))
+
+
+def read_secrets(secret_env: dict[str, str]) -> dict[str, str]:
+    """Each secret variable's value from its credential (as `hgxserve release wait-ready
+    --api-key-credential` reads the engine key); the error names the credential, not a value."""
+    values = {}
+    for var, source in sorted(secret_env.items()):
+        try:
+            values[var] = read_credential(source)
+        except HgxserveError as exc:
+            raise BakeError(f"{var} for the engine: {exc}") from None
+    return values
 
 
 def _health(base_url: str) -> int | None:
@@ -188,8 +207,11 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
     0
     """
     os.makedirs(spec.cache_dir, exist_ok=True)
+    secrets = read_secrets(spec.secret_env)
     env = unit_environment(spec.env)
     dirs = ensure_cache_dirs(env)
+    env.update(secrets)  # in the engine's environment only: not in the record, log or argv
+    api_key = secrets.get(spec.api_key_var) if spec.api_key_var else None
     log_path = spec.log_path or os.path.join(
         spec.cache_dir, "..", f".bake-{spec.key or 'engine'}.log"
     )
@@ -202,6 +224,7 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
         "engine": spec.engine,
         "argv": spec.argv,
         "env": dict(sorted(spec.env.items())),
+        "secret_env": dict(sorted(spec.secret_env.items())),  # credential names, no values
         "cache_dirs": dirs,
         "shapes": [s.as_dict() for s in spec.shapes],
         **spec.extra,
@@ -232,7 +255,7 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
         except OSError as exc:
             raise BakeError(f"cannot start {spec.argv[0]}: {exc.strerror}") from exc
     try:
-        record.update(_bake_running(spec, proc, log_path, start_offset, started))
+        record.update(_bake_running(spec, proc, log_path, start_offset, started, api_key))
     finally:
         record["stop"] = stop_engine(proc, spec.stop_timeout)
     record["seconds"] = round(time.monotonic() - started, 3)
@@ -245,7 +268,12 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
 
 
 def _bake_running(
-    spec: BakeSpec, proc: subprocess.Popen[bytes], log_path: str, offset: int, started: float
+    spec: BakeSpec,
+    proc: subprocess.Popen[bytes],
+    log_path: str,
+    offset: int,
+    started: float,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     deadline = time.monotonic() + spec.ready_timeout
     while True:
@@ -265,7 +293,7 @@ def _bake_running(
     ready_seconds = time.monotonic() - started
     startup_text, offset = read_from(log_path, offset)
     startup_hits = scan(startup_text)
-    model = spec.model or served_model(spec.base_url)
+    model = spec.model or served_model(spec.base_url, api_key=api_key)
     if not model:
         raise BakeError(f"{spec.base_url}/v1/models lists no model; log: {log_path}")
     rounds: list[dict[str, Any]] = []
@@ -279,7 +307,11 @@ def _bake_running(
                     f"engine exited with {proc.returncode} during warm-up; log: {log_path}\n"
                     + _tail(log_path)
                 )
-            results.append(run_shape(spec.base_url, model, shape, round_no, spec.request_timeout))
+            results.append(
+                run_shape(
+                    spec.base_url, model, shape, round_no, spec.request_timeout, api_key=api_key
+                )
+            )
         # Lines about a request can trail its response a little.
         time.sleep(spec.settle_seconds)
         text, offset = read_from(log_path, offset)

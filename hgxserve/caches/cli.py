@@ -252,6 +252,7 @@ def bake_command(
     from hgxserve.caches.key import cache_key
     from hgxserve.caches.warmup import Shape, warmup_plan
     from hgxserve.render import render_host
+    from hgxserve.render.types import ENGINE_KEY_VAR
 
     topo = _load(topology)
     eng, host = _engine_and_host(topo, engine, host)
@@ -293,6 +294,10 @@ def bake_command(
         compile_deep_gemm=not no_deep_gemm,
         model=topo.model.served_name,
         extra={"full_key": full_key, "host": host, "host_facts": facts},
+        # the unit's secrets (a keyed engine's VLLM_API_KEY): the engine gets them as in its
+        # unit, and the warm-up sends the key, or a keyed engine answers every shape 401
+        secret_env=dict(unit.secret_env),
+        api_key_var=ENGINE_KEY_VAR if ENGINE_KEY_VAR in unit.secret_env else None,
     )
     record = bake(spec)
     summary: dict[str, Any] = {

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 
 import click
 
+from hgxserve.credstore import read_credential
 from hgxserve.errors import UsageError, cli_errors
 from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release.gate import GateError, GateSpec, run_gate
@@ -200,31 +200,6 @@ def diagnose_cmd(release_id: str, root: str) -> None:
         _log(line)
     if not found:
         _log(f"no known failure signature in the journals of {len(spec.units)} unit(s)")
-
-
-CREDENTIAL_STORES = ("/etc/credstore", "/run/credstore", "/usr/lib/credstore")
-
-
-def read_credential(spec: str) -> str:
-    """The value of a credential named as in LoadCredential= (NAME or NAME:PATH)."""
-    name, _, path = spec.partition(":")
-    if not name or "/" in name or name in (".", ".."):
-        raise UsageError(f"not a credential name: {name!r}")
-    candidates = []
-    if os.environ.get("CREDENTIALS_DIRECTORY"):
-        candidates.append(os.path.join(os.environ["CREDENTIALS_DIRECTORY"], name))
-    candidates += [path] if path else [os.path.join(d, name) for d in CREDENTIAL_STORES]
-    for candidate in candidates:
-        try:
-            with open(candidate, encoding="utf-8") as fh:
-                value = fh.read().rstrip("\n")
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise UsageError(f"cannot read credential {name!r}: {exc.strerror}") from None
-        if value:
-            return value
-    raise UsageError(f"credential {name!r} not found (looked in {', '.join(candidates)})")
 
 
 @release.command("wait-ready")

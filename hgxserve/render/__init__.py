@@ -286,6 +286,7 @@ def _engine_unit(
         content=content,
         node_rank=plan.node_rank,
         nnodes=plan.nnodes,
+        secret_env={var: credential_for(var, ref)[1] for var, ref in secrets.items()},
     )
 
 

@@ -43,6 +43,8 @@ class RenderedUnit:
     content: str
     node_rank: int = 0
     nnodes: int = 1
+    # secret variables -> the LoadCredential= source each is read from (never the value)
+    secret_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def path(self) -> str:

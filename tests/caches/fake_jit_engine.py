@@ -55,9 +55,21 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused(self) -> bool:
+        """vLLM with VLLM_API_KEY set: every /v1 path needs `Authorization: Bearer <key>`."""
+        key = os.environ.get("VLLM_API_KEY")
+        if not key or not self.path.startswith("/v1"):
+            return False
+        if self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        self._send(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self) -> None:
         if self.path == "/health":
             self._send(200, {})
+        elif self._refused():
+            return
         elif self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": self.args.served_model_name}]})
         else:
@@ -66,6 +78,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
+        if self._refused():
+            return
         if self.path != "/v1/completions":
             self._send(404, {"error": "not found"})
             return

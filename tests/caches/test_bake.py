@@ -186,3 +186,57 @@ def test_ordinary_lines_are_not_jit():
         "Directly load the compiled graph(s) for dynamic shape from the cache, took 0.5 s\n"
     )
     assert scan(text) == []
+
+
+KEY_VALUE = "engine-key-5f3a9c"
+
+
+def _keyed(tmp_path, monkeypatch, secret_source):
+    """A bake of an engine keyed as its unit keys it: VLLM_API_KEY from a credential."""
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    spec, _ = spec_for(tmp_path, "keyed", "--jit-requests", "1")
+    spec.secret_env = {"VLLM_API_KEY": secret_source}
+    return spec
+
+
+def test_keyed_engine_bakes_with_its_key_from_the_credential(tmp_path, monkeypatch):
+    cred = tmp_path / "hgxserve-engine-key"
+    cred.write_text(KEY_VALUE + "\n")
+    spec = _keyed(tmp_path, monkeypatch, f"hgxserve-engine-key:{cred}")
+    spec.api_key_var = "VLLM_API_KEY"
+    record = bake(spec)
+    assert record["settled"] is True
+    assert all(r["failed"] == 0 for r in record["rounds"]) and record["rounds"][0]["requests"]
+    # the key reached the engine (it refused key-less requests) and nothing wrote it down
+    assert record["secret_env"] == {"VLLM_API_KEY": f"hgxserve-engine-key:{cred}"}
+    written = read(os.path.join(spec.cache_dir, BAKE_RECORD)) + read(record["log"])
+    assert KEY_VALUE not in written and KEY_VALUE not in json.dumps(record)
+
+
+def test_keyed_engine_without_the_key_in_the_warmup_fails_the_bake(tmp_path, monkeypatch):
+    # what a bake that starts the keyed engine but sends no key gets: 401 on every shape
+    cred = tmp_path / "hgxserve-engine-key"
+    cred.write_text(KEY_VALUE)
+    spec = _keyed(tmp_path, monkeypatch, f"hgxserve-engine-key:{cred}")
+    spec.model = "fake"  # as `cache bake` names it from the topology: the warm-up itself fails
+    with pytest.raises(BakeError, match="HTTP 401"):
+        bake(spec)
+
+
+def test_missing_credential_is_named_before_the_engine_starts(tmp_path, monkeypatch):
+    spec = _keyed(tmp_path, monkeypatch, f"hgxserve-engine-key:{tmp_path / 'absent'}")
+    spec.api_key_var = "VLLM_API_KEY"
+    with pytest.raises(BakeError, match="VLLM_API_KEY for the engine: credential "):
+        bake(spec)
+    assert not os.path.exists(os.path.join(spec.cache_dir, BAKE_RECORD))
+
+
+def test_rendered_unit_names_the_engine_key_credential_never_its_value():
+    from hgxserve.render import render_host
+    from hgxserve.topology import load_topology
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    topo = load_topology(os.path.join(repo, "topologies/demo/demo-pd.yml"))
+    decode = next(u for u in render_host(topo, "hgx-b").units if u.engine == "decode-0")
+    assert decode.secret_env == {"VLLM_API_KEY": "hgxserve-engine-key"}
+    assert "VLLM_API_KEY" not in decode.env

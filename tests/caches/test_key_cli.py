@@ -219,10 +219,17 @@ def test_bake_cli_runs_the_rendered_unit(tmp_path, monkeypatch):
     topo.write_text(text)
     facts = tmp_path / "f.json"
     facts.write_text(json.dumps(FACTS))
+    # The topology keys its engines (proxy.auth.engine_api_key): the engine gets VLLM_API_KEY
+    # from the credential its unit loads, and answers 401 to a warm-up without it.
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / "hgxserve-engine-key").write_text("bake-engine-key-81d2\n")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
     out = run(
         "bake", "--topology", str(topo), "--engine", "combined-0", "--facts", str(facts),
         "--pack-to", str(tmp_path / "store"), "--ready-timeout", "30",
     ).output  # fmt: skip
+    assert "bake-engine-key-81d2" not in out
     summary = json.loads(out[out.index("{") :])
     assert summary["settled"] is True
     assert [r["jit_lines"] for r in summary["rounds"]][-1] == 0
@@ -232,6 +239,10 @@ def test_bake_cli_runs_the_rendered_unit(tmp_path, monkeypatch):
     record = json.loads((key_dir / ".hgxserve-bake.json").read_text())
     assert record["argv"][0] == str(program) and record["argv"][1] == "serve"
     assert record["env"]["TILELANG_CACHE_DIR"] == str(key_dir / "tilelang")
+    assert record["secret_env"] == {"VLLM_API_KEY": "hgxserve-engine-key"}
+    assert all(r["failed"] == 0 for r in record["rounds"])
+    logged = Path(record["log"]).read_text() + (key_dir / ".hgxserve-bake.json").read_text()
+    assert "bake-engine-key-81d2" not in logged
     shapes = [(s["input"], s["output"], s["concurrency"]) for s in record["shapes"]]
     assert shapes == [(128, 64, 8), (1024, 128, 4), (2032, 16, 1)]
     marker = json.loads((key_dir / ".hgxserve-cache.json").read_text())

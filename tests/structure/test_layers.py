@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "hgxserve.gpus",
             "hgxserve.agent_build",
             "hgxserve.credfiles",
+            "hgxserve.credstore",
             # two low modules of higher packages: systemd value escaping, the cache dir layout
             "hgxserve.render.systemd",
             "hgxserve.caches.layout",
