@@ -217,4 +217,6 @@ def switch_to(
             coord=coord,
             release_id=release_id,
             root=root,
+            # a host whose own timer reverted it restarts the previous units: wait that long
+            revert_within=max(peers_within, confirm_within),
         )

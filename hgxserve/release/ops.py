@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,13 +230,80 @@ def run_gate(state: State, host: Host, coord: Coordination, release_id: str, roo
     return True
 
 
-def settle(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
-    """python.call on every switched host: confirm when the gate passed, else revert."""
+OWN_REVERT_POLL_S = 2.0  # how often the controller reads a self-reverting host's store
+OWN_REVERT_SAY_EVERY_S = 30.0
+
+
+def _host_release_state(host: Host, root: str) -> dict[str, Any] | None:
+    """The host's ReleaseState, read now (None when the host cannot be read)."""
+    fact = ReleaseState()
+    ok, output = host.run_shell_command(fact.command(root=root))
+    return fact.process(output.stdout_lines) if ok else None
+
+
+def final_state(release: dict[str, Any] | None) -> str:
+    """One line for where a host ended: its current release, a pending switch, stopped units.
+
+    >>> final_state({"current": "a1", "pending": None})
+    'final state: current a1, nothing pending, every unit of it running'
+    >>> final_state({"current": "a1", "pending": {"id": "b2"}, "inactive": ["hgxserve-x.service"]})
+    'final state: current a1, switch to b2 still pending, not running: hgxserve-x.service'
+    """
+    if release is None:
+        return "final state: unknown (the host's release store could not be read)"
+    pending = release.get("pending")
+    inactive = release.get("inactive") or []
+    return (
+        f"final state: current {release.get('current') or 'nothing'}, "
+        + (f"switch to {pending.get('id')} still pending" if pending else "nothing pending")
+        + (f", not running: {', '.join(inactive)}" if inactive else ", every unit of it running")
+    )
+
+
+def await_own_revert(host: Host, release_id: str, root: str, within_s: float) -> str:
+    """After a host's dead-man timer fired: wait (up to `within_s`) until its revert has
+    restarted the previous release's units and cleared its pending record; say where it ended.
+    The controller must not exit while that host still restarts engines (minutes on GPUs)."""
+    started = time.monotonic()
+    said = started
+    while True:
+        release = _host_release_state(host, root)
+        pending = (release or {}).get("pending")
+        if release is not None and (pending is None or pending.get("id") != release_id):
+            took = time.monotonic() - started
+            end = final_state(release)
+            return f"its own revert finished ({took:.0f}s after it was named); {end}"
+        if time.monotonic() - started >= within_s:
+            return (
+                f"its own revert still runs after {within_s:.0f}s (pending {release_id}); "
+                f"{final_state(release)}; see `hgxserve release status` and the journal there"
+            )
+        if time.monotonic() - said >= OWN_REVERT_SAY_EVERY_S:
+            said = time.monotonic()
+            host.log_styled(
+                f"{host.name}: its own revert still restarts the previous release's units "
+                f"({said - started:.0f}s, up to {within_s:.0f}s)"
+            )
+        time.sleep(OWN_REVERT_POLL_S)
+
+
+def settle(
+    state: State,
+    host: Host,
+    coord: Coordination,
+    release_id: str,
+    root: str,
+    revert_within: float = 0,
+) -> bool:
+    """python.call on every switched host: confirm when the gate passed, else revert. A host
+    that reverted on its own is waited for (up to `revert_within` seconds) until its revert
+    has finished, and where it ended is reported."""
     failed = _failed_switches(state, coord)
     own = _self_reverted(coord)
     _rdma_evidence(coord)
     if host.name in coord.reverted_on_own:
-        return _fail(host, coord.reverted_on_own[host.name])
+        end = await_own_revert(host, release_id, root, revert_within)
+        return _fail(host, f"{coord.reverted_on_own[host.name]}\n{host.name}: {end}")
     if own:
         verdict = (False, own)
     elif failed:
@@ -259,7 +327,8 @@ def settle(state: State, host: Host, coord: Coordination, release_id: str, root:
         if line.startswith(("CAUSE", "NOTE")):
             host.log_styled(line, fg="red" if line.startswith("CAUSE") else "yellow")
     ok, output = host.run_shell_command(f"{AGENT} release revert {q_id} --root {q_root}")
+    end = final_state(_host_release_state(host, root))
     if not ok:
         detail = " ".join(output.stderr_lines)
-        return _fail(host, f"ROLLBACK FAILED ({detail}) after: {verdict[1]}")
-    return _fail(host, f"rolled back to the previous release: {verdict[1]}")
+        return _fail(host, f"ROLLBACK FAILED ({detail}) after: {verdict[1]}\n{host.name}: {end}")
+    return _fail(host, f"rolled back to the previous release: {verdict[1]}\n{host.name}: {end}")
