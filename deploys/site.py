@@ -1,7 +1,8 @@
 """The whole path, per host and in order: preflight (facts vs topology) -> provision (driver,
 fabric manager, RDMA/UCX, peermem, shm, memlock, sysctl) -> runtime (the engine venv or
 container image, files the topology names) -> weights (sync + verify) -> caches (restore or
-bake JIT caches) -> engines (release: stage, switch, gate, confirm or roll back).
+bake JIT caches) -> engines (release: stage, switch, gate, confirm or roll back) -> monitoring
+(exporters, Prometheus and its rules, when the topology has a `monitoring:` section).
 
     pyinfra inventory/lab.py deploys/site.py --data topology=topologies/h20-v4flash-4p4d.yml
     pyinfra inventory/testhosts.py deploys/site.py --data topology=topologies/demo/demo-pd.yml \\

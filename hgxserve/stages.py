@@ -9,7 +9,7 @@ runtime stage installs); run alone, each deploy checks everything.
 
 from __future__ import annotations
 
-STAGES = ("preflight", "provision", "runtime", "weights", "caches", "engines")
+STAGES = ("preflight", "provision", "runtime", "weights", "caches", "engines", "monitoring")
 
 # Set by deploys/site.py for the run; None when a stage's deploy file runs on its own.
 _SITE_STAGES: list[str] | None = None

@@ -26,7 +26,10 @@ SUITE = "bookworm"
 VARIANT = "minbase"
 # What a test host needs: systemd as PID 1, sshd, a Python for pyinfra facts and the simulated
 # engine, venv/pip for roles that build runtime venvs, the basic tools facts run, and Debian's
-# UCX library (libucp), which the runtime preflight looks for beside NIXL on P/D hosts.
+# UCX library (libucp), which the runtime preflight looks for beside NIXL on P/D hosts; Debian's
+# Prometheus and node exporter, which the monitoring stage installs from the hosts' mirror (the
+# test hosts have none: here they are preinstalled, their units left disabled until the stage
+# enables them).
 PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -42,7 +45,11 @@ PACKAGES = (
     "ca-certificates",
     "curl",
     "libucx0",
+    "prometheus",
+    "prometheus-node-exporter",
 )
+# Units of preinstalled packages that only a deploy stage may enable and start.
+DISABLED_UNITS = ("prometheus.service", "prometheus-node-exporter.service")
 # Bump when the post-install recipe below changes, so caches built by an older recipe are rebuilt.
 RECIPE_VERSION = 1
 CACHE_DIR = Path(os.environ.get("HGXSERVE_TESTBED_CACHE", "/var/cache/hgxserve-testbed"))
@@ -172,6 +179,9 @@ def _post_install(root: Path) -> None:
     (root / "etc/systemd/journald.conf.d").mkdir(parents=True, exist_ok=True)
     (root / "etc/systemd/journald.conf.d/hgxserve-testbed.conf").write_text(JOURNALD_DROPIN)
     (root / "etc/tmpfiles.d/hgxserve-sim.conf").write_text(SIM_TMPFILES)
+    for unit in DISABLED_UNITS:
+        for link in (root / "etc/systemd/system").glob(f"*.wants/{unit}"):
+            link.unlink()
     (root / "etc/hgxserve-testbed").mkdir(exist_ok=True)
     (root / "etc/hgxserve-testbed/rootfs-stamp").write_text(stamp() + "\n")
 

@@ -171,6 +171,8 @@ E2E_BUCKETS = [
     1920.0,
     7680.0,
 ]
+# vLLM's request_time_per_output_token_seconds / inter_token_latency_seconds buckets
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0]
 NIXL_XFER_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
 NIXL_POST_BUCKETS = [0.001] + NIXL_XFER_BUCKETS
 NIXL_BYTES_BUCKETS = [float(2 ** (10 + i)) for i in range(1, 25, 2)]
@@ -371,6 +373,8 @@ class State:
         self.counters: dict[str, float] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self.itl = Histogram(TPOT_BUCKETS)
         self.nixl_xfer = Histogram(NIXL_XFER_BUCKETS)
         self.nixl_post = Histogram(NIXL_POST_BUCKETS)
         self.nixl_bytes = Histogram(NIXL_BYTES_BUCKETS)
@@ -388,6 +392,21 @@ class State:
 
 
 STATE = State()
+
+
+def kv_usage() -> float:
+    """Share of the KV cache in use (simulated: running requests and KV held for a decode,
+    against max_num_seqs slots)."""
+    s = STATE
+    return round(min(1.0, (s.running + len(s.held_blocks)) / max(1, s.max_num_seqs)), 4)
+
+
+def observe_decode(first: float, gaps: list[float]) -> None:
+    """TPOT of one request and its inter-token gaps, as vLLM records them."""
+    for gap in gaps:
+        STATE.itl.observe(gap)
+    if gaps:
+        STATE.tpot.observe((time.monotonic() - first) / len(gaps))
 
 
 def render_metrics() -> str:
@@ -420,6 +439,12 @@ def render_metrics() -> str:
             lines.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {val}')
         lines += s.ttft.render("vllm:time_to_first_token_seconds", lab)
         lines += s.e2e.render("vllm:e2e_request_latency_seconds", lab)
+        lines += s.tpot.render("vllm:request_time_per_output_token_seconds", lab)
+        lines += s.itl.render("vllm:inter_token_latency_seconds", lab)
+        lines += [
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{lab}}} {kv_usage()}",
+        ]
         if s.kv.get("kv_connector") == "NixlConnector":
             lines += s.nixl_xfer.render("vllm:nixl_xfer_time_seconds", lab)
             lines += s.nixl_post.render("vllm:nixl_post_time_seconds", lab)
@@ -448,6 +473,8 @@ def render_metrics() -> str:
         ]
         lines += s.ttft.render("sglang:time_to_first_token_seconds", lab)
         lines += s.e2e.render("sglang:e2e_request_latency_seconds", lab)
+        lines += s.itl.render("sglang:inter_token_latency_seconds", lab)
+        lines += ["# TYPE sglang:token_usage gauge", f"sglang:token_usage{{{lab}}} {kv_usage()}"]
         if s.disagg_mode != "null":
             lines += s.sgl_xfer_ms.render("sglang:kv_transfer_latency_ms", lab)
             for key in ("bootstrap_failed_reqs", "transfer_failed_reqs"):
@@ -1182,11 +1209,18 @@ async def emit(
                 }
             )
         first = True
+        first_at = prev = time.monotonic()
+        gaps: list[float] = []
         for kind, tok in tokens:
             await pause(conn, token_time)
+            now = time.monotonic()
             if first:
-                STATE.ttft.observe(time.monotonic() - start)
+                STATE.ttft.observe(now - start)
                 first = False
+                first_at = now
+            else:
+                gaps.append(now - prev)
+            prev = now
             if chat:
                 delta = (
                     {"content": tok}
@@ -1222,6 +1256,7 @@ async def emit(
                     ],
                 }
             )
+        observe_decode(first_at, gaps)
         last: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         last.update({"delta": {}} if chat else {"text": "", "stop_reason": None})
         await sse({**base, "choices": [last]})
@@ -1230,10 +1265,13 @@ async def emit(
         await conn.chunk(b"data: [DONE]\n\n")
         await conn.end_stream()
         return
+    stamps = []
     for _ in tokens:
         await pause(conn, token_time)
+        stamps.append(time.monotonic())
     if tokens:
         STATE.ttft.observe(time.monotonic() - start - token_time * (len(tokens) - 1))
+        observe_decode(stamps[0], [b - a for a, b in zip(stamps, stamps[1:], strict=False)])
     reasoning_text = "".join(t for k, t in tokens if k == "reasoning") or None
     content = "".join(t for k, t in tokens if k == "content")
     if chat:
