@@ -13,13 +13,10 @@ the DCGM it was built against (NVIDIA/dcgm-exporter `hack/versions.env`: DCGM 4.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
-import jinja2
 
 from hgxserve.paths import DCGM_COUNTERS
-from hgxserve.render.systemd import exec_line, finalize, path_list
-from hgxserve.render.types import CONTAINER_TOOLS
+from hgxserve.render.systemd import exec_line, path_list
+from hgxserve.render.types import CONTAINER_TOOLS, templates
 from hgxserve.topology.model import Monitoring, Topology
 
 DCGM_VERSION = "4.6.0"
@@ -37,7 +34,6 @@ NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
 NODE_EXPORTER_UNIT = "prometheus-node-exporter.service"
 PROMETHEUS_PACKAGE = "prometheus"
 PROMETHEUS_UNIT = "prometheus.service"
-TEMPLATES = Path(__file__).resolve().parent.parent / "files" / "monitoring"
 
 # Debian's node exporter unit runs as `prometheus` with no sandbox: ours, as for hgxserve's units.
 # It reads /proc and /sys (read-only under ProtectSystem=strict) and netlink for netdev stats.
@@ -58,18 +54,6 @@ Restart=on-failure
 class DcgmUnit:
     text: str
     vendor_unit: str | None  # the package's own unit, kept stopped
-
-
-def _env() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined,
-        autoescape=False,
-        finalize=finalize,
-    )
 
 
 def dcgm_exporter_unit(topo: Topology, mon: Monitoring, tool: str = "podman") -> DcgmUnit:
@@ -99,7 +83,7 @@ def dcgm_exporter_unit(topo: Topology, mon: Monitoring, tool: str = "podman") ->
         protect = "strict"
         read_write = [path_list(["/var/log"], optional=True)]
     text = (
-        _env()
+        templates("monitoring")
         .get_template("dcgm-exporter.service.j2")
         .render(
             topology=topo.name,

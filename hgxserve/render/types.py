@@ -103,9 +103,9 @@ def add_credential(
 
 
 @cache
-def templates() -> jinja2.Environment:
-    """The unit templates under files/units."""
-    root = Path(__file__).resolve().parent.parent / "files" / "units"
+def templates(folder: str = "units") -> jinja2.Environment:
+    """The unit templates under files/<folder> (files/units by default)."""
+    root = Path(__file__).resolve().parent.parent / "files" / folder
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(root)),
         trim_blocks=True,

@@ -94,7 +94,7 @@ SAME_LAYER = {
     ("hgxserve.defaults", "hgxserve.sizes"),
     ("hgxserve.gpus", "hgxserve.facts"),
     ("hgxserve.render", "hgxserve.caches"),
-    ("hgxserve.monitoring", "hgxserve.render"),  # the container tools' paths (render.types)
+    ("hgxserve.monitoring", "hgxserve.render"),  # render.types: container tools, unit templates
     ("hgxserve.topology", "hgxserve.caches"),  # checks -> caches.layout (the cache variables)
     ("hgxserve.weights", "hgxserve.render"),  # cephfs -> render.systemd (unit value escaping)
     ("hgxserve.bench", "hgxserve.status"),  # reach/releasegate -> SSH tunnels, the inventory
