@@ -6,14 +6,15 @@ the DCGM it was built against (NVIDIA/dcgm-exporter `hack/versions.env`: DCGM 4.
 4.8.3); the packages come from NVIDIA's CUDA repository, which the provision stage configures
 (or the lab's mirror of it).
 
->>> node_exporter_args(9100)
-'ARGS="--web.listen-address=:9100"\\n'
+>>> node_exporter_args(9100).split()[0]
+'ARGS="--web.listen-address=:9100'
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hgxserve.monitoring.metrics import UNIT_INCLUDE
 from hgxserve.paths import DCGM_COUNTERS
 from hgxserve.render.systemd import exec_line, path_list
 from hgxserve.render.types import CONTAINER_TOOLS, templates
@@ -102,8 +103,13 @@ def dcgm_exporter_unit(topo: Topology, mon: Monitoring, tool: str = "podman") ->
 
 
 def node_exporter_args(port: int) -> str:
-    """/etc/default/prometheus-node-exporter (Debian's unit runs `$ARGS` from it)."""
-    return f'ARGS="--web.listen-address=:{int(port)}"\n'
+    """/etc/default/prometheus-node-exporter (Debian's unit runs `$ARGS` from it): the listen
+    port, and the systemd collector on hgxserve's units only (the engine-down alert tells a
+    starting engine from a dead one by its unit's state)."""
+    return (
+        f'ARGS="--web.listen-address=:{int(port)} --collector.systemd '
+        f'--collector.systemd.unit-include={UNIT_INCLUDE}"\n'
+    )
 
 
 def prometheus_args(mon: Monitoring) -> str:

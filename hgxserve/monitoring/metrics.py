@@ -75,6 +75,12 @@ PROXY_UPSTREAM_ERRORS = "hgxserve_proxy_upstream_errors_total"
 PROXY_INSTANCE_HEALTHY = "hgxserve_proxy_instance_healthy"
 PROXY_KV_HANDOFFS = "hgxserve_proxy_kv_handoffs_total"
 
+# node exporter's systemd collector, limited to hgxserve's units (host_files.node_exporter_args):
+# an engine whose unit is still activating is starting (4-25 min on real hosts), not down.
+NODE_UNIT_STATE = "node_systemd_unit_state"
+UNIT_INCLUDE = "hgxserve-.+[.]service"
+UNIT_ENGINE = "hgxserve-(.+)[.]service"
+
 # DCGM fields the exporter is told to export (the counters CSV) and the rules/dashboard read.
 # (field, Prometheus type, help) as dcgm-exporter's CSV format has them.
 DCGM_FIELDS: tuple[tuple[str, str, str], ...] = (

@@ -355,10 +355,19 @@ def alert_rules(topo: Topology) -> list[dict[str, Any]]:
     w = _window(mon)
     t = f'topology="{topo.name}"'
     f = mon.alert_for_s
+    down = f'up{{job="{JOB_ENGINE}",{t}}} == 0'
+    if mon.node_exporter:
+        # a unit still activating is an engine starting (seed 003 §12.2: ~23 min), not down;
+        # systemd fails it after its TimeoutStartSec= and then it counts as down
+        starting = _sel(topo, m.NODE_UNIT_STATE, f'state="activating",name=~"{m.UNIT_INCLUDE}"')
+        down += (
+            f' unless on (topology, host, engine) label_replace({starting} == 1, "engine", '
+            f'"$1", "name", "{m.UNIT_ENGINE}")'
+        )
     rules = [
         _alert(
             "EngineDown",
-            f'up{{job="{JOB_ENGINE}",{t}}} == 0',
+            down,
             f,
             "critical",
             "{{ $labels.role }} engine {{ $labels.engine }} on {{ $labels.host }} is down",

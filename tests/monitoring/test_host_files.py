@@ -36,7 +36,10 @@ def test_each_host_gets_its_part() -> None:
     topo = load_topology(MONITORED)
     a, c = host_monitoring(topo, "hgx-a"), host_monitoring(topo, "hgx-c")
     assert a is not None and c is not None
-    assert a.node_exporter_args == 'ARGS="--web.listen-address=:9100"\n'
+    assert a.node_exporter_args == (
+        'ARGS="--web.listen-address=:9100 --collector.systemd '
+        '--collector.systemd.unit-include=hgxserve-.+[.]service"\n'
+    )
     assert a.dcgm_packages == DCGM_PACKAGES
     assert a.prometheus_files == {} and a.prometheus_args is None
     assert c.prometheus_args == (
@@ -66,7 +69,7 @@ def test_dcgm_versions_are_pinned_pairs() -> None:
 
 def test_args_files() -> None:
     topo = load_topology(MONITORED)
-    assert node_exporter_args(9101) == 'ARGS="--web.listen-address=:9101"\n'
+    assert node_exporter_args(9101).startswith('ARGS="--web.listen-address=:9101 ')
     assert topo.monitoring is not None
     assert "--storage.tsdb.retention.time=1d" in prometheus_args(topo.monitoring)
 
