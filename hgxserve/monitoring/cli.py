@@ -1,8 +1,8 @@
 """`hgxserve monitoring render TOPOLOGY -o DIR`: Prometheus config, targets, rules, dashboard.
 
 $ hgxserve monitoring render topologies/demo/demo-pd.yml -o build/monitoring
-demo-pd: 5 scrape jobs, 9 targets, 42 recording rules, 13 alerts, 22 dashboard panels
-  build/monitoring/prometheus/prometheus.yml
+demo-pd: 4 scrape jobs, 10 targets, 44 recording rules, 12 alerts, 31 dashboard queries
+  build/monitoring/dcgm-exporter/dcgm-counters.csv
   ...
 """
 
