@@ -41,22 +41,48 @@ class HostPlatform:
     def pip_args(self) -> list[str]:
         """`pip download` arguments selecting wheels for this platform (not the controller's).
 
-        >>> HostPlatform("3.11", "x86_64", "2.36").pip_args()[:6]
-        ['--only-binary=:all:', '--python-version', '3.11', '--implementation', 'cp', '--abi']
+        pip takes `--platform` and `--abi` literally (it widens neither), so every tag a host
+        accepts is listed: the stable ABI (`abi3`: vLLM's own wheels are `cp38-abi3`) and
+        `none` beside the interpreter's, and every manylinux level from the host's glibc down
+        (`manylinux_2_28` torch wheels on a glibc 2.36 host), with the legacy aliases.
+
+        >>> HostPlatform("3.11", "x86_64", "2.36").pip_args()[:10]  # doctest: +NORMALIZE_WHITESPACE
+        ['--only-binary=:all:', '--python-version', '3.11', '--implementation', 'cp',
+         '--abi', 'cp311', '--abi', 'abi3', '--abi']
+        >>> tags = HostPlatform("3.11", "x86_64", "2.36").platforms()
+        >>> tags[:2], "manylinux_2_28_x86_64" in tags
+        (['manylinux_2_36_x86_64', 'manylinux_2_35_x86_64'], True)
+        >>> tags[-2:]
+        ['manylinux1_x86_64', 'linux_x86_64']
         """
-        abi = "cp" + self.python.replace(".", "")
-        platforms = [f"linux_{self.machine}"]
-        if self.glibc:
-            major, _, minor = self.glibc.partition(".")
-            # pip widens manylinux_2_N to every older manylinux tag
-            platforms.insert(0, f"manylinux_{major}_{minor or 0}_{self.machine}")
-        else:
-            platforms.insert(0, f"manylinux2014_{self.machine}")
         args = ["--only-binary=:all:", "--python-version", self.python, "--implementation", "cp"]
-        args += ["--abi", abi]
-        for tag in platforms:
+        for abi in ("cp" + self.python.replace(".", ""), "abi3", "none"):
+            args += ["--abi", abi]
+        for tag in self.platforms():
             args += ["--platform", tag]
         return args
+
+    def platforms(self) -> list[str]:
+        """Platform tags, most specific first, as pip would compute them on the host itself."""
+        major, _, minor = (self.glibc or "2.17").partition(".")
+        tags = []
+        if major == "2" and minor.isdigit():
+            for level in range(int(minor), 4, -1):
+                tags.append(f"manylinux_2_{level}_{self.machine}")
+                legacy = LEGACY_MANYLINUX.get((level, self.machine))
+                if legacy:
+                    tags.append(legacy)
+        else:
+            tags.append(f"manylinux2014_{self.machine}")
+        return [*tags, f"linux_{self.machine}"]
+
+
+# PEP 600's aliases for the manylinux levels that had names before it
+LEGACY_MANYLINUX = {
+    **{(17, m): f"manylinux2014_{m}" for m in ("x86_64", "i686", "aarch64", "ppc64le", "s390x")},
+    **{(12, m): f"manylinux2010_{m}" for m in ("x86_64", "i686")},
+    **{(5, m): f"manylinux1_{m}" for m in ("x86_64", "i686")},
+}
 
 
 @dataclass(frozen=True)

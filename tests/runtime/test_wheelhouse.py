@@ -54,12 +54,44 @@ def test_missing_version_is_pips_own_message(tmp_path: Path) -> None:
         wheelhouse.build_wheelhouse(("vllm==0.99.0",), HOST, index, cache=tmp_path, log=False)
 
 
+def test_binary_wheels_tagged_as_real_engines_are_taken(tmp_path: Path) -> None:
+    """vLLM ships `cp38-abi3-manylinux_2_28_x86_64` wheels and torch `cp311-cp311-manylinux_2_28`:
+    both fit a glibc 2.36 / Python 3.11 host; a wheel for a newer glibc or another Python does
+    not."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    built = {}
+    for dist, tag in [("vllm", "cp38-abi3-manylinux_2_28_x86_64"),
+                      ("torchish", "cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64"),
+                      ("toonew", "cp311-cp311-manylinux_2_39_x86_64"),
+                      ("otherpy", "cp312-cp312-manylinux_2_28_x86_64")]:  # fmt: skip
+        plain = simwheels.build_wheel(wheels, dist, "1.0", {f"{dist}/__init__.py": b""}, "test")
+        # the WHEEL file still says py3-none-any: pip selects by the file name's tags
+        built[dist] = plain.rename(wheels / f"{dist}-1.0-{tag}.whl")
+    index = IndexOptions(find_links=(str(wheels),), no_index=True)
+    tarball, _ = wheelhouse.build_wheelhouse(
+        ("vllm==1.0", "torchish==1.0"), HOST, index, cache=tmp_path, log=False
+    )
+    with tarfile.open(tarball) as tar:
+        assert sorted(tar.getnames()) == sorted([built["torchish"].name, built["vllm"].name])
+    for dist in ("toonew", "otherpy"):
+        with pytest.raises(WheelhouseError, match=f"No matching distribution found for {dist}"):
+            wheelhouse.build_wheelhouse((f"{dist}==1.0",), HOST, index, cache=tmp_path, log=False)
+
+
 def test_platform_arguments() -> None:
     args = HostPlatform("3.12", "aarch64", "2.39").pip_args()
-    assert args == [
+    assert args[:11] == [
         "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-        "--abi", "cp312", "--platform", "manylinux_2_39_aarch64", "--platform", "linux_aarch64",
+        "--abi", "cp312", "--abi", "abi3", "--abi", "none",
     ]  # fmt: skip
+    # pip widens no tag it is given: every manylinux level the host's glibc accepts is listed
+    platforms = args[12::2]
+    assert platforms[0] == "manylinux_2_39_aarch64" and platforms[-1] == "linux_aarch64"
+    assert {"manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64"} <= set(
+        platforms
+    )
+    assert "manylinux_2_40_aarch64" not in platforms and "manylinux1_aarch64" not in platforms
     assert "manylinux2014_x86_64" in HostPlatform("3.11", "x86_64", None).pip_args()
     assert IndexOptions(index_url="https://m/simple", find_links=("d",)).pip_args() == [
         "--index-url", "https://m/simple", "--find-links", "d",
