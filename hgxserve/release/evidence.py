@@ -6,6 +6,10 @@ counters grow synchronously" was the last of the conditions; §11.4: prefill sen
 receive grew on all four rails). The deploy reads `port_xmit_data` / `port_rcv_data` of every
 RDMA port on the prefill and decode hosts before and after the gate; the prefill hosts must have
 sent and the decode hosts received. The counters count 4-byte words (InfiniBand PortXmitData).
+
+With `gate.rdma: off` nothing is checked, and the deploy says so: KV that crosses hosts with a
+`kv.ucx_tls` naming no RDMA transport went over TCP (`unchecked_transport`), and is never
+reported as RDMA.
 """
 
 from __future__ import annotations
@@ -15,8 +19,16 @@ from collections.abc import Iterable
 
 from hgxserve.paths import RDMA_SYSFS  # inventory host data `rdma_sysfs` overrides it
 from hgxserve.topology import Topology
+from hgxserve.topology.model import Engine
 
-__all__ = ["RDMA_SYSFS", "counters_command", "parse_counters", "rdma_roles", "verdict"]
+__all__ = [
+    "RDMA_SYSFS",
+    "counters_command",
+    "parse_counters",
+    "rdma_roles",
+    "unchecked_transport",
+    "verdict",
+]
 SENT, RECEIVED = "port_xmit_data", "port_rcv_data"
 WORD_BYTES = 4
 
@@ -54,22 +66,54 @@ def grown(before: dict[str, int], after: dict[str, int], counter: str) -> int:
     return words * WORD_BYTES
 
 
+def _cross_host_routes(topo: Topology) -> list[tuple[list[str], list[str], list[Engine]]]:
+    """(prefill hosts, decode hosts, engines) of every P/D route whose KV crosses hosts."""
+    out = []
+    for route in topo.proxy.routes if topo.proxy else ():
+        prefill_hosts = sorted({h for n in route.prefill for h in topo.engines[n].place})
+        decode_hosts = sorted({h for n in route.decode for h in topo.engines[n].place})
+        if prefill_hosts == decode_hosts and len(prefill_hosts) == 1:
+            continue  # one host: KV goes over NVLink / CUDA IPC, not the NIC
+        engines = [topo.engines[n] for n in (*route.prefill, *route.decode)]
+        out.append((prefill_hosts, decode_hosts, engines))
+    return out
+
+
 def rdma_roles(topo: Topology) -> dict[str, set[str]]:
     """Hosts whose RDMA counters are the gate's evidence, with what they must show: `sent` for
     prefill hosts, `received` for decode hosts, for every P/D route that crosses hosts."""
     roles: dict[str, set[str]] = {}
-    if topo.proxy is None or topo.gate.rdma == "off":
+    if topo.gate.rdma == "off":
         return roles
-    for route in topo.proxy.routes:
-        prefill_hosts = {h for n in route.prefill for h in topo.engines[n].place}
-        decode_hosts = {h for n in route.decode for h in topo.engines[n].place}
-        if prefill_hosts == decode_hosts and len(prefill_hosts) == 1:
-            continue  # one host: KV goes over NVLink / CUDA IPC, not the NIC
+    for prefill_hosts, decode_hosts, _ in _cross_host_routes(topo):
         for host in prefill_hosts:
             roles.setdefault(host, set()).add(SENT)
         for host in decode_hosts:
             roles.setdefault(host, set()).add(RECEIVED)
     return roles
+
+
+def unchecked_transport(topo: Topology) -> str | None:
+    """What carried cross-host P/D KV when the gate does not check RDMA counters (`gate.rdma:
+    off`), in words for the gate and the deploy; None when they are checked or KV stays on one
+    host. KV over NIXL whose engines' `kv.ucx_tls` names no RDMA transport went over TCP."""
+    if topo.gate.rdma != "off":
+        return None
+    said = []
+    for prefill_hosts, decode_hosts, engines in _cross_host_routes(topo):
+        where = f"{'+'.join(prefill_hosts)} -> {'+'.join(decode_hosts)}"
+        kvs = [e.kv for e in engines if e.kv is not None]
+        tls = sorted({",".join(kv.ucx_tls) for kv in kvs if kv.ucx_tls is not None})
+        if kvs and all(kv.ucx_tcp_only for kv in kvs):
+            said.append(
+                f"KV crossed hosts {where} over TCP (UCX_TLS={' / '.join(tls)} names no RDMA "
+                "transport)"
+            )
+        else:
+            said.append(f"KV crossed hosts {where} over a transport nothing checked")
+    if not said:
+        return None
+    return "; ".join(said) + ": RDMA port counters not checked (gate.rdma: off)"
 
 
 def verdict(

@@ -28,6 +28,10 @@ from hgxserve.errors import Found
 # vLLM's NIXL connector metrics (KV transfer evidence on the decode side).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 XFER_FAILED = "vllm:nixl_num_failed_transfers_total"
+XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
+# vLLM's prompt tokens by where the decode got them (vllm/v1/metrics/stats.py PromptTokenStats):
+# P/D prompts must come from `external_kv_transfer`, not `local_compute`.
+TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 # SGLang's disaggregation metrics (sglang/srt/metrics/collector.py): failures on either side, and
 # the prefill's request count (the prefill must have served the P/D probes).
 SGL_FAILED = ("sglang:num_bootstrap_failed_reqs_total", "sglang:num_transfer_failed_reqs_total")
@@ -59,6 +63,9 @@ class GateSpec:
     api_key_file: str | None = None
     pd_engine: str | None = None  # vllm when the topology has vLLM P/D routes
     decode_metrics: list[str] = field(default_factory=list)
+    # what carried cross-host KV when the deploy does not check RDMA counters (gate.rdma: off),
+    # said next to the NIXL evidence (hgxserve.release.evidence.unchecked_transport)
+    kv_transport: str | None = None
     prefill_metrics: list[str] = field(default_factory=list)
     prompt_words: int = 64  # long enough to pass the proxy's prompt-length bucket
     timeout_s: float = 120.0
@@ -141,23 +148,79 @@ def metric_sum(text: str, name: str) -> float:
     return sum(value for sample, _, value in parse_samples(text) if sample == name)
 
 
-def _metrics_sum(urls: list[str], names: tuple[str, ...]) -> float:
-    total = 0.0
-    for url in urls:
-        status, text = _request(url, timeout=10)
-        if status != 200:
-            raise GateError(f"{url}: HTTP {status}")
-        total += sum(metric_sum(text, name) for name in names)
-    return total
+def _metrics_text(url: str) -> str:
+    status, text = _request(url, timeout=10)
+    if status != 200:
+        raise GateError(f"{url}: HTTP {status}")
+    return text
 
 
-def _kv_counters(spec: GateSpec) -> tuple[float, float]:
-    """(transfers or P/D requests served, failures) for the topology's P/D engine."""
+@dataclass
+class KvCounters:
+    """One reading of the P/D engines' KV evidence (sums over the engines and label sets)."""
+
+    served: float = 0.0  # vLLM: NIXL transfers on the decodes; SGLang: the prefills' requests
+    failed: float = 0.0
+    nbytes: float = 0.0  # vLLM: bytes the decodes pulled over NIXL
+    tokens: dict[str, float] = field(default_factory=dict)  # vLLM decode prompt tokens by source
+
+
+def vllm_decode_counters(texts: list[str]) -> KvCounters:
+    """The KV evidence in vLLM decodes' /metrics texts.
+
+    >>> c = vllm_decode_counters(['vllm:nixl_xfer_time_seconds_count{engine="0"} 2',
+    ...     'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 190'])
+    >>> c.served, c.tokens
+    (2.0, {'external_kv_transfer': 190.0})
+    """
+    out = KvCounters()
+    for text in texts:
+        for name, labels, value in parse_samples(text):
+            if name == XFER_COUNT:
+                out.served += value
+            elif name == XFER_FAILED:
+                out.failed += value
+            elif name == XFER_BYTES:
+                out.nbytes += value
+            elif name == TOKENS_BY_SOURCE and "source" in labels:
+                source = labels["source"]
+                out.tokens[source] = out.tokens.get(source, 0.0) + value
+    return out
+
+
+def _kv_counters(spec: GateSpec) -> KvCounters:
+    """The KV evidence of the topology's P/D engines, read now."""
     if spec.pd_engine == "vllm":
-        ok = _metrics_sum(spec.decode_metrics, (XFER_COUNT,))
-        return ok, _metrics_sum(spec.decode_metrics, (XFER_FAILED,))
-    ok = _metrics_sum(spec.prefill_metrics, (SGL_REQUESTS,))
-    return ok, _metrics_sum(spec.decode_metrics + spec.prefill_metrics, SGL_FAILED)
+        return vllm_decode_counters([_metrics_text(url) for url in spec.decode_metrics])
+    urls = dict.fromkeys(spec.decode_metrics + spec.prefill_metrics)
+    texts = {url: _metrics_text(url) for url in urls}
+    served = sum(metric_sum(texts[url], SGL_REQUESTS) for url in spec.prefill_metrics)
+    failed = sum(metric_sum(text, name) for text in texts.values() for name in SGL_FAILED)
+    return KvCounters(served=served, failed=failed)
+
+
+def vllm_kv_evidence(before: KvCounters, after: KvCounters, spec: GateSpec) -> str:
+    """What the decodes' NIXL and prompt-token counters show for the gate's P/D requests; fails
+    when the decodes count prompt tokens by source and none came from KV transfer."""
+    transfers = after.served - before.served
+    said = f"gate: decode pulled KV over NIXL {transfers:.0f} times"
+    if after.nbytes > before.nbytes:
+        said += f" ({after.nbytes - before.nbytes:.0f} B)"
+    if after.tokens:
+        grew = {k: v - before.tokens.get(k, 0.0) for k, v in after.tokens.items()}
+        external = grew.get("external_kv_transfer", 0.0)
+        if external <= 0:
+            raise GateError(
+                f"decode pulled KV over NIXL {transfers:.0f} times but counted no prompt tokens "
+                f"from KV transfer ({', '.join(f'{k} +{v:.0f}' for k, v in sorted(grew.items()))})"
+                ": it computed the P/D prompts itself"
+            )
+        said += (
+            f", prompt tokens from KV transfer +{external:.0f}, "
+            f"computed locally +{grew.get('local_compute', 0.0):.0f}"
+        )
+    said += ", 0 failures"
+    return said + (f"; {spec.kv_transport}" if spec.kv_transport else "")
 
 
 INSTANCE_HEALTHY = "hgxserve_proxy_instance_healthy"
@@ -342,7 +405,7 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
         raise GateError(f"/v1/models lists {names}, not the served model '{spec.served_name}'")
     log(f"gate: /v1/models lists {spec.served_name}")
     wait_instances_admitted(base, spec.instances_timeout_s, log)
-    before = _kv_counters(spec) if spec.pd_engine else (0.0, 0.0)
+    before = _kv_counters(spec) if spec.pd_engine else KvCounters()
     prompt = " ".join(f"hgxserve gate check {i}." for i in range(spec.prompt_words // 4 + 1))
     body = {"model": spec.served_name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
     texts = []
@@ -365,7 +428,7 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
         pd_requests += long_requests if spec.pd_engine else 0
     if spec.pd_engine:
         after = _kv_counters(spec)
-        transfers, failures = after[0] - before[0], after[1] - before[1]
+        transfers, failures = after.served - before.served, after.failed - before.failed
         if failures > 0:
             raise GateError(
                 f"decode reported {failures:.0f} failed KV transfers: it recomputed the prompt "
@@ -381,7 +444,7 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
                 "served without P/D KV transfer (silent local recompute or no P/D routing)"
             )
         if spec.pd_engine == "vllm":
-            log(f"gate: decode pulled KV over NIXL {transfers:.0f} times, 0 failures")
+            log(vllm_kv_evidence(before, after, spec))
         else:
             log(f"gate: SGLang prefill served {transfers:.0f} P/D requests, 0 failed transfers")
         result["kv_transfers"] = transfers

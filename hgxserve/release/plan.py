@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from hgxserve.digests import tree_digest
+from hgxserve.release.evidence import unchecked_transport
 from hgxserve.release.store import ReleaseSpec, UnitSpec
 from hgxserve.render import credential_for, render_host
 from hgxserve.topology import Topology
@@ -66,6 +67,26 @@ def _enabled(setting: str, engines: list[Engine], *args: str) -> bool:
     return any(all(e.args.get(a) for a in args) for e in engines)
 
 
+def gate_prompt_words(topo: Topology, proxy: Proxy) -> int:
+    """Words of the gate's P/D prompts: past the proxy's `pd_min_prompt_tokens` (an English word
+    is >= 1 token), else 64, but short enough for the P/D engines' `max_model_len` (a word of an
+    unknown tokenizer may take several tokens, ~1/16 of the context each, with filler and answer).
+
+    >>> from hgxserve.topology import load_topology
+    >>> topo = load_topology("topologies/demo/demo-vllm-cpu-pd.yml")  # max_model_len 256
+    >>> gate_prompt_words(topo, topo.proxy)  # doctest: +SKIP
+    16
+    """
+    lengths = [
+        int(topo.engines[n].args["max_model_len"])
+        for route in proxy.routes
+        for n in (*route.prefill, *route.decode)
+        if isinstance(topo.engines[n].args.get("max_model_len"), int)
+    ]
+    fits = min(lengths, default=1 << 30) // 16
+    return max(proxy.pd_min_prompt_tokens * 2, min(64, fits))
+
+
 def gate_spec(topo: Topology) -> dict[str, object] | None:
     proxy = topo.proxy
     host = gate_host(topo)
@@ -84,7 +105,7 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
             decode_metrics.append(metrics(topo.engines[name]))
         for name in route.prefill:
             prefill_metrics.append(metrics(topo.engines[name]))
-    words = max(64, proxy.pd_min_prompt_tokens * 2)  # an English word is >= 1 token
+    words = gate_prompt_words(topo, proxy)
     api_key_file = None
     if proxy.api_key is not None:
         # the gate runs as root on its host and reads the key where the unit loads it from
@@ -104,6 +125,7 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
         "decode_metrics": sorted(set(decode_metrics)),
         "prefill_metrics": sorted(set(prefill_metrics)),
         "prompt_words": words if proxy.routes else 16,
+        "kv_transport": unchecked_transport(topo),
         "timeout_s": float(gate.timeout_s),
         "probe": {
             "prompt": gate.prompt,

@@ -1088,6 +1088,33 @@ def engine_path_provided(topo: Topology) -> Iterator[Finding]:
             )
 
 
+@rule(
+    "gate-rdma-tcp",
+    "warning",
+    "Cross-host NIXL P/D whose kv.ucx_tls names no RDMA transport fails the gate's RDMA check.",
+)
+def gate_rdma_over_tcp(topo: Topology) -> Iterator[Finding]:
+    if topo.gate.rdma == "off":
+        return
+    reported: set[str] = set()
+    for _index, p, d in pd_pairs(topo):
+        if not _cross_host(p, d):
+            continue
+        for engine in (p, d):
+            kv = engine.kv
+            if engine.name in reported or kv is None or not kv.ucx_tcp_only:
+                continue
+            reported.add(engine.name)
+            yield (
+                setting_path(topo, engine.name, "kv", "ucx_tls"),
+                f"UCX_TLS={','.join(kv.ucx_tls or ())} names no RDMA transport: KV between "
+                f"{p.name} ({', '.join(p.hosts)}) and {d.name} ({', '.join(d.hosts)}) can only "
+                "go over TCP, and the gate's RDMA check (gate.rdma: auto) fails every release; "
+                "add an RDMA transport (e.g. rc) or, where the hosts have no RDMA NIC, set "
+                "gate.rdma: off (the deploy then says the KV went over TCP)",
+            )
+
+
 @rule("gate", "error", "The gate's regex compiles, its host exists, its probes can run.")
 def gate_settings(topo: Topology) -> Iterator[Finding]:
     gate = topo.gate

@@ -150,6 +150,14 @@ class Runtime:
         return self.image is not None
 
 
+# UCX_TLS names of transports that use an RDMA NIC (UCX's `ucx_info -d` transport names and the
+# aliases UCX_TLS accepts); "all" lets UCX pick one.
+UCX_RDMA_TLS = frozenset(
+    {"all", "ib", "rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "dc", "dc_x", "dc_mlx5",
+     "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5"}
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class KvTransfer:
     connector: KvConnector
@@ -161,6 +169,15 @@ class KvTransfer:
     buffer_device: KvBufferDevice
     failure_policy: KvFailurePolicy
     bootstrap_port: int
+
+    @property
+    def ucx_tcp_only(self) -> bool:
+        """NIXL whose `ucx_tls` names no RDMA transport: KV between hosts can only go over TCP
+        (unset, or `^exclusions`, leaves UCX free to pick RDMA)."""
+        names = [t.strip().lower() for t in self.ucx_tls or () if t.strip()]
+        if self.connector != "nixl" or not names or names[0].startswith("^"):
+            return False
+        return not any(name in UCX_RDMA_TLS for name in names)
 
 
 @dataclass(frozen=True)

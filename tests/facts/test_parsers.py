@@ -405,6 +405,9 @@ SEED_LINES = [
         "gpu_memory_utilization",
     ),
     ("NCCL WARN NET/IB : Got completion with error 12", "nccl", "NCCL_IB_HCA"),
+    # vLLM 0.32.0 nixl/base_worker.py's own messages (raised in the engine core, logged as is)
+    ("RuntimeError: NIXL is not available", "nixl-missing", "nixl._api"),
+    ("RuntimeError: cpu with cuda kv_buffer is not supported.", "kv-buffer-device", "cpu"),
     # UCX's registration failure as in openucx/ucx#6264 (no H-class capture found, INDEX.md)
     (
         "UCX  ERROR ibv_reg_mr(address=0x7f, length=4096, access=0xf) failed: Cannot allocate "

@@ -5,8 +5,17 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from hgxserve.release.evidence import counters_command, parse_counters, rdma_roles, verdict
+import pytest
+
+from hgxserve.release.evidence import (
+    counters_command,
+    parse_counters,
+    rdma_roles,
+    unchecked_transport,
+    verdict,
+)
 from hgxserve.topology import load_topology
+from hgxserve.topology.model import KvTransfer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,3 +68,46 @@ def test_roles_only_for_pd_across_hosts() -> None:
     assert rdma_roles(same_host) == {}
     baseline = load_topology(str(REPO / "topologies/demo/demo-baseline.yml"))
     assert rdma_roles(baseline) == {}
+
+
+def test_tcp_only_pd_with_the_rdma_check_off_is_said_to_go_over_tcp() -> None:
+    cpu = load_topology(str(REPO / "topologies/demo/demo-vllm-cpu-pd.yml"))
+    assert rdma_roles(cpu) == {}  # gate.rdma: off
+    assert unchecked_transport(cpu) == (
+        "KV crossed hosts hgx-a -> hgx-b over TCP (UCX_TLS=tcp,self,sm names no RDMA "
+        "transport): RDMA port counters not checked (gate.rdma: off)"
+    )
+    # checked (auto), or KV on one host: nothing to say
+    assert unchecked_transport(load_topology(str(REPO / "topologies/demo/demo-pd.yml"))) is None
+    same_host = load_topology(str(REPO / "topologies/h20-v4flash-4p4d.yml"))
+    assert unchecked_transport(same_host) is None
+
+
+def test_rdma_off_without_a_tcp_only_ucx_is_not_called_tcp_or_rdma(tmp_path: Path) -> None:
+    text = (REPO / "topologies/demo/demo-pd.yml").read_text() + 'gate: {rdma: "off"}\n'
+    topo = tmp_path / "pd-off.yml"
+    topo.write_text(text)
+    said = unchecked_transport(load_topology(str(topo)))
+    assert said == (
+        "KV crossed hosts hgx-a -> hgx-b over a transport nothing checked: RDMA port counters "
+        "not checked (gate.rdma: off)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("tls", "tcp_only"),
+    [
+        (None, False),  # UCX picks: RDMA when there is a NIC
+        (("tcp",), True),
+        (("tcp", "self", "sm"), True),
+        (("TCP", "cuda_copy", "cuda_ipc"), True),
+        (("rc", "cuda_copy"), False),
+        (("rc_x",), False),
+        (("all",), False),
+        (("^tcp",), False),  # everything but TCP
+    ],
+)
+def test_which_ucx_tls_lists_are_tcp_only(tls: tuple[str, ...] | None, tcp_only: bool) -> None:
+    kv = KvTransfer("nixl", None, 5600, None, tls, "cuda", "fail", 8998)
+    assert kv.ucx_tcp_only is tcp_only
+    assert KvTransfer("mooncake", None, 5600, None, tls, "cuda", "fail", 8998).ucx_tcp_only is False
