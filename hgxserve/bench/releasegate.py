@@ -29,7 +29,7 @@ from pyinfra.api.state import State
 from hgxserve.defaults import BENCH_RUNS_DIR
 from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release.ops import Coordination
-from hgxserve.status.remote import _CONNECTION_KEYS
+from hgxserve.status.remote import CONNECTION_KEYS
 
 RESULT_DIR = "bench"  # under releases/<id>/ on the gate's host
 # Besides the rounds' own time limit: reading releases, opening tunnels, writing the report.
@@ -55,7 +55,7 @@ class BenchStep:
 def connection_data(host: Host) -> dict[str, Any]:
     """The SSH settings of a pyinfra host, for `hgxserve.status.remote` in the bench process."""
     out = {}
-    for key in _CONNECTION_KEYS:
+    for key in CONNECTION_KEYS:
         value = host.data.get(key)
         if value is not None:
             out[key] = value

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
-_CONNECTION_KEYS = (
+# The pyinfra host data keys that say how to reach a host (all this module honours).
+CONNECTION_KEYS = (
     "ssh_hostname",
     "ssh_port",
     "ssh_user",
