@@ -10,6 +10,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import paramiko
@@ -146,3 +147,33 @@ def test_a_host_that_refuses_the_login_is_named(sshd: tuple[int, _Server], web: 
         pytest.raises(TunnelError, match="hgx-x: cannot open an SSH tunnel: .*uthentication"),
     ):
         tunnels.url("hgx-x", "127.0.0.1", web)
+
+
+def test_bench_reach_maps_every_engine_through_its_host_and_the_load_through_from(
+    sshd: tuple[int, _Server], tmp_path: Path
+) -> None:
+    from hgxserve.bench.reach import open_reach
+    from hgxserve.topology import load_topology
+
+    port, server = sshd
+    topo = load_topology(Path(__file__).resolve().parents[2] / "topologies/demo/demo-pd.yml")
+    data = _host(port).data
+    (tmp_path / "inv.py").write_text(
+        f"hosts = {[(name, data) for name in ('hgx-a', 'hgx-b', 'hgx-c', 'client-1')]!r}\n"
+    )
+    reach = open_reach(topo, inventory=str(tmp_path / "inv.py"), from_host="client-1",
+                       proxy_url=None, engine_urls={"decode-0": "http://127.0.0.1:1"})  # fmt: skip
+    try:
+        assert reach.via == {
+            "prefill-0": "http://127.0.0.1:8100 on hgx-a",  # each engine as its own host sees it
+            "combined-0": "http://127.0.0.1:8300 on hgx-c",
+            "proxy": "http://10.77.0.13:8000 from client-1",  # the proxy's routable address
+        }
+        assert reach.engine_urls["decode-0"] == "http://127.0.0.1:1"  # --engine-url wins
+        assert reach.proxy_url is not None and reach.proxy_url.startswith("http://127.0.0.1:")
+        assert reach.origin == "client-1 (SSH tunnel from the controller to http://10.77.0.13:8000)"
+        assert server.opened == []  # nothing connects until the bench does
+    finally:
+        reach.close()
+    direct = open_reach(topo, inventory=None, from_host=None, proxy_url=None, engine_urls={})
+    assert direct.origin == "controller" and direct.tunnels is None
