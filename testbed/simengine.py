@@ -28,6 +28,9 @@ Environment knobs (all optional):
   HGXSERVE_SIM_BOOTSTRAP_WAIT  seconds an SGLang decode waits for its room (default 10)
   HGXSERVE_SIM_JIT=1           log TileLang's kernel-compile line (seed 003 §8.2) the first time a
                                prompt-length bucket (next power of two) is served
+  HGXSERVE_SIM_JIT_FILE        while this file exists, the engine behaves as with
+                               HGXSERVE_SIM_JIT=1 (default /var/lib/hgxserve-sim/jit): a test turns
+                               JIT lines on for one simulated host without changing a topology
   HGXSERVE_SIM_RDMA_DIR        simulated RDMA NIC port counters, <dev>/ports/<n>/counters/
                                port_{xmit,rcv}_data (default /var/lib/hgxserve-sim/infiniband):
                                a cross-host KV transfer adds its bytes there unless UCX_TLS
@@ -243,6 +246,13 @@ ANSWER_RE = re.compile(
 def log(msg: str) -> None:
     """Print one log line, flushed (stdout goes to the journal on test hosts)."""
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [SIMULATED {STATE.engine}] {msg}", flush=True)
+
+
+def jit_simulated() -> bool:
+    """Whether this engine logs simulated JIT compile lines (HGXSERVE_SIM_JIT or its file)."""
+    if os.environ.get("HGXSERVE_SIM_JIT") == "1":
+        return True
+    return os.path.exists(os.environ.get("HGXSERVE_SIM_JIT_FILE") or "/var/lib/hgxserve-sim/jit")
 
 
 def env_float(name: str, default: float) -> float:
@@ -1012,7 +1022,7 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
     }
     s.record(entry)
     s.inc("requests")
-    if os.environ.get("HGXSERVE_SIM_JIT") == "1":
+    if jit_simulated():
         bucket = 1 << max(0, prompt_tokens - 1).bit_length()
         if bucket not in s.jit_buckets:  # a shape never run before compiles its kernel
             s.jit_buckets.add(bucket)

@@ -175,9 +175,54 @@ def test_reapply_restarts_a_unit_that_stopped_and_nothing_else(
     assert complete("10.77.0.11")["choices"][0]["text"]
 
 
+def warmup_times(address: str, port: int) -> list[float]:
+    """When the engine served each warm-up request (they alone set ignore_eos), from the
+    simulated engine's request log."""
+    with urllib.request.urlopen(f"http://{address}:{port}/sim/requests", timeout=10) as resp:
+        log = json.loads(resp.read())
+    return [r["at"] for r in log["requests"] if r.get("ignore_eos")]
+
+
+def admissions(lab: testbed_hosts.Testbed, host: str) -> dict[int, float]:
+    """engine port -> when the proxy on `host` last admitted it (its journal, `admitted ROLE
+    URL`, with journald's timestamps)."""
+    out = lab.ssh(
+        host,
+        "journalctl -u hgxserve-proxy.service -o short-unix --no-pager | grep ' admitted '",
+        check=True,
+    ).stdout
+    found = {}
+    for line in out.splitlines():
+        match = re.search(r" admitted \S+ \S+:(\d+)/?$", line)
+        if match:
+            found[int(match.group(1))] = float(line.split()[0])
+    return found
+
+
 def test_pd_over_combined(lab: testbed_hosts.Testbed) -> None:
-    proc = deploy(lab, "deploys/engines.py", f"topology={PD}")
+    # hgx-c's simulated engines log a JIT compile line for every new prompt-length bucket
+    lab.ssh(
+        "hgx-c", "mkdir -p /var/lib/hgxserve-sim && touch /var/lib/hgxserve-sim/jit", check=True
+    )
+    try:
+        proc = deploy(lab, "deploys/engines.py", f"topology={PD}")
+    finally:
+        lab.ssh("hgx-c", "rm -f /var/lib/hgxserve-sim/jit")
     assert proc.returncode == 0, output(proc)[-4000:]
+    text = output(proc)
+    # warm-up before admission: every engine served its warm-up before the proxy admitted it
+    admitted = admissions(lab, "hgx-c")
+    for address, port in (("10.77.0.11", 8100), ("10.77.0.12", 8200), ("10.77.0.13", 8300)):
+        warmed = warmup_times(address, port)
+        assert warmed, f"no warm-up request reached {address}:{port}"
+        assert port in admitted, (port, admitted)
+        assert max(warmed) < admitted[port], (address, port, max(warmed), admitted[port])
+        print(f"{address}:{port} warmed {admitted[port] - max(warmed):.1f}s before admission")
+    # JIT lines after ready are reported per engine (hgx-c compiled during its warm-up)
+    jit = r"hgxserve-combined-0\.service: JIT/compile after ready: [1-9]\d* line\(s\) \(tilelang\)"
+    assert re.search(jit, text), text[-4000:]
+    assert "hgxserve-decode-0.service: JIT/compile after ready: none" in text
+    assert "hgxserve-prefill-0.service: JIT/compile after ready: none" in text
     assert "decode pulled KV over NIXL" in output(proc)
     assert "chat probe through P/D answered 'PD_OK'" in output(proc)
     # the prefill host sent and the decode host received over its (simulated) RDMA NIC
@@ -490,13 +535,18 @@ def test_a_host_that_reverts_on_its_own_is_named(
     # every host had 3 s: each names itself; none is left on the new release
     for host in lab.names:
         assert f"{host} REVERTED ON ITS OWN" in text, host
+    # The controller does not exit while a host's own revert still restarts the previous
+    # release's units: it waits for each such host's pending record to clear and says where
+    # each host ended. So right after the run no host is pending and every unit runs.
     assert {h: links(lab, h)["current"] for h in lab.names} == current
-    # The controller names a self-revert as soon as the host records it; the host's revert then
-    # restarts the previous release's units before it clears its pending record (bounded wait).
-    deadline = time.monotonic() + 180
-    while any(links(lab, h)["pending"] is not None for h in lab.names):
-        assert time.monotonic() < deadline, {h: links(lab, h)["pending"] for h in lab.names}
-        time.sleep(2)
+    assert {h: links(lab, h)["pending"] for h in lab.names} == dict.fromkeys(lab.names)
+    for host in lab.names:
+        assert f"{host}: its own revert finished" in text, host
+        assert re.search(
+            rf"{host}: its own revert finished \(\d+s after it was named\); final state: current "
+            rf"{current[host]}, nothing pending, every unit of it running",
+            text,
+        ), text[-3000:]
     assert complete("10.77.0.11")["choices"][0]["text"]  # the baseline serves again
 
 
