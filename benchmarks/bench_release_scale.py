@@ -75,21 +75,56 @@ proxy:
 """
 
 
-def timed(args: list[str], expect_noop: bool = False) -> float:
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def changed_operations(text: str) -> list[str]:
+    """`host: operation` for every operation pyinfra reported as changed (Success) in a run.
+
+    >>> changed_operations("--> Starting operation: Stage x\\n    [hgx-a] Success\\n")
+    ['hgx-a: Stage x']
+    """
+    out, operation = [], "?"
+    for line in ANSI.sub("", text).splitlines():
+        started = re.search(r"--> Starting (?:[\w ,]+ )?operation: (.*)", line)
+        if started:
+            operation = started.group(1).strip()
+        done = re.match(r"\s*\[([^\]]+)\] Success", line)
+        if done:
+            out.append(f"{done.group(1)}: {operation}")
+    return out
+
+
+def timed(args: list[str], expect_noop: bool = False, log: Path | None = None) -> float:
     started = time.monotonic()
     proc = subprocess.run([*PYINFRA, *args], cwd=REPO, capture_output=True, text=True)
     elapsed = time.monotonic() - started
     text = proc.stdout + proc.stderr
+    if log is not None:
+        log.write_text(text)
     if proc.returncode != 0:
         raise SystemExit(f"pyinfra {' '.join(args)} failed:\n{text[-3000:]}")
     if expect_noop:
         match = re.search(r"Grand total\s+\S+\s+(\S+)\s+(\S+)", text)
         if not match or match.groups() != ("-", "-"):
-            raise SystemExit(f"not a no-op run: {match.group(0) if match else text[-2000:]}")
+            changed = "\n  ".join(changed_operations(text)) or text[-2000:]
+            raise SystemExit(f"not a no-op run ({match.group(0) if match else ''}):\n  {changed}")
     return elapsed
 
 
-def measure(count: int, work: Path) -> dict[str, float]:
+UNITS = (
+    "systemctl list-units 'hgxserve-*' --all --no-legend --plain | grep -v reconcile; "
+    "for u in $(systemctl list-units 'hgxserve-*' --all --no-legend --plain "
+    "| awk '$3 != \"active\" {print $1}'); do journalctl -u $u -n 8 --no-pager -o cat; done"
+)
+
+
+def unit_states(bed: testbed_hosts.Testbed) -> str:
+    """Every host's hgxserve units, and the last journal lines of those not active."""
+    return "\n".join(f"{n}:\n{bed.ssh(n, UNITS).stdout.rstrip()}" for n in bed.names)
+
+
+def measure(count: int, work: Path, logs: Path | None) -> dict[str, float]:
     bed = testbed_hosts.up(count, "h200")
     for name in bed.names:
         bed.ssh(name, demo.FORGET_RELEASES, check=True)
@@ -98,10 +133,22 @@ def measure(count: int, work: Path) -> dict[str, float]:
     first.write_text(topology(bed.names, bed.addresses, "a"))
     second.write_text(topology(bed.names, bed.addresses, "b"))
     site = ["deploys/site.py", "--data", "stages=runtime,weights,engines"]
+
+    def log(step: str) -> Path | None:
+        return logs / f"{count}-{step}.log" if logs else None
+
     out = {"pyinfra floor": timed(["exec", "--", "true"])}
-    out["fresh"] = timed([*site, "--data", f"topology={first}"])
-    out["no-op"] = timed([*site, "--data", f"topology={first}"], expect_noop=True)
-    out["switch"] = timed(["deploys/engines.py", "--data", f"topology={second}"])
+    out["fresh"] = timed([*site, "--data", f"topology={first}"], log=log("fresh"))
+    print(f"{count} hosts: fresh {out['fresh']:.1f} s", flush=True)
+    try:
+        out["no-op"] = timed(
+            [*site, "--data", f"topology={first}"], expect_noop=True, log=log("no-op")
+        )
+    except SystemExit:
+        print(unit_states(bed), flush=True)  # why a host switched again
+        raise
+    out["switch"] = timed(["deploys/engines.py", "--data", f"topology={second}"], log=log("switch"))
+    print(f"{count} hosts: {out}", flush=True)
     for name in bed.names:
         bed.ssh(name, demo.FORGET_RELEASES)
     return out
@@ -110,13 +157,16 @@ def measure(count: int, work: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hosts", default="3,6,9", help="host counts, comma-separated")
+    parser.add_argument("--logs", type=Path, help="keep each pyinfra run's output here")
     args = parser.parse_args()
     counts = [int(c) for c in args.hosts.split(",")]
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     results: dict[int, dict[str, float]] = {}
     try:
         with tempfile.TemporaryDirectory() as work:
             for count in counts:
-                results[count] = measure(count, Path(work))
+                results[count] = measure(count, Path(work), args.logs)
     finally:
         demo.stop_s3()
         testbed_hosts.down()
