@@ -175,17 +175,17 @@ def test_reapply_restarts_a_unit_that_stopped_and_nothing_else(
     assert complete("10.77.0.11")["choices"][0]["text"]
 
 
-def warmup_times(address: str, port: int) -> list[float]:
-    """When the engine served each warm-up request (they alone set ignore_eos), from the
-    simulated engine's request log."""
-    with urllib.request.urlopen(f"http://{address}:{port}/sim/requests", timeout=10) as resp:
-        log = json.loads(resp.read())
-    return [r["at"] for r in log["requests"] if r.get("ignore_eos")]
+def warmup_times(lab: testbed_hosts.Testbed, host: str, url: str) -> list[float]:
+    """When the engine at `url` (read on its host: an engine beside the proxy listens on
+    loopback only) served each warm-up request (they alone set ignore_eos), from the simulated
+    engine's request log."""
+    out = lab.ssh(host, f"curl -sf {url}/sim/requests", check=True).stdout
+    return [r["at"] for r in json.loads(out)["requests"] if r.get("ignore_eos")]
 
 
-def admissions(lab: testbed_hosts.Testbed, host: str) -> dict[int, float]:
-    """engine port -> when the proxy on `host` last admitted it (its journal, `admitted ROLE
-    URL`, with journald's timestamps)."""
+def admissions(lab: testbed_hosts.Testbed, host: str) -> dict[int, tuple[float, str]]:
+    """engine port -> (when, URL) the proxy on `host` last admitted it (its journal lines
+    `admitted ROLE URL`, with journald's timestamps)."""
     out = lab.ssh(
         host,
         "journalctl -u hgxserve-proxy.service -o short-unix --no-pager | grep ' admitted '",
@@ -193,9 +193,9 @@ def admissions(lab: testbed_hosts.Testbed, host: str) -> dict[int, float]:
     ).stdout
     found = {}
     for line in out.splitlines():
-        match = re.search(r" admitted \S+ \S+:(\d+)/?$", line)
+        match = re.search(r" admitted \S+ (\S+:(\d+))/?$", line)
         if match:
-            found[int(match.group(1))] = float(line.split()[0])
+            found[int(match.group(2))] = (float(line.split()[0]), match.group(1))
     return found
 
 
@@ -212,12 +212,13 @@ def test_pd_over_combined(lab: testbed_hosts.Testbed) -> None:
     text = output(proc)
     # warm-up before admission: every engine served its warm-up before the proxy admitted it
     admitted = admissions(lab, "hgx-c")
-    for address, port in (("10.77.0.11", 8100), ("10.77.0.12", 8200), ("10.77.0.13", 8300)):
-        warmed = warmup_times(address, port)
-        assert warmed, f"no warm-up request reached {address}:{port}"
+    for host, port in (("hgx-a", 8100), ("hgx-b", 8200), ("hgx-c", 8300)):
         assert port in admitted, (port, admitted)
-        assert max(warmed) < admitted[port], (address, port, max(warmed), admitted[port])
-        print(f"{address}:{port} warmed {admitted[port] - max(warmed):.1f}s before admission")
+        at, url = admitted[port]
+        warmed = warmup_times(lab, host, url)
+        assert warmed, f"no warm-up request reached {url} on {host}"
+        assert max(warmed) < at, (host, url, max(warmed), at)
+        print(f"{host} {url}: last warm-up request {at - max(warmed):.1f}s before admission")
     # JIT lines after ready are reported per engine (hgx-c compiled during its warm-up)
     jit = r"hgxserve-combined-0\.service: JIT/compile after ready: [1-9]\d* line\(s\) \(tilelang\)"
     assert re.search(jit, text), text[-4000:]
