@@ -159,7 +159,10 @@ def kv_block_bytes(block_tokens: int = 128) -> int:
 
 
 def test_simulated_baseline(lab: testbed_hosts.Testbed) -> None:
-    proc = single.deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=weights,engines")
+    # the runtime stage installs the simulated engine (/opt/vllm-sim); the real one is the
+    # controller's venv, mounted read-only, so the P/D releases below run weights and engines
+    stages = "stages=runtime,weights,engines"
+    proc = single.deploy(lab, "deploys/site.py", f"topology={BASELINE}", stages)
     assert proc.returncode == 0, single.output(proc)[-4000:]
     assert "GATE-OK" in single.output(proc)
 
