@@ -144,8 +144,8 @@ def decode_counters() -> dict[str, float]:
     out: dict[str, float] = {}
     for name, labels, value in parse_samples(text):
         key = name.removeprefix("vllm:")
-        if name.startswith("vllm:prompt_tokens_by_source"):
-            key = f"prompt_tokens_{labels.get('source')}"
+        if name == "vllm:prompt_tokens_by_source_total":
+            key = f"by_source:{labels.get('source')}"
         out[key] = out.get(key, 0.0) + value
     return out
 
@@ -205,7 +205,9 @@ def test_answer_through_pd_is_the_prefill_engines_own(lab: testbed_hosts.Testbed
         prompt_tokens=prompt_tokens,
         nixl_transfers=grew.get("nixl_xfer_time_seconds_count"),
         nixl_bytes=grew.get("nixl_bytes_transferred_sum"),
-        tokens_by_source={k: v for k, v in grew.items() if k.startswith("prompt_tokens_")},
+        prompt_tokens_by_source={
+            k.removeprefix("by_source:"): v for k, v in grew.items() if k.startswith("by_source:")
+        },
         answer=through_pd["choices"][0]["text"],
     )
     # one NIXL read of every block of the prompt, none failed
@@ -214,8 +216,8 @@ def test_answer_through_pd_is_the_prefill_engines_own(lab: testbed_hosts.Testbed
     blocks = math.ceil(prompt_tokens / 128)  # the CPU backend's block size
     assert grew["nixl_bytes_transferred_sum"] == blocks * kv_block_bytes(), grew
     # the decode computed none of the prompt: every token came over KV transfer
-    assert grew["prompt_tokens_external_kv_transfer"] == prompt_tokens, grew
-    assert grew["prompt_tokens_local_compute"] == 0, grew
+    assert grew["by_source:external_kv_transfer"] == prompt_tokens, grew
+    assert grew["by_source:local_compute"] == 0, grew
     # the prefill engine asked directly (no P/D) gives the same answer at temperature 0
     own = from_the_prefill_itself(lab)
     assert own["choices"][0]["text"] == through_pd["choices"][0]["text"]
