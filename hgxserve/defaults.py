@@ -38,9 +38,8 @@ def schema_default(definition: str, prop: str) -> Any:
 S3_CONCURRENCY: int = schema_default("s3Source", "concurrency")
 S3_PART_SIZE: str = schema_default("s3Source", "part_size")
 S3_PART_SIZE_BYTES = parse_size(S3_PART_SIZE)
-# Files at least this large are fetched by s5cmd (the native engine) when it can be used; smaller
-# ones cost per request rather than per byte and stay with the in-process engine, which also
-# resumes them part by part (docs/weights.md "Transfer engines").
+# s5cmd (the native engine) resumes whole files only: a file of several parts smaller than this
+# stays with the in-process engine, which resumes part by part (docs/weights.md "Transfer engines").
 NATIVE_MIN_SIZE = "16Mi"
 NATIVE_MIN_SIZE_BYTES = parse_size(NATIVE_MIN_SIZE)
 # SGLang prefill's disaggregation bootstrap server.

@@ -183,7 +183,8 @@ def manifest(
     "--native-min-size",
     default=NATIVE_MIN_SIZE,
     show_default=True,
-    help="Smallest file s5cmd fetches (engine auto/s5cmd).",
+    help="Files of several parts below this size stay with the in-process engine, which "
+    "resumes part by part (s5cmd resumes whole files).",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")

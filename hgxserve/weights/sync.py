@@ -435,10 +435,17 @@ def _engine_for(
 
 
 def _native_fits(f: SourceFile, dest: str, opts: SyncOptions) -> bool:
-    """Whether s5cmd fetches this file: large enough that its cost is per byte, with a sha256
-    to check (files accepted on size + ETag keep the in-process engine's If-Match pinning), no
-    parts recorded by the in-process engine (it resumes them part by part)."""
-    if f.size < max(1, opts.native_min_size) or f.expected_sha256 is None:
+    """Whether s5cmd fetches this file.
+
+    Only files with a sha256 to check (files accepted on size + ETag keep the in-process engine's
+    If-Match pinning to the listed version). s5cmd resumes whole files only, so a file of several
+    parts below `native_min_size` and a file with parts already recorded by the in-process engine
+    stay with it (it resumes part by part); a file of one part, or a large one, goes to s5cmd,
+    which costs less CPU per file and per byte (docs/weights.md "Transfer engines").
+    """
+    if f.size == 0 or f.expected_sha256 is None:
+        return False
+    if opts.part_size < f.size < opts.native_min_size:
         return False
     return not os.path.lexists(os.path.join(dest, f.path) + PARTS_SUFFIX)
 
@@ -498,22 +505,30 @@ def _fetch(
             source, dest, files, opts.concurrency, opts.part_size, progress, opts.fsync, on_file
         ).run()
 
-    try:
-        for files, use_native in ((by_native, True), (by_python, False)):
-            if not files:
+    def run_group(files: list[SourceFile], use_native: bool) -> None:
+        retry: list[SourceFile] = []
+        for result in run(files, use_native):
+            if result.error is None:
                 continue
-            retry: list[SourceFile] = []
-            for result in run(files, use_native):
-                if result.error is None:
-                    continue
-                if result.resumed:
-                    # The resumed bytes were bad (e.g. written before a crash): fetch afresh once.
-                    retry.append(result.file)
-                else:
-                    failures.append(str(result.error))
-            if retry:
-                opts.log(f"{len(retry)} resumed file(s) did not verify; fetching them afresh")
-                failures.extend(str(r.error) for r in run(retry, use_native) if r.error)
+            if result.resumed:
+                # The resumed bytes were bad (e.g. written before a crash): fetch afresh once.
+                retry.append(result.file)
+            else:
+                failures.append(str(result.error))
+        if retry:
+            opts.log(f"{len(retry)} resumed file(s) did not verify; fetching them afresh")
+            failures.extend(str(r.error) for r in run(retry, use_native) if r.error)
+
+    try:
+        # Side by side: the small files' requests and fsyncs overlap s5cmd's large transfers.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="native") as side:
+            pending = side.submit(run_group, by_native, True) if by_native else None
+            try:
+                if by_python:
+                    run_group(by_python, False)
+            finally:
+                if pending is not None:
+                    pending.result()
     finally:
         progress.close()
 

@@ -113,7 +113,7 @@ _SYNC_FILE_RANGE = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _start_writeback(fd: int, offset: int, length: int) -> None:
+def start_writeback(fd: int, offset: int, length: int) -> None:
     """Start writing a finished part to disk now, without waiting for it.
 
     The fsync before the rename then only waits for the last parts instead of the whole file:
@@ -460,7 +460,7 @@ class Transfer:
                     )
                     try:
                         if self.fsync and job.fd is not None:
-                            _start_writeback(job.fd, offset, length)
+                            start_writeback(job.fd, offset, length)
                         job.record_part(offset)
                     except OSError as exc:
                         raise io_error(exc, job.partial, self.dest) from None

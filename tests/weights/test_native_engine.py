@@ -68,13 +68,13 @@ def test_native_sync_verifies_places_and_noop_is_one_listing(
     assert first.rc == 0, first.text
     assert tree(dest) == files
     report = json.loads(first.out)
-    # three files >= 1 MiB by s5cmd, config.json by the in-process engine; said in the summary
-    assert report["engine"].startswith("s5cmd v2.3.0 (3 files) + python (1 files")
+    # every file has a sha256 (the S3 checksum): all by s5cmd, said in the summary
+    assert report["engine"] == "s5cmd v2.3.0 (4 files)"
     assert "engine: s5cmd" in first.err
     assert report["verified_by"] == {"s3-checksum": 4} and report["marker"] is True
     assert not (dest / STAGING).exists()
     assert not list(dest.rglob("*.partial*"))
-    # s5cmd's ranged GETs in 1 MiB parts: 4 + 3 + 2 (+ 1 for config.json by the other engine)
+    # s5cmd's ranged GETs in 1 MiB parts: 4 + 3 + 2 + 1
     assert len(seen.object_gets()) == 10
 
     seen.reset()
