@@ -267,3 +267,27 @@ def test_without_s5cmd_the_in_process_engine_runs(
     report = sync(f"s3://{bucket.name}/p/", str(tmp_path / "p"), opts)
     assert report.engine == "python (4 files; s5cmd is not installed)"
     assert tree(tmp_path / "p") == files and report.marker
+
+
+def test_native_disk_full_is_a_clear_error(
+    bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        bucket.put("full/a.bin", os.urandom(2 * 1024 * 1024), ChecksumAlgorithm="SHA256")
+        bucket.put("full/b.bin", os.urandom(3 * 1024 * 1024), ChecksumAlgorithm="SHA256")
+        dest = mnt / "m"
+        run = hgx(
+            aws_env, "sync", f"s3://{bucket.name}/full/", str(dest), *endpoint(bucket.port), *NATIVE
+        )
+        assert run.rc == 5, run.text
+        assert "disk full" in run.err and "Traceback" not in run.text
+        assert not (dest / ".hgxserve" / "verified").exists()
+        assert len([n for n in ("a.bin", "b.bin") if (dest / n).exists()]) < 2
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
