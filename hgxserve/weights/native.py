@@ -338,10 +338,13 @@ class NativeTransfer:
         poller.start()
         completed: set[str] = set()
         try:
-            assert proc.stdin is not None and proc.stdout is not None
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.write(self._commands(files))
-                proc.stdin.close()
+            assert proc.stdout is not None
+            # Commands go in from another thread: with thousands of files, s5cmd stops reading
+            # them while its completion lines wait for us to read stdout.
+            feeder = threading.Thread(
+                target=_feed, args=(proc, self._commands(files)), name="s5cmd-stdin", daemon=True
+            )
+            feeder.start()
             for line in proc.stdout:
                 self._on_line(line, by_name, pool, futures, completed)
             proc.wait()
@@ -506,6 +509,13 @@ class NativeTransfer:
             result.mtime_ns = os.stat(base, dir_fd=parent, follow_symlinks=False).st_mtime_ns
         finally:
             os.close(parent)
+
+
+def _feed(proc: subprocess.Popen[str], commands: str) -> None:
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError, ValueError, OSError):
+        proc.stdin.write(commands)
+        proc.stdin.close()
 
 
 def _sha256_fd(fd: int) -> str:

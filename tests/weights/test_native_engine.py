@@ -291,3 +291,31 @@ def test_native_disk_full_is_a_clear_error(
         assert len([n for n in ("a.bin", "b.bin") if (dest / n).exists()]) < 2
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_native_many_files(bucket: Bucket, aws_env: dict[str, str], tmp_path: Path) -> None:
+    # More command and completion lines than a pipe holds: neither side may wait on the other.
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = {f"shards/part-{i:04d}.bin": os.urandom(1024 + i) for i in range(600)}
+    with ThreadPoolExecutor(16) as pool:
+        list(
+            pool.map(
+                lambda kv: bucket.put("many/" + kv[0], kv[1], ChecksumAlgorithm="SHA256"),
+                files.items(),
+            )
+        )
+    dest = tmp_path / "many"
+    run = hgx(
+        aws_env,
+        "sync",
+        f"s3://{bucket.name}/many/",
+        str(dest),
+        *endpoint(bucket.port),
+        *NATIVE,
+        "--json",
+        timeout=180,
+    )
+    assert run.rc == 0, run.text
+    assert json.loads(run.out)["engine"] == "s5cmd v2.3.0 (600 files)"
+    assert tree(dest) == files
