@@ -10,6 +10,7 @@ exist without a record, fetch the rest with the parallel engine (sha256 inline),
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import sys
@@ -526,9 +527,14 @@ def _fetch(
             try:
                 if by_python:
                     run_group(by_python, False)
-            finally:
+            except BaseException:
+                # this error (or Ctrl-C) is the one to report; the other engine just stops
                 if pending is not None:
-                    pending.result()
+                    with contextlib.suppress(Exception):
+                        pending.result()
+                raise
+            if pending is not None:
+                pending.result()
     finally:
         progress.close()
 

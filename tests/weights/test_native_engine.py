@@ -319,3 +319,39 @@ def test_native_many_files(bucket: Bucket, aws_env: dict[str, str], tmp_path: Pa
     assert run.rc == 0, run.text
     assert json.loads(run.out)["engine"] == "s5cmd v2.3.0 (600 files)"
     assert tree(dest) == files
+
+
+def test_ctrl_c_stops_s5cmd_says_interrupted_and_the_next_run_completes(
+    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+) -> None:
+    files = files_with_checksums(bucket, "i/", 9)
+    port, seen = proxy
+    seen.faults.get_delay = 0.3
+    dest = tmp_path / "i"
+    src = f"s3://{bucket.name}/i/"
+    argv = [str(VENV_BIN / "hgxserve"), "weights", "sync", src, str(dest), *endpoint(port)]
+    proc = subprocess.Popen(
+        [*argv, *NATIVE],
+        env=aws_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches it
+    )
+    child = None
+    deadline = time.monotonic() + 30
+    while child is None and time.monotonic() < deadline:
+        child = _child_s5cmd(proc.pid)
+        time.sleep(0.05)
+    assert child is not None, "s5cmd never started"
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not Path(f"/proc/{child}/cmdline").exists()
+    assert not (dest / ".hgxserve" / "verified").exists()
+    seen.reset()
+    again = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE)
+    assert again.rc == 0, again.text
+    assert tree(dest) == files and not (dest / STAGING).exists()
