@@ -49,7 +49,10 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
             f"rm -rf {q(staging)} && mkdir -p {q(staging)} && "
             f"tar -xf {q(staging + '.tar')} -C {q(staging)}",
             f"test -x {q(prefix + '/bin/pip')} || {q(python)} -m venv {q(prefix)}",
-            f"{q(prefix + '/bin/pip')} install -q --no-index --find-links {q(staging)} hgxserve",
+            # every wheel of the wheelhouse: a dependency added since the installed agent is
+            # installed too (asking for `hgxserve` alone would be satisfied by the old one)
+            f"{q(prefix + '/bin/pip')} install -q --no-index --find-links {q(staging)} "
+            f"{q(staging)}/*.whl",
             f"{q(prefix + '/bin/pip')} install -q --no-index --find-links {q(staging)} "
             "--no-deps --force-reinstall hgxserve",
             f"echo {q(digest)} > {q(marker)}",
