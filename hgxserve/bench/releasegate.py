@@ -13,6 +13,7 @@ release's regression check reads "the last confirmed release's kept result".
 from __future__ import annotations
 
 import io
+import json
 import os
 import shlex
 import subprocess
@@ -216,6 +217,19 @@ def run_bench_gate(
     return True
 
 
+def _shared_points(old: Path, new: Path) -> set[tuple[str, str]]:
+    """(scenario, load) points both runs measured: what `bench compare` can judge."""
+
+    def points(path: Path) -> set[tuple[str, str]]:
+        try:
+            data = json.loads(path.read_text())
+            return {(str(p["scenario"]), str(p["label"])) for p in data.get("points") or []}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return set()
+
+    return points(old) & points(new)
+
+
 def _regression(
     state: State, host: Host, coord: Coordination, step: BenchStep, root: str, work: Path,
     run_dir: Path,
@@ -226,6 +240,13 @@ def _regression(
         host.log_styled(
             f"bench gate: no kept result of the last confirmed release ({where}): "
             "regression not checked, this run becomes the reference"
+        )
+        return
+    if not _shared_points(previous, run_dir / "run.json"):
+        host.log_styled(
+            f"bench gate: the kept result of release {step.previous[1] if step.previous else '?'}"
+            f" has no point of scenario {step.scenario} at this run's loads: regression not "
+            "checked, this run becomes the reference"
         )
         return
     argv = [

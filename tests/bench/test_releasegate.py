@@ -132,6 +132,16 @@ def test_a_regression_past_the_margin_fails_the_gate(tmp_path: Path) -> None:
     step.max_regression_pct = 60
     releasegate._regression(_State(hosts), hosts["hgx-c"], coord, step, str(root), work / "b", new)  # type: ignore[arg-type]
     assert coord.verdict == (True, "GATE-OK")
+    # a kept result of another scenario: nothing to compare, said, not failed
+    other = _fake_run("other", ttft=20.0, tput=2.0)
+    for point in other["points"]:
+        point["scenario"] = "renamed"
+    _kept(root, "other444", other)
+    coord = Coordination(verdict=(True, "GATE-OK"))
+    step.max_regression_pct, step.previous = 10, ("hgx-c", "other444")
+    releasegate._regression(_State(hosts), hosts["hgx-c"], coord, step, str(root), work / "d", new)  # type: ignore[arg-type]
+    assert coord.verdict == (True, "GATE-OK")
+    assert "has no point of scenario long at this run's loads" in hosts["hgx-c"].said[-1]
     # no kept result of the last confirmed release: said, not failed
     coord = Coordination(verdict=(True, "GATE-OK"))
     step.previous = ("hgx-c", "gone222")
