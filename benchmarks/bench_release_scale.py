@@ -21,6 +21,7 @@ Prints a table; asserts nothing about the time. The hosts are left down afterwar
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -163,13 +164,16 @@ def main() -> None:
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
     results: dict[int, dict[str, float]] = {}
+    # a lease, as a pytest session holds: no other session replaces the hosts mid-measurement
+    testbed_hosts.take_lease(os.getpid())
     try:
         with tempfile.TemporaryDirectory() as work:
             for count in counts:
                 results[count] = measure(count, Path(work), args.logs)
     finally:
         demo.stop_s3()
-        testbed_hosts.down()
+        if not testbed_hosts.drop_lease(os.getpid()):
+            testbed_hosts.down()
     cases = ["pyinfra floor", "fresh", "no-op", "switch"]
     print("\nrelease time (s) against the number of test hosts (one engine per host)")
     print(f"{'hosts':>5} " + " ".join(f"{c:>14}" for c in cases))

@@ -765,6 +765,14 @@ def up(count: int = 3, gpu: str | Sequence[str] = "h200") -> Testbed:
                 _warn_simengine(have_engine)
                 return bed
             reason = "; ".join(problems) if problems else "a different host set was asked for"
+            users = [] if problems else other_users(os.getpid())
+            if users:
+                # Replacing them would wipe hosts another session is using mid-run (a bench's
+                # no-op then finds a host deploying from scratch): refuse, as `down` does.
+                raise TestbedError(
+                    f"{reason} ({count} host(s)), but the running {', '.join(bed.names)} are in "
+                    f"use by PIDs {', '.join(map(str, users))}: wait for them, or `down --force`"
+                )
             say(f"replacing the recorded test hosts ({reason})")
             _down_locked(bed)
         else:

@@ -205,6 +205,37 @@ def test_rootfs_stamp_changes_with_the_package_list(monkeypatch):
 # ------------------------------------------------------------------ real hosts
 
 
+def test_up_refuses_to_replace_hosts_another_session_uses(tmp_path, monkeypatch):
+    """A different host set asked for while another live process holds a lease: refused,
+    nothing torn down (replacing them wiped a running benchmark's hosts mid-run)."""
+    monkeypatch.setattr(hosts, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(hosts, "preflight", lambda: None)
+    recorded = hosts.Testbed(
+        hosts=[
+            hosts.Host(f"hgx-{x}", f"10.77.0.{11 + i}", "h200", f"n{x}", f"v{x}", str(tmp_path))
+            for i, x in enumerate("abcdef")
+        ],
+        ssh_key="k",
+        state_file=str(tmp_path / "state.json"),
+    )
+    monkeypatch.setattr(hosts, "load", lambda: recorded)
+    monkeypatch.setattr(hosts, "_healthy", lambda bed: [])
+    replaced: list[str] = []
+    monkeypatch.setattr(hosts, "_down_locked", lambda bed: replaced.append("down"))
+    monkeypatch.setattr(hosts, "_up_locked", lambda count, kinds: replaced.append(f"up {count}"))
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        hosts.take_lease(other.pid)
+        with pytest.raises(hosts.TestbedError, match=f"in use by PIDs {other.pid}"):
+            hosts.up(3)
+        assert replaced == []
+    finally:
+        other.kill()
+        other.wait()
+    hosts.up(3)  # its holder is gone: the lease no longer counts
+    assert replaced == ["down", "up 3"]
+
+
 @pytest.mark.e2e
 def test_systemd_is_pid_1_and_running(testbed):
     for name in testbed.names:
@@ -341,6 +372,7 @@ def test_each_host_has_its_own_cgroup_tree(testbed):
         assert "0::/init.scope" in out, out
 
 
+@pytest.mark.e2e  # it boots the shared hosts: only under the e2e lock, never in a fast run
 def test_up_again_reuses_the_running_hosts(testbed):
     before = {h.name: h.pid for h in hosts.require().hosts}
     again = hosts.up(len(before), [h.gpu for h in testbed.hosts])
