@@ -6,6 +6,7 @@ SHA256 checksum (or the tree has a published manifest), which is what s5cmd file
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -27,7 +28,9 @@ from weights_helpers import (
 from weights_s3proxy import ProxyState
 
 from hgxserve.weights import native
-from hgxserve.weights.s3 import S3Options
+from hgxserve.weights.errors import SourceError
+from hgxserve.weights.s3 import S3Options, S3Url
+from hgxserve.weights.sources import S3Source
 from hgxserve.weights.sync import SyncOptions, sync
 from hgxserve.weights.transfer import SourceFile
 
@@ -355,3 +358,99 @@ def test_ctrl_c_stops_s5cmd_says_interrupted_and_the_next_run_completes(
     again = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE)
     assert again.rc == 0, again.text
     assert tree(dest) == files and not (dest / STAGING).exists()
+
+
+def native_source(bucket: str, endpoint_url: str) -> S3Source:
+    from hgxserve.weights.s3 import make_client
+
+    opts = S3Options(endpoint_url=endpoint_url, addressing="path", retries=1)
+    return S3Source(S3Url(bucket, "t/"), make_client(bucket, opts))
+
+
+def test_tls_is_verified_by_both_engines_and_a_private_ca_is_honoured(
+    bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    import ssl
+    import threading
+
+    from weights_s3proxy import ProxyState as State
+    from weights_s3proxy import _QuietServer, make_handler
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+        + ["-keyout", str(key), "-out", str(cert)],
+        capture_output=True,
+    )
+    if made.returncode:
+        pytest.skip("openssl cannot make a test certificate here")
+    files = files_with_checksums(bucket, "t/", 10)
+    server = _QuietServer(("127.0.0.1", 0), make_handler(State(("127.0.0.1", bucket.port))))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        tls = ["--endpoint-url", f"https://127.0.0.1:{server.server_address[1]}"]
+        tls += ["--addressing", "path", "--retries", "1"]
+        for engine in ("s5cmd", "python"):
+            dest = tmp_path / f"untrusted-{engine}"
+            run = hgx(
+                aws_env,
+                "sync",
+                f"s3://{bucket.name}/t/",
+                str(dest),
+                *tls,
+                *NATIVE,
+                "--engine",
+                engine,
+                "--manifest",
+                "none",
+            )
+            # the listing (in-process) already refuses the certificate; nothing is written
+            assert run.rc == 3, run.text
+            assert "AWS_CA_BUNDLE" in run.err and not (dest / ".hgxserve" / "verified").exists()
+        # s5cmd itself refuses the certificate too (its own GETs, no listing in front of it)
+        src = native_source(bucket.name, f"https://127.0.0.1:{server.server_address[1]}")
+        name = "config.json"
+        want = SourceFile(name, len(files[name]), "x", hashlib.sha256(files[name]).hexdigest())
+        want.verified_by = "manifest"
+        engine = native.find_engine()
+        assert engine is not None
+        (tmp_path / "direct").mkdir()  # sync makes DEST before an engine runs
+        transfer = native.NativeTransfer(
+            engine,
+            src,
+            str(tmp_path / "direct"),
+            [want],
+            4,
+            1 << 20,
+            None,
+            True,
+            lambda r: None,
+            lambda line: None,
+        )
+        with pytest.raises(SourceError, match="certificate|x509") as caught:
+            transfer.run()
+        assert "AWS_CA_BUNDLE" in str(caught.value.hint)
+        assert not (tmp_path / "direct" / name).exists()
+        env = dict(aws_env, AWS_CA_BUNDLE=str(cert))
+        dest = tmp_path / "trusted"
+        run = hgx(
+            env,
+            "sync",
+            f"s3://{bucket.name}/t/",
+            str(dest),
+            *tls,
+            *NATIVE,
+            "--json",
+            "--engine",
+            "s5cmd",
+        )
+        assert run.rc == 0, run.text
+        assert json.loads(run.out)["engine"] == "s5cmd v2.3.0 (4 files)"
+        assert tree(dest) == files
+    finally:
+        server.shutdown()
