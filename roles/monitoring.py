@@ -16,9 +16,11 @@ Example:
 
 from __future__ import annotations
 
+import shlex
 from io import StringIO
 
-from pyinfra.api import deploy
+from pyinfra import host
+from pyinfra.api import FactBase, deploy
 from pyinfra.operations import files, server, systemd
 
 from hgxserve.monitoring.host_files import (
@@ -36,9 +38,22 @@ from hgxserve.paths import (
     NODE_EXPORTER_DEFAULTS,
     PROMETHEUS_DEFAULTS,
     PROMETHEUS_DIR,
+    PROMETHEUS_DROPIN,
     UNIT_DIR,
 )
 from roles.nvidia_driver import APT_CACHE_SECONDS, pinned_packages
+
+
+class FilesUnder(FactBase):
+    """Files below a directory (none when it does not exist)."""
+
+    default = list
+
+    def command(self, path: str) -> str:
+        return f"find {shlex.quote(path)} -type f 2>/dev/null || true"
+
+    def process(self, output: list[str]) -> list[str]:
+        return [line for line in output if line]
 
 
 def _put(name: str, text: str, dest: str, mode: str = "644"):
@@ -120,6 +135,11 @@ def _prometheus(part: HostMonitoring, cache_time: int) -> None:
     config = [
         _put(f"Write {path}", text, path) for path, text in sorted(part.prometheus_files.items())
     ]
+    # targets and rules of a topology this Prometheus no longer runs for go with it
+    dropin = f"{PROMETHEUS_DIR}/{PROMETHEUS_DROPIN}"
+    found = host.get_fact(FilesUnder, path=dropin)
+    for stale in sorted(set(found) - set(part.prometheus_files)):
+        config.append(files.file(name=f"Remove stale {stale}", path=stale, present=False))
     args = _put("Set Prometheus' listen port and retention", part.prometheus_args,
                 PROMETHEUS_DEFAULTS)  # fmt: skip
     # a config Prometheus would refuse never reaches it: check on the host, before any reload

@@ -210,6 +210,14 @@ def test_monitoring_stage_converges_then_changes_nothing(lab: testbed_hosts.Test
         assert vendor == "disabled"
     assert lab.ssh("hgx-c", "systemctl is-active prometheus").stdout.strip() == "active"
     assert lab.ssh("hgx-a", "systemctl is-active prometheus").stdout.strip() == "inactive"
+    # rules of a topology this Prometheus no longer serves are removed (and Prometheus reloaded)
+    stale = "/etc/prometheus/hgxserve/rules/old-topology.rules.yml"
+    lab.ssh("hgx-c", f"printf 'groups: []\\n' > {stale}", check=True)
+    cleanup = lab.pyinfra(
+        "deploys/monitoring.py", "--limit", "hgx-c", "--data", f"topology={TOPOLOGY}"
+    )
+    assert changes(cleanup) > 0
+    assert lab.ssh("hgx-c", f"test -e {stale}").returncode == 1
 
 
 def test_every_target_is_up(lab: testbed_hosts.Testbed) -> None:
