@@ -37,6 +37,7 @@ from hgxserve.runtime.wheelhouse import (
 )
 from hgxserve.stages import in_site_run
 from hgxserve.topology.model import S3Source
+from roles.agent import agent
 from roles.container_runtime import container_runtime
 from roles.engine_files import engine_files
 from roles.nvidia_driver import DRIVER_VERSION
@@ -101,6 +102,8 @@ s3_endpoint = host.data.get("image_s3_endpoint") or (weights_s3.endpoint if weig
 s3_addressing = host.data.get("image_s3_addressing") or (
     weights_s3.addressing if weights_s3 else "auto"
 )
+if images and prefix:
+    agent()  # image archives are fetched and verified by the agent (`hgxserve runtime fetch-image`)
 for image, tool in images:
     digest = image_digest(image)
     container_runtime(

@@ -429,6 +429,25 @@ def rdma_devices(kind: str) -> list[str]:
     return [block[0].split()[1] for block in module.blocks(kind)]
 
 
+# podman on a test host. Its root is an overlayfs (the shared rootfs under the host's own upper
+# layer), on which podman's overlay storage driver cannot stack: vfs copies layers instead. And
+# nspawn's seccomp filter refuses keyctl(2), so crun cannot give a container its own session
+# keyring ("crun: create keyring ...: Operation not permitted"): keyring = false.
+CONTAINERS_STORAGE = """\
+# hgxserve test host: the root filesystem is an overlayfs, on which podman's overlay driver
+# cannot stack; vfs copies each layer (slower and larger, fine for the small test images)
+[storage]
+driver = "vfs"
+runroot = "/run/containers/storage"
+graphroot = "/var/lib/containers/storage"
+"""
+CONTAINERS_CONF = """\
+# hgxserve test host: systemd-nspawn refuses keyctl(2), crun cannot create a session keyring
+[containers]
+keyring = false
+"""
+
+
 def install_simulation(host: Host) -> bool:
     """Copy the fake GPU tools into a host and build the simulated engine wheels on the
     controller; False if there is no simengine yet.
@@ -440,6 +459,8 @@ def install_simulation(host: Host) -> bool:
     _write(lib / "nvidia_smi.py", (FAKES_DIR / "nvidia_smi.py").read_bytes())
     _write(root / "usr/local/bin/nvidia-smi", (FAKES_DIR / "nvidia_smi.py").read_bytes(), 0o755)
     _write(root / "usr/local/bin/ibv_devinfo", (FAKES_DIR / "ibv_devinfo.py").read_bytes(), 0o755)
+    _write(root / "etc/containers/storage.conf", CONTAINERS_STORAGE)
+    _write(root / "etc/containers/containers.conf", CONTAINERS_CONF)
     share = root / "usr/local/share/hgxserve-testbed/fixtures"
     for fixture in sorted((FAKES_DIR / "fixtures").glob("*.txt")):
         _write(share / fixture.name, fixture.read_bytes())

@@ -25,8 +25,10 @@ from testbed.util import TestbedError, say
 SUITE = "bookworm"
 VARIANT = "minbase"
 # What a test host needs: systemd as PID 1, sshd, a Python for pyinfra facts and the simulated
-# engine, venv/pip for roles that build runtime venvs, the basic tools facts run, and Debian's
-# UCX library (libucp), which the runtime preflight looks for beside NIXL on P/D hosts; Debian's
+# engine, venv/pip for roles that build runtime venvs, the basic tools facts run, Debian's
+# UCX library (libucp), which the runtime preflight looks for beside NIXL on P/D hosts; podman,
+# which the container runtime role loads engine images into (with netavark: podman's
+# container-network-stack, a virtual package debootstrap does not resolve by itself); Debian's
 # Prometheus and node exporter, which the monitoring stage installs from the hosts' mirror (the
 # test hosts have none: here they are preinstalled, their units left disabled until the stage
 # enables them).
@@ -45,6 +47,8 @@ PACKAGES = (
     "ca-certificates",
     "curl",
     "libucx0",
+    "podman",
+    "netavark",
     "prometheus",
     "prometheus-node-exporter",
 )
