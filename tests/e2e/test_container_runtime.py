@@ -8,12 +8,12 @@ load`s it and checks the digest podman reports; a tampered archive and an archiv
 image are refused before anything is loaded; a second run changes nothing; a unit runs the image
 with `--pull=never` and it serves.
 
-What the test hosts cannot have, and what stands in for it (docs/runtime.md, "Where the testing
-stops"): NVIDIA's Container Toolkit is not reachable from here (its apt repository is NVIDIA's
+What the test hosts cannot have, and what stands in for it (docs/runtime.md, "Where the container
+path stops"): NVIDIA's Container Toolkit is not reachable from here (its apt repository is NVIDIA's
 own; Debian has no such package), so `nvidia-container-toolkit` / `-base` are empty stand-in
 .debs under the real names and version, and `nvidia-ctk` does not exist. The CDI spec's stamp is
 set as if a spec had been generated for the fake nvidia-smi's driver; with an older stamp the
-role regenerates, and that is exactly where the run stops (`nvidia-ctk: command not found`).
+role regenerates, and that is exactly where the run stops: the shell's `nvidia-ctk: not found`.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def test_image_loaded_from_s3_by_digest_and_served(lab) -> None:
     # 4. again: nothing changes, nothing is fetched
     code, text = runtime_stage(bed, topo)
     assert code == 0 and grand_total(text)[1:3] == ("-", "-"), text[-3000:]
-    assert f"image {image} is already loaded" in text
+    assert f"Load {image}" not in text and "Install podman" in text
 
     # 5. a unit runs the image without pulling and the simulated engine serves from it.
     #    --cgroups=disabled: crun raises RLIMIT_MEMLOCK to load its eBPF device-cgroup filter,
