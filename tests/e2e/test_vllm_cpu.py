@@ -264,7 +264,8 @@ def test_runtime_stage_installs_vllm(lab: testbed_hosts.Testbed) -> None:
 
 
 def test_simulated_baseline(lab: testbed_hosts.Testbed) -> None:
-    proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=weights,engines")
+    # the runtime stage too: on fresh hosts the simulated engine is not installed yet
+    proc = deploy(lab, "deploys/site.py", f"topology={BASELINE}", "stages=runtime,weights,engines")
     assert proc.returncode == 0, output(proc)[-4000:]
     assert "GATE-OK" in output(proc)
 
