@@ -364,5 +364,5 @@ def test_rollback_to_the_baseline(lab: testbed_hosts.Testbed) -> None:
     assert lab.ssh(HOST, f"test -d /proc/{pid}").returncode != 0  # the real engine is gone
     # the simulated engine of the baseline (testbed/simengine.py) serves again
     baseline = sh(lab, f"tr '\\0' ' ' < /proc/{after[UNIT]}/cmdline")
-    assert "simengine.py --engine vllm serve /models/tiny " in baseline
+    assert "/opt/vllm-sim/bin/vllm serve /models/tiny " in baseline  # the simulated wheel
     assert complete()[0]
