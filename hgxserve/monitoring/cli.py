@@ -66,16 +66,9 @@ def render(file: str, out_dir: str, check: bool) -> None:
     from hgxserve.monitoring.render import render_tree
     from hgxserve.monitoring.rules import rule_groups
     from hgxserve.monitoring.targets import scrape_targets, unreachable_engines
-    from hgxserve.topology import check_topology
+    from hgxserve.topology import topology_to_render
 
-    result = check_topology(file)
-    for problem in result.problems:
-        click.echo(problem.text(), err=True)
-    if result.unreadable:
-        raise UsageError(f"{file}: not rendered: the file cannot be read or parsed")
-    if result.errors or result.topology is None:
-        raise Found(f"{file}: not rendered: the topology has errors")
-    topo = result.topology
+    topo = topology_to_render(file)
     tree = render_tree(topo)
     out = Path(out_dir)
     for rel, text in tree.items():

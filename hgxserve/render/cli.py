@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from hgxserve.errors import Found, UsageError, cli_errors
+from hgxserve.errors import UsageError, cli_errors
 
 # Files written by the last render of a host tree, so a re-render removes what it no longer has.
 MANIFEST = ".hgxserve-render.json"
@@ -65,16 +65,9 @@ def render(file: str, out_dir: str, only_host: str | None) -> None:
     hgxserve render topologies/h20-v4flash-4p4d.yml --out build/render --host h20-a
     """
     from hgxserve.render import RenderError, render_host
-    from hgxserve.topology import check_topology
+    from hgxserve.topology import topology_to_render
 
-    result = check_topology(file)
-    for problem in result.problems:
-        click.echo(problem.text(), err=True)
-    if result.unreadable:
-        raise UsageError(f"{file}: not rendered: the file cannot be read or parsed")
-    if result.errors or result.topology is None:
-        raise Found(f"{file}: not rendered: the topology has errors")
-    topo = result.topology
+    topo = topology_to_render(file)
     hosts = topo.hosts_in_use()
     if only_host is not None:
         if only_host not in topo.hosts:
