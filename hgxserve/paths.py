@@ -67,6 +67,7 @@ def unit_credentials_dir(unit: str) -> str:
     """Where systemd exposes a unit's LoadCredential= files while it runs."""
     return f"{RUN_CREDENTIALS_DIR}/{unit}"
 
+
 # Monitoring (deploys/monitoring.py): Prometheus' own config directory (Debian's package), the
 # drop-in directory inside it (file_sd targets, rules) that its config names relative to itself,
 # the package's ARGS file, node exporter's ARGS file, the DCGM exporter's counters file and the

@@ -78,9 +78,7 @@ class RoundRelay:
             async with self._session.request(
                 request.method, self.upstream + request.path_qs, data=body, headers=headers
             ) as upstream:
-                out_headers = {
-                    k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP
-                }
+                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP}
                 out_headers["X-Request-Id"] = req_id
                 response = web.StreamResponse(status=upstream.status, headers=out_headers)
                 await response.prepare(request)
