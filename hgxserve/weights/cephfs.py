@@ -7,30 +7,10 @@ text = mount_unit(["10.0.0.1:6789"], "/models", "models-ro", "/etc/ceph/models.s
 
 from __future__ import annotations
 
-import string
-
+from hgxserve.render.systemd import mount_unit_name as unit_name
 from hgxserve.render.systemd import unit_value
 
-_SAFE = set(string.ascii_letters + string.digits + ":_.")
-
-
-def unit_name(where: str) -> str:
-    """systemd's escaped unit name for a mount point (`systemd-escape --path --suffix=mount`).
-
-    unit_name("/mnt/hgxserve-models")  # "mnt-hgxserve\\x2dmodels.mount"
-    """
-    path = where.strip("/")
-    if not path:
-        return "-.mount"
-    out = []
-    for i, ch in enumerate(path):
-        if ch == "/":
-            out.append("-")
-        elif ch in _SAFE and not (i == 0 and ch == "."):
-            out.append(ch)
-        else:
-            out.extend(f"\\x{b:02x}" for b in ch.encode())
-    return "".join(out) + ".mount"
+__all__ = ["mount_unit", "unit_name"]
 
 
 def mount_unit(

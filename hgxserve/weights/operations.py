@@ -7,12 +7,16 @@ synced(name="Sync model weights", options=SyncArgs("s3://models/x/", "/models/x"
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
+from io import StringIO
 from typing import Any
 
 from pyinfra import host
 from pyinfra.api import FactBase, StringCommand, operation
+from pyinfra.facts.systemd import SystemdStatus
+from pyinfra.operations import files
 
 from hgxserve.paths import AGENT
 from hgxserve.weights.options import SyncArgs
@@ -160,3 +164,81 @@ def verified(
         if value:
             command += [flag, q(value)]
     yield StringCommand(" ".join(command))
+
+
+class FileDigest(FactBase):
+    """A file's mode and the sha256 of its content, or None when it is not a file.
+
+    pyinfra's own file hash facts parse `sha1sum PATH`, which GNU coreutils prints as
+    `\\<hash>  <escaped path>` when the path holds a backslash, as every escaped mount unit
+    name does (`mnt-hgxserve\\x2dmodels.mount`): the fact then reads "no such file" and
+    `files.put` uploads on every run. Hashing stdin names no path.
+
+    Example:
+        >>> FileDigest().process(["644", "ab" * 32 + "  -"])
+        ('644', 'abababababababababababababababababababababababababababababababab')
+    """
+
+    def command(self, path: str) -> str:
+        p = shlex.quote(path)
+        return f"if [ -f {p} ]; then stat -c %a {p} && sha256sum < {p}; fi"
+
+    def process(self, output: list[str]) -> tuple[str, str] | None:
+        if len(output) < 2 or not output[1].split():
+            return None
+        return output[0].strip(), output[1].split()[0]
+
+
+@operation()
+def file_content(dest: str, content: str, mode: str = "644"):
+    """Hold `content` in `dest` with `mode`; unchanged when both already match.
+
+    + dest: absolute path on the host (any name: compared without printing it)
+    + content: the file's text
+    + mode: octal mode
+
+    **Example:**
+
+    .. code:: python
+
+        file_content(name="Mount unit", dest="/etc/systemd/system/mnt-m.mount", content=text)
+    """
+    want = (mode.lstrip("0") or "0", hashlib.sha256(content.encode()).hexdigest())
+    have = host.get_fact(FileDigest, path=dest)
+    if have and tuple(have) == want:
+        host.noop(f"{dest} is up to date")
+        return
+    yield from files.put._inner(src=StringIO(content), dest=dest, mode=mode, force=True)
+
+
+# what the kernel client's usual refusals mean, printed with a failed mount's log
+MOUNT_ERRORS = (
+    "mount error 13: wrong user (name=), key (secretfile=) or a path outside its caps, "
+    "2: no such path, 110: no monitor answered"
+)
+
+
+@operation()
+def mount_started(unit: str, restart: bool = False):
+    """Start a .mount unit unless it is mounted, or (`restart`) remount it. When the mount
+    fails, the mount helper's own lines of this attempt (`mount error 13 = Permission denied`)
+    go to stderr, so the deploy's output names the cause, not only systemd's "Job ... failed".
+
+    + unit: the .mount unit (escaped name, e.g. `mnt-hgxserve\\x2dmodels.mount`)
+    + restart: remount (its unit file changed; the caller knows it was mounted before the run)
+
+    **Example:**
+
+    .. code:: python
+
+        mount_started(name="Mount the model store", unit="mnt-models.mount")
+    """
+    if not restart and host.get_fact(SystemdStatus, services=[unit]).get(unit):
+        host.noop(f"{unit} is mounted")
+        return
+    u = shlex.quote(unit)
+    yield StringCommand(
+        f"since=$(date +%s); systemctl {'restart' if restart else 'start'} {u} || {{ rc=$?; "
+        f"echo {shlex.quote(f'{unit} did not mount; {MOUNT_ERRORS}; its log:')} >&2; "
+        f"journalctl -u {u} --since @$since --no-pager -o cat >&2; exit $rc; }}"
+    )

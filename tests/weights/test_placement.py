@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hgxserve.paths import weights_state_dir
+from hgxserve.paths import AGENT, weights_state_dir
 from hgxserve.render import render_host
+from hgxserve.render.systemd import mount_unit_name
+from hgxserve.status.report import inspect_argv
 from hgxserve.topology import load_topology
 from hgxserve.topology.placement import pin_digest, serving_tree
 
@@ -59,3 +61,28 @@ def test_a_pinned_digest_reaches_the_units(tmp_path: Path) -> None:
     plain = REPO / "topologies/h200-dsv32-tp8.yml"
     assert "--digest" not in unit_text(plain)
     assert f"--digest {DIGEST}" in unit_text(plain, DIGEST)
+
+
+def test_in_place_engines_start_after_the_mount_and_status_reads_it(tmp_path: Path) -> None:
+    path = variant(tmp_path, {"      stage: true\n": "      stage: false\n"})
+    topo = load_topology(str(path))
+    mount = topo.model.source.mount  # type: ignore[union-attr]
+    unit = mount_unit_name(mount)
+    text = unit_text(path)
+    # ordered after the store and pulling it in at boot; not Requires= (a remount of a changed
+    # mount unit would restart every engine outside a release)
+    assert f"After=network-online.target {unit}\n" in text
+    assert f"Wants=network-online.target {unit}\n" in text
+    assert "Requires" not in text
+    argv = inspect_argv(topo, "h200-a", AGENT)  # `hgxserve status` reads the same marker
+    assert argv[argv.index("--model-path") + 1] == mount
+    assert argv[argv.index("--weights-state-dir") + 1] == weights_state_dir(topo.model.name)
+
+
+def test_staged_engines_do_not_wait_for_the_mount(tmp_path: Path) -> None:
+    staged = REPO / "topologies/h200-dsv32-tp8.yml"
+    topo = load_topology(str(staged))
+    assert "After=network-online.target\n" in unit_text(staged)
+    argv = inspect_argv(topo, "h200-a", AGENT)
+    assert argv[argv.index("--model-path") + 1] == topo.model.path
+    assert "--weights-state-dir" not in argv

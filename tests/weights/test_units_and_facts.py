@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 from pathlib import Path
@@ -65,3 +66,30 @@ def test_sync_command_never_carries_secrets() -> None:
     command = sync_command(SyncArgs("s3://b/m/", "/models/m", env_file="/etc/hgxserve/s3.env"))
     assert "--env-file /etc/hgxserve/s3.env" in command
     assert "SECRET" not in command.upper().replace("--ENV-FILE", "")
+
+
+def test_the_mount_unit_file_is_compared_without_its_escaped_name(tmp_path: Path) -> None:
+    """A unit named `mnt-hgxserve\\x2dmodels.mount`: pyinfra's hash fact cannot read GNU
+    sha1sum's line for it (a leading backslash, an escaped name), so files.put would upload it
+    on every run; FileDigest hashes stdin and reads it back."""
+    from pyinfra.facts.files import Sha1File
+
+    from hgxserve.weights.operations import FileDigest
+
+    path = tmp_path / unit_name("/mnt/hgxserve-models")
+    path.write_text("[Mount]\n")
+    path.chmod(0o644)
+    sha1 = subprocess.run(["sha1sum", str(path)], capture_output=True, text=True, check=True)
+    fact = Sha1File()
+    fact.command(str(path))
+    assert fact.process(sha1.stdout.splitlines()) is None  # what files.put would see
+    ours = FileDigest()
+    out = subprocess.run(
+        ["sh", "-c", ours.command(str(path))], capture_output=True, text=True, check=True
+    )
+    digest = hashlib.sha256(b"[Mount]\n").hexdigest()
+    assert ours.process(out.stdout.splitlines()) == ("644", digest)
+    gone = subprocess.run(
+        ["sh", "-c", ours.command(str(tmp_path / "none"))], capture_output=True, text=True
+    )
+    assert ours.process(gone.stdout.splitlines()) is None
