@@ -100,8 +100,9 @@ def gather(topo: Any, sessions: Any, agent: str, topology_file: str, digest: str
 @click.option(
     "--weights-digest",
     default=None,
-    help="The manifest digest every host must be verified for (as the weights deploy's "
-    "weights_digest); without it the hosts' markers must agree with each other.",
+    help="The manifest digest every host must be verified for, as given to the deploys "
+    "(--data weights_digest=): the release is then the one deployed with that pin. Without "
+    "it the hosts' markers must agree with each other.",
 )
 @click.option("--agent", default=AGENT, show_default=True, help="hgxserve on the hosts.")
 @connect_timeout_option
@@ -133,8 +134,10 @@ def status(
     """
     from hgxserve.status.remote import Sessions
     from hgxserve.status.table import render
+    from hgxserve.topology.placement import pin_digest
 
-    topo = _topology(topology)
+    # the engines deploy pins the units the same way, so the expected release matches
+    topo = pin_digest(_topology(topology), weights_digest)
     hosts = _inventory(inventory, list(topo.hosts))
     code = EXIT_UNKNOWN
     with Sessions(hosts, connect_timeout=connect_timeout) as sessions:

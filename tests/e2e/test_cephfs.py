@@ -118,15 +118,31 @@ def helper_calls(lab: Lab, host: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-def check_marker(lab: Lab) -> subprocess.CompletedProcess[str]:
-    """The engine unit's own ExecStartPre check-marker, run by hand on hgx-a."""
+def check_marker(lab: Lab, digest: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The engine unit's own ExecStartPre check-marker, run by hand on hgx-a (with `digest`
+    instead of the unit's pin, if given)."""
     shown = lab.bed.ssh(
         "hgx-a", "systemctl show -p ExecStartPre hgxserve-combined-0.service", check=True
     ).stdout
     argv = next(
         m.group(1) for m in re.finditer(r"argv\[\]=([^;]*);", shown) if "check-marker" in m[1]
-    )
-    return lab.bed.ssh("hgx-a", argv.strip())
+    ).strip()
+    if digest:
+        argv = argv.replace(lab.digest, digest)
+    return lab.bed.ssh("hgx-a", argv)
+
+
+def weights_status(lab: Lab) -> tuple[list[dict], dict]:
+    """`hgxserve status --json` of the topology: (its problems, hgx-a's weights part)."""
+    proc = subprocess.run(
+        [str(REPO / ".venv/bin/hgxserve"), "status", str(lab.topology), "--json",
+         "--inventory", "inventory/testhosts.py", "--weights-digest", lab.digest],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.stdout, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (proc.returncode == 0) == (report["problems"] == []), report["problems"]
+    return report["problems"], report["hosts"]["hgx-a"]["snapshot"]["weights"]
 
 
 def assert_still_serving(lab: Lab, before: dict[str, str]) -> None:
@@ -187,11 +203,21 @@ def test_second_deploy_changes_nothing_and_remounts_nothing(lab: Lab) -> None:
     proc = lab.deploy("stages=weights,engines", f"weights_digest={lab.digest}")
     assert proc.returncode == 0, output(proc)[-4000:]
     _, success, error, _ = release.grand_total(proc)
-    assert (success, error) == ("-", "-"), output(proc)[-3000:]
+    changed = [
+        line
+        for line in output(proc).splitlines()
+        if re.search(r"\s\d+\s+\d+\s+\S+\s+\S+\s*$", line)
+    ]
+    assert (success, error) == ("-", "-"), "\n".join(changed)
     assert_still_serving(lab, before)
     for host in lab.bed.names:
         assert mount_line(lab, host)[0] == mounts[host]
         assert len(helper_calls(lab, host)) == 1
+    # `hgxserve status` reads the marker where the weights stage wrote it, for the mount
+    problems, weights = weights_status(lab)
+    assert problems == [], problems
+    assert (weights["path"], weights["state_dir"]) == (MOUNT, STATE)
+    assert weights["marker"] == lab.digest and weights["intact"], weights
 
 
 def test_a_pinned_digest_other_than_the_trees_is_refused(lab: Lab) -> None:
@@ -202,6 +228,9 @@ def test_a_pinned_digest_other_than_the_trees_is_refused(lab: Lab) -> None:
     assert f"manifest digest is {lab.digest}, but {other} is required" in output(proc)
     for host in lab.bed.names:  # the marker still names the tree's own digest, not the pin
         assert lab.bed.ssh(host, f"cat {STATE}/verified").stdout.strip() == lab.digest
+    # and a unit pinned to `other` would not start on this tree
+    refused = check_marker(lab, other)
+    assert refused.returncode == 1 and other in refused.stdout + refused.stderr, refused
     assert_still_serving(lab, before)
 
 
@@ -236,4 +265,7 @@ def test_a_shard_changed_on_the_cluster_is_named_and_not_marked(lab: Lab) -> Non
         assert mount_line(lab, host), host
         assert lab.bed.ssh(host, f"test -e {STATE}/verified").returncode == 1, host
     assert check_marker(lab).returncode == 1
+    problems, weights = weights_status(lab)
+    assert not weights["marker"], weights  # status says so too
+    assert any(p["host"] == "hgx-a" and p["part"] == "weights" for p in problems), problems
     assert_still_serving(lab, before)
