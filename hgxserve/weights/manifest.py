@@ -191,3 +191,14 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def write_if_changed(path: str, data: bytes) -> None:
+    """atomic_write, skipped when the file already holds `data` (a no-op sync writes nothing)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.read() == data:
+                return
+    except FileNotFoundError:
+        pass
+    atomic_write(path, data)

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hgxserve.weights.manifest import Manifest, atomic_write
+from hgxserve.weights.manifest import Manifest, atomic_write, write_if_changed
 
 STATE_SCHEMA = "hgxserve.weights.state/1"
 STATE_DIR_NAME = ".hgxserve"
@@ -128,15 +128,7 @@ def remove_marker(directory: str) -> None:
 
 
 def save_manifest_copy(directory: str, manifest: Manifest) -> None:
-    path = os.path.join(directory, "manifest.json")
-    data = manifest.dumps()
-    try:
-        with open(path, "rb") as fh:
-            if fh.read() == data:
-                return
-    except FileNotFoundError:
-        pass
-    atomic_write(path, data)
+    write_if_changed(os.path.join(directory, "manifest.json"), manifest.dumps())
 
 
 def check_marker(dest: str, state_dir: str | None, digest: str | None) -> tuple[bool, str]:

