@@ -254,107 +254,158 @@ class Metrics:
         self.added_ttft[-1] += 1
 
     def render(self, pool: Pool) -> str:
-        out = [
-            "# HELP hgxserve_proxy_requests_total Requests answered, by route and status class.",
-            "# TYPE hgxserve_proxy_requests_total counter",
-        ]
-        for (route, endpoint, code), n in sorted(self.requests.items()):
-            out.append(
-                f'hgxserve_proxy_requests_total{{route="{route}",endpoint="{endpoint}",'
-                f'code="{code}"}} {n}'
-            )
-        out += [
-            "# HELP hgxserve_proxy_upstream_errors_total Upstream failures by instance.",
-            "# TYPE hgxserve_proxy_upstream_errors_total counter",
-        ]
-        for (role, url, kind), n in sorted(self.upstream_errors.items()):
-            out.append(
-                f'hgxserve_proxy_upstream_errors_total{{role="{role}",instance="{url}",'
-                f'kind="{kind}"}} {n}'
-            )
-        out += [
-            "# HELP hgxserve_proxy_outstanding_requests In-flight requests per instance.",
-            "# TYPE hgxserve_proxy_outstanding_requests gauge",
-        ]
-        for i in pool.instances:
-            out.append(
-                f'hgxserve_proxy_outstanding_requests{{role="{i.role}",instance="{i.url}"}} '
-                f"{i.outstanding}"
-            )
-        out += [
-            "# HELP hgxserve_proxy_instance_healthy 1 while the instance is in rotation.",
-            "# TYPE hgxserve_proxy_instance_healthy gauge",
-        ]
-        for i in pool.instances:
-            out.append(
-                f'hgxserve_proxy_instance_healthy{{role="{i.role}",instance="{i.url}"}} '
-                f"{int(i.healthy)}"
-            )
-        out += [
-            "# HELP hgxserve_proxy_instance_state_since_seconds When the instance last went"
-            " in or out of rotation (Unix time).",
-            "# TYPE hgxserve_proxy_instance_state_since_seconds gauge",
-        ]
-        for i in pool.instances:
-            out.append(
-                f'hgxserve_proxy_instance_state_since_seconds{{role="{i.role}",'
-                f'instance="{i.url}"}} {i.since:.3f}'
-            )
-        out += [
-            "# HELP hgxserve_proxy_instance_out_of_rotation Instances out of rotation, with why.",
-            "# TYPE hgxserve_proxy_instance_out_of_rotation gauge",
-        ]
-        for i in pool.instances:
-            if not i.healthy:
-                out.append(
-                    f'hgxserve_proxy_instance_out_of_rotation{{role="{i.role}",'
-                    f'instance="{i.url}",reason="{label_value(i.reason)}"}} 1'
-                )
-        out += [
-            "# HELP hgxserve_proxy_kv_handoffs_total P/D requests by what the prefill handed"
-            " to the decode: ok, none (no KV: decode computes the prompt), failed.",
-            "# TYPE hgxserve_proxy_kv_handoffs_total counter",
-        ]
-        for result, n in sorted(self.kv_handoffs.items()):
-            out.append(f'hgxserve_proxy_kv_handoffs_total{{result="{result}"}} {n}')
-        out += [
-            "# HELP hgxserve_proxy_start_time_seconds When this proxy started (Unix time).",
-            "# TYPE hgxserve_proxy_start_time_seconds gauge",
-            f"hgxserve_proxy_start_time_seconds {self.started:.3f}",
-        ]
-        out += [
-            "# HELP hgxserve_proxy_added_ttft_seconds Time to first byte spent in the proxy"
-            " itself (total minus time waiting on engines).",
-            "# TYPE hgxserve_proxy_added_ttft_seconds histogram",
-        ]
-        acc = 0
+        insts = pool.instances
+        where = [{"role": i.role, "instance": i.url} for i in insts]
+        acc, buckets = 0, []
         for bound, n in zip(LATENCY_BUCKETS, self.added_ttft, strict=False):
             acc += n
-            out.append(f'hgxserve_proxy_added_ttft_seconds_bucket{{le="{bound}"}} {acc}')
+            buckets.append(({"le": str(bound)}, acc))
         acc += self.added_ttft[-1]
-        out.append(f'hgxserve_proxy_added_ttft_seconds_bucket{{le="+Inf"}} {acc}')
-        out.append(f"hgxserve_proxy_added_ttft_seconds_count {acc}")
-        out.append(f"hgxserve_proxy_added_ttft_seconds_sum {self.added_sum}")
-        out += [
-            "# TYPE hgxserve_proxy_retries_total counter",
-            f"hgxserve_proxy_retries_total {self.retries}",
-            "# TYPE hgxserve_proxy_client_disconnects_total counter",
-            f"hgxserve_proxy_client_disconnects_total {self.disconnects}",
-            "# HELP hgxserve_proxy_refused_total Requests and connections turned away at the"
-            " front door, by reason.",
-            "# TYPE hgxserve_proxy_refused_total counter",
-        ]
-        for reason, n in sorted(self.refused.items()):
-            out.append(f'hgxserve_proxy_refused_total{{reason="{reason}"}} {n}')
-        out += [
-            "# TYPE hgxserve_proxy_open_connections gauge",
-            f"hgxserve_proxy_open_connections {self.open_connections}",
-            "# TYPE hgxserve_proxy_in_flight_requests gauge",
-            f"hgxserve_proxy_in_flight_requests {self.in_flight}",
-            "# TYPE hgxserve_proxy_buffered_body_bytes gauge",
-            f"hgxserve_proxy_buffered_body_bytes {self.buffered_body_bytes}",
-        ]
+        buckets.append(({"le": "+Inf"}, acc))
+        out: list[str] = []
+        family(
+            out,
+            "hgxserve_proxy_requests_total",
+            "counter",
+            "Requests answered, by route and status class.",
+            [
+                ({"route": route, "endpoint": endpoint, "code": code}, n)
+                for (route, endpoint, code), n in sorted(self.requests.items())
+            ],
+        )
+        family(
+            out,
+            "hgxserve_proxy_upstream_errors_total",
+            "counter",
+            "Upstream failures by instance.",
+            [
+                ({"role": role, "instance": url, "kind": kind}, n)
+                for (role, url, kind), n in sorted(self.upstream_errors.items())
+            ],
+        )
+        family(
+            out,
+            "hgxserve_proxy_outstanding_requests",
+            "gauge",
+            "In-flight requests per instance.",
+            [(w, i.outstanding) for w, i in zip(where, insts, strict=True)],
+        )
+        family(
+            out,
+            "hgxserve_proxy_instance_healthy",
+            "gauge",
+            "1 while the instance is in rotation.",
+            [(w, int(i.healthy)) for w, i in zip(where, insts, strict=True)],
+        )
+        family(
+            out,
+            "hgxserve_proxy_instance_state_since_seconds",
+            "gauge",
+            "When the instance last went in or out of rotation (Unix time).",
+            [(w, f"{i.since:.3f}") for w, i in zip(where, insts, strict=True)],
+        )
+        family(
+            out,
+            "hgxserve_proxy_instance_out_of_rotation",
+            "gauge",
+            "Instances out of rotation, with why.",
+            [
+                (w | {"reason": i.reason}, 1)
+                for w, i in zip(where, insts, strict=True)
+                if not i.healthy
+            ],
+        )
+        family(
+            out,
+            "hgxserve_proxy_kv_handoffs_total",
+            "counter",
+            "P/D requests by what the prefill handed to the decode: ok, none (no KV: decode "
+            "computes the prompt), failed.",
+            [({"result": result}, n) for result, n in sorted(self.kv_handoffs.items())],
+        )
+        family(
+            out,
+            "hgxserve_proxy_start_time_seconds",
+            "gauge",
+            "When this proxy started (Unix time).",
+            [({}, f"{self.started:.3f}")],
+        )
+        family(
+            out,
+            "hgxserve_proxy_added_ttft_seconds",
+            "histogram",
+            "Time to first byte spent in the proxy itself (total minus time waiting on engines).",
+            [],
+        )
+        name = "hgxserve_proxy_added_ttft_seconds"
+        out += [sample(f"{name}_bucket", labels, n) for labels, n in buckets]
+        out += [sample(f"{name}_count", {}, acc), sample(f"{name}_sum", {}, self.added_sum)]
+        for name, kind, help_text, value in (
+            (
+                "hgxserve_proxy_retries_total",
+                "counter",
+                "Upstream attempts retried on another instance.",
+                self.retries,
+            ),
+            (
+                "hgxserve_proxy_client_disconnects_total",
+                "counter",
+                "Clients that went away before their answer was complete.",
+                self.disconnects,
+            ),
+            (
+                "hgxserve_proxy_open_connections",
+                "gauge",
+                "Client connections open now.",
+                self.open_connections,
+            ),
+            (
+                "hgxserve_proxy_in_flight_requests",
+                "gauge",
+                "Client requests being answered now.",
+                self.in_flight,
+            ),
+            (
+                "hgxserve_proxy_buffered_body_bytes",
+                "gauge",
+                "Request body bytes held in memory now (bounded by the front door's budget).",
+                self.buffered_body_bytes,
+            ),
+        ):
+            family(out, name, kind, help_text, [({}, value)])
+        family(
+            out,
+            "hgxserve_proxy_refused_total",
+            "counter",
+            "Requests and connections turned away at the front door, by reason.",
+            [({"reason": reason}, n) for reason, n in sorted(self.refused.items())],
+        )
         return "\n".join(out) + "\n"
+
+
+def sample(name: str, labels: dict[str, str], value: object) -> str:
+    """One exposition line; every label value escaped (label_value)."""
+    if not labels:
+        return f"{name} {value}"
+    inner = ",".join(f'{k}="{label_value(v)}"' for k, v in labels.items())
+    return f"{name}{{{inner}}} {value}"
+
+
+def family(
+    out: list[str],
+    name: str,
+    kind: str,
+    help_text: str,
+    samples: list[tuple[dict[str, str], object]],
+) -> None:
+    """Append one metric family to `out`: # HELP (when given), # TYPE, then its samples.
+
+    family(out, "x_total", "counter", "Things.", [({"role": "decode"}, 3)])
+    """
+    if help_text:
+        out.append(f"# HELP {name} {help_text}")
+    out.append(f"# TYPE {name} {kind}")
+    out.extend(sample(name, labels, value) for labels, value in samples)
 
 
 def label_value(text: str) -> str:
