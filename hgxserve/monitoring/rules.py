@@ -250,35 +250,18 @@ def _kv_rules(topo: Topology, w: str) -> list[dict[str, Any]]:
         terms = " + ".join(f"increase({_sel(topo, c)}[{w}])" for c in kind.kv_failures)
         failures.append(f"sum by ({BY_ENGINE}) ({terms})")
     rules = [_record("engine:hgxserve_kv_transfer_failures:increase", _either(failures))]
-    transfers = [k.kv_transfers for k in kinds if k.kv_transfers]
-    if transfers:
-        rules.append(
-            _record(
-                "engine:hgxserve_kv_transfers:rate",
-                _either([f"sum by ({BY_ENGINE}) (rate({_sel(topo, t)}[{w}]))" for t in transfers]),
-            )
-        )
-    moved = [k.kv_bytes for k in kinds if k.kv_bytes]
-    if moved:
-        rules.append(
-            _record(
-                "engine:hgxserve_kv_transfer_bytes:rate",
-                _either([f"sum by ({BY_ENGINE}) (rate({_sel(topo, b)}[{w}]))" for b in moved]),
-            )
-        )
-    recomputed = [k.recomputed_prompt for k in kinds if k.recomputed_prompt]
-    if recomputed:
-        rules.append(
-            _record(
-                "engine:hgxserve_decode_recomputed_prompt_tokens:rate",
-                _either(
-                    [
-                        f"sum by ({BY_ENGINE}) (rate({_sel(topo, r, DECODE)}[{w}]))"
-                        for r in recomputed
-                    ]
-                ),
-            )
-        )
+    for name, counters, extra in (
+        ("engine:hgxserve_kv_transfers:rate", [k.kv_transfers for k in kinds], ""),
+        ("engine:hgxserve_kv_transfer_bytes:rate", [k.kv_bytes for k in kinds], ""),
+        (
+            "engine:hgxserve_decode_recomputed_prompt_tokens:rate",
+            [k.recomputed_prompt for k in kinds],
+            DECODE,
+        ),
+    ):
+        rates = [f"sum by ({BY_ENGINE}) (rate({_sel(topo, c, extra)}[{w}]))" for c in counters if c]
+        if rates:
+            rules.append(_record(name, _either(rates)))
     return rules
 
 
