@@ -170,7 +170,12 @@ def manifest(
     help="Mark the tree verified even without config.json, a tokenizer or every shard its "
     "safetensors index names (checked by default).",
 )
-@click.option("--no-fsync", is_flag=True, help="Skip fsync before renaming files into place.")
+@click.option(
+    "--no-fsync",
+    is_flag=True,
+    help="Do not wait for fetched files to be on disk (fsync / syncfs) before they are "
+    "recorded as verified.",
+)
 @click.option(
     "--engine",
     type=click.Choice(["auto", "s5cmd", "python"]),
