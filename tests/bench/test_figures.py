@@ -100,8 +100,15 @@ def test_engine_figures_are_the_rounds_window() -> None:
         "",
         {
             "prefill-0": vllm_text(prompt=1000, local=1000, gen=10, done=10),
-            "decode-0": vllm_text(prompt=1000, local=0, gen=500, done=10, e2e=(10, 5.0),
-                                  ttft=(10, 1.0), xfer=(40, 0.4)),  # fmt: skip
+            "decode-0": vllm_text(
+                prompt=1000,
+                local=0,
+                gen=500,
+                done=10,
+                e2e=(10, 5.0),
+                ttft=(10, 1.0),
+                xfer=(40, 0.4),
+            ),  # fmt: skip
             "combined-0": sglang_text(prompt=50, gen=80, done=5),
         },
     )
@@ -111,8 +118,16 @@ def test_engine_figures_are_the_rounds_window() -> None:
             # 16 requests of 128 prompt tokens in 2 s on 4 prefill GPUs
             "prefill-0": vllm_text(prompt=3048, local=3048, gen=26, done=26),
             # decode pulled every prompt (no local compute), 32 tokens each
-            "decode-0": vllm_text(prompt=3048, local=0, gen=1012, done=26, e2e=(26, 9.96),
-                                  ttft=(26, 1.8), xfer=(104, 1.04), failed=1),  # fmt: skip
+            "decode-0": vllm_text(
+                prompt=3048,
+                local=0,
+                gen=1012,
+                done=26,
+                e2e=(26, 9.96),
+                ttft=(26, 1.8),
+                xfer=(104, 1.04),
+                failed=1,
+            ),  # fmt: skip
             "combined-0": sglang_text(prompt=50, gen=80, done=5),
         },
     )
@@ -187,8 +202,13 @@ def _fake_run(run_id: str, ttft: float, tput: float, gpus: int = 10) -> dict:
     return {
         "schema_version": 1,
         "run_id": run_id,
-        "topology": {"name": "demo-pd", "file": "t.yml", "digest": "ab" * 32, "gpus": gpus,
-                     "gpus_by_role": {"decode": 4}},  # fmt: skip
+        "topology": {
+            "name": "demo-pd",
+            "file": "t.yml",
+            "digest": "ab" * 32,
+            "gpus": gpus,
+            "gpus_by_role": {"decode": 4},
+        },  # fmt: skip
         "release_id": "r1",
         "engine_versions": {"decode-0": "vllm 0.0.0+simulated"},
         "proxy_url": "http://10.77.0.13:8000",

@@ -210,8 +210,11 @@ def test_a_leftover_client_makes_the_round_wait_then_refuse(lab: Lab, tmp_path: 
         body = json.dumps({"model": "tiny", "prompt": "a leftover client", "max_tokens": 100,
                            "ignore_eos": True}).encode()  # fmt: skip
         while not stop.is_set():
-            req = urllib.request.Request(lab.proxy + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                lab.proxy + "/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=60) as resp:
                 resp.read()
 
@@ -237,9 +240,7 @@ def test_a_leftover_client_makes_the_round_wait_then_refuse(lab: Lab, tmp_path: 
     assert run["rounds"] == [] and "still busy" in run["refused"] and run["passed"] is False
 
 
-def test_an_sla_the_engine_cannot_meet_exits_1_naming_the_figure(
-    lab: Lab, tmp_path: Path
-) -> None:
+def test_an_sla_the_engine_cannot_meet_exits_1_naming_the_figure(lab: Lab, tmp_path: Path) -> None:
     topology = topology_with(
         tmp_path,
         "bench:\n  scenarios:\n"

@@ -3,6 +3,7 @@ that hold quotes, backslashes or newlines are escaped (one sample stays one line
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import types
@@ -38,11 +39,10 @@ def test_label_values_are_escaped_so_each_sample_is_one_line() -> None:
     lines = text.splitlines()
     assert 'route="odd\\"route\\nx"' in text
     assert 'reason="health: \\"503\\"\\nC:\\\\x"' in text
-    # every line is a comment or `name{...} value` / `name value`
+    # every line is a comment or one sample: name, optional {labels}, a number
+    sample = re.compile(r'^[a-z_]+(\{([a-z]+="([^"\\]|\\.)*",?)*\})? [0-9.e+-]+$')
     for line in lines:
-        assert line.startswith("# ") or line.split(" ")[-1].replace(".", "").replace(
-            "+", ""
-        ).replace("e", "").replace("-", "").isdigit(), line
+        assert line.startswith("# ") or sample.match(line), line
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
