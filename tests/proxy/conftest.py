@@ -51,6 +51,24 @@ class ProxyProcess:
             time.sleep(0.05)
         raise AssertionError(f"proxy not routable: {self.log()}")
 
+    def wait_in_rotation(self, timeout: float = 15) -> None:
+        """Until every instance has passed its first health probe (all in rotation).
+
+        /health answers 200 as soon as one route is healthy; a test that kills an engine to see
+        the proxy find it dead must first wait for this, or the first probe finds it dead.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [
+                line.rsplit(" ", 1)[1]
+                for line in self.metrics().splitlines()
+                if line.startswith("hgxserve_proxy_instance_healthy{")
+            ]
+            if states and all(state == "1" for state in states):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"not every instance came into rotation: {self.metrics()}")
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

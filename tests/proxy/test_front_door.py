@@ -266,6 +266,7 @@ def test_client_kv_transfer_params_never_reach_a_combined_engine(engines, proxy,
 def test_client_kv_transfer_params_never_reach_a_fallback_decode(engines, proxy, trap) -> None:
     pre, dec = vllm(engines, "prefill"), vllm(engines, "decode")
     px = proxy(pd_config(pre, dec, health={"interval_s": 30, "timeout_s": 1}))
+    px.wait_in_rotation()
     pre.kill()  # decode-only fallback: the decode prefills locally
     status, _ = completion(px.url, LONG, kv_transfer_params=trap.params)
     assert status == 200
@@ -348,6 +349,7 @@ def test_engine_dropping_one_request_is_retried_elsewhere_and_stays_in(engines, 
 def test_engine_refusing_connections_is_ejected_at_once(engines, proxy) -> None:
     c1, c2 = vllm(engines, None), vllm(engines, None)
     px = proxy(combined_config(c1, c2, health={"interval_s": 30, "timeout_s": 1}))
+    px.wait_in_rotation()
     c1.kill()
     for _ in range(3):
         assert completion(px.url)[0] == 200

@@ -200,6 +200,7 @@ def test_fallback_when_prefill_dies(engines, proxy) -> None:
             health={"interval_s": 30, "timeout_s": 1},
         )
     )
+    px.wait_in_rotation()
     pre.kill()  # still "healthy" for the next 30 s: the request itself finds it dead
     status, ans = http_json(
         "POST", px.url + "/v1/completions", {"model": "m", "prompt": LONG, "max_tokens": 4}
@@ -221,6 +222,7 @@ def test_fallback_when_prefill_dies(engines, proxy) -> None:
 def test_fallback_without_combined_decode_prefills_locally(engines, proxy) -> None:
     pre, dec = vllm(engines, "prefill"), vllm(engines, "decode")
     px = proxy(nixl_config([pre], [dec]))
+    px.wait_in_rotation()
     pre.kill()
     status, _ = http_json(
         "POST", px.url + "/v1/completions", {"model": "m", "prompt": LONG, "max_tokens": 4}
@@ -269,6 +271,7 @@ def test_retry_before_bytes_but_never_after_decode_streamed(engines, proxy) -> N
 def test_retry_on_dead_decode_before_any_byte(engines, proxy) -> None:
     pre, d1, d2 = vllm(engines, "prefill"), vllm(engines, "decode"), vllm(engines, "decode")
     px = proxy(nixl_config([pre], [d1, d2], health={"interval_s": 30, "timeout_s": 1}))
+    px.wait_in_rotation()
     d1.kill()
     d2.kill()
     d3_port = d2.port
