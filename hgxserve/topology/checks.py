@@ -34,6 +34,13 @@ BLACKWELL = ("B200",)
 # with async scheduling) and PR 32175 (MTP + P/D padding fix); both merged in January 2026.
 VLLM_NCCL_DP_SYNC = (0, 15, 0)
 VLLM_MTP_PD_FIX = (0, 15, 0)
+# First vLLM release seen to pull a larger prefill TP into a smaller decode TP over NIXL (vLLM PR
+# 27274, "Support P tensor-parallel-size > D tensor-parallel-size"): 0.32.0, run for real with
+# prefill TP2 -> decode TP1 (docs/vllm-cpu.md). Older releases keep the stricter rule, whose
+# assertion seed 000 §5.3.1 hit.
+VLLM_NIXL_P_TP_GT_D = (0, 32, 0)
+# Attention kinds whose KV is the same on every TP rank (MLA latent): nothing to split per head.
+REPLICATED_KV = ("mla", "dsa", "csa")
 UNSPECIFIED = (ANY_ADDRESS, "::")
 
 
@@ -447,18 +454,54 @@ def proxy_kind(topo: Topology) -> Iterator[Finding]:
             return
 
 
-@rule("pd-tp", "error", "vLLM NIXL: decode tp >= prefill tp and divisible by it.")
+@rule(
+    "pd-tp",
+    "error",
+    "vLLM NIXL: decode tp a multiple of prefill tp (vLLM >= 0.32: or a divisor of it).",
+)
 def pd_tp(topo: Topology) -> Iterator[Finding]:
     for index, p, d in pd_pairs(topo):
         if p.engine != "vllm" or d.engine != "vllm":
             continue
-        if d.tp < p.tp or d.tp % p.tp:
+        if d.tp >= p.tp and d.tp % p.tp == 0:
+            continue
+        where = setting_path(topo, d.name, "tp")
+        version = _version(d.version)
+        if d.tp > p.tp or version is None or version < VLLM_NIXL_P_TP_GT_D:
+            shown = f"vLLM {d.version}" if d.version else "vLLM of an unstated version"
+            newer = (
+                f"; vLLM >= {_show_version(VLLM_NIXL_P_TP_GT_D)} also takes a decode tp that "
+                "divides the prefill's"
+                if d.tp < p.tp
+                else ""
+            )
             yield (
-                setting_path(topo, d.name, "tp"),
+                where,
                 f"decode {d.name} tp {d.tp} must be >= prefill {p.name} tp {p.tp} and "
-                f"divisible by it (vLLM NIXL: 'Local tensor parallel size {d.tp} is not "
+                f"divisible by it ({shown} NIXL: 'Local tensor parallel size {d.tp} is not "
                 f"divisible by remote tensor parallel size {p.tp}'); use decode tp {p.tp} or "
-                f"{p.tp * 2}{_route_text(index)}",
+                f"{p.tp * 2}{newer}{_route_text(index)}",
+            )
+            continue
+        if p.tp % d.tp:
+            yield (
+                where,
+                f"decode {d.name} tp {d.tp} must divide prefill {p.name} tp {p.tp} (vLLM NIXL: "
+                f"'Remote tensor parallel size {p.tp} is not divisible by local tensor parallel "
+                f"size {d.tp}'); use decode tp "
+                + ", ".join(str(t) for t in range(1, p.tp) if p.tp % t == 0)
+                + f", {p.tp} or {p.tp * 2}{_route_text(index)}",
+            )
+            continue
+        arch = topo.model.architecture
+        kv_heads = arch.kv_heads
+        if arch.attention not in REPLICATED_KV and kv_heads and p.tp > kv_heads:
+            yield (
+                where,
+                f"prefill {p.name} tp {p.tp} > the model's {kv_heads} KV heads replicates its "
+                f"KV cache, and vLLM NIXL does not pull replicated KV into a smaller decode tp "
+                f"(decode {d.name} tp {d.tp}: an AssertionError in the decode's handshake); "
+                f"use decode tp >= {p.tp} or prefill tp <= {kv_heads}{_route_text(index)}",
             )
 
 
