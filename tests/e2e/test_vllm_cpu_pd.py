@@ -12,7 +12,8 @@ The tests run in order: the simulated baseline, the real P/D over it (cold start
 answer through P/D against the prefill engine's own, the same release with the RDMA check on
 (rolled back: the KV went over TCP), a no-op re-apply, and the rollback to the baseline.
 With ``HGXSERVE_VLLM_CPU_PD_TP=1`` as well, a last test runs a TP2 prefill into a TP1 decode on
-127.0.0.1 (no test hosts). Measurements are printed (``-s``) and written to ``$HGXSERVE_VLLM_CPU_PD_REPORT`` when set.
+127.0.0.1 (no test hosts). Measurements are printed (``-s``) and written to
+``$HGXSERVE_VLLM_CPU_PD_REPORT`` when set.
 """
 
 from __future__ import annotations
