@@ -143,9 +143,9 @@ def from_the_prefill_itself(lab: testbed_hosts.Testbed) -> dict:
     return answer
 
 
-def decode_counters() -> dict[str, float]:
+def decode_counters(base: str = f"http://{DECODE[1]}:{DECODE[2]}") -> dict[str, float]:
     """The decode's own KV evidence, read from its /metrics (as the gate reads it)."""
-    with urllib.request.urlopen(f"http://{DECODE[1]}:{DECODE[2]}/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for name, labels, value in parse_samples(text):
@@ -333,18 +333,6 @@ def post(port: int, body: dict) -> dict:
         return json.load(resp)
 
 
-def counters(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for name, labels, value in parse_samples(text):
-        key = name.removeprefix("vllm:")
-        if name == "vllm:prompt_tokens_by_source_total":
-            key = f"by_source:{labels.get('source')}"
-        out[key] = out.get(key, 0.0) + value
-    return out
-
-
 @pytest.mark.skipif(
     os.environ.get("HGXSERVE_VLLM_CPU_PD_TP") != "1",
     reason="opt-in: set HGXSERVE_VLLM_CPU_PD_TP=1 too (a TP2 engine: 2 more processes, ~4 min)",
@@ -361,14 +349,16 @@ def test_prefill_tp2_into_decode_tp1_over_nixl(tmp_path: Path) -> None:
         procs.append(serve(model, 8401, 2, "prefill", 5801, pre_log))
         MEASURED["tp2_prefill_ready_s"] = round(wait_health(procs[1], 8401, pre_log), 1)
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
-        before = counters(8402)
+        before = decode_counters("http://127.0.0.1:8402")
         # the two legs as hgxserve's proxy sends them
         leg = {**body, "stream": False, "max_tokens": 1, "max_completion_tokens": 1}
         leg["kv_transfer_params"] = PREFILL_KV_PARAMS
         params = post(8401, leg)["kv_transfer_params"]
         assert params["tp_size"] == 2, params
         through_pd = post(8402, {**body, "kv_transfer_params": params})
-        grew = {k: v - before.get(k, 0.0) for k, v in counters(8402).items()}
+        grew = {
+            k: v - before.get(k, 0.0) for k, v in decode_counters("http://127.0.0.1:8402").items()
+        }
         prompt_tokens = through_pd["usage"]["prompt_tokens"]
         MEASURED.update(tp2_nixl_transfers=grew["nixl_xfer_time_seconds_count"])
         shown = {k: v for k, v in grew.items() if k.startswith(("nixl_", "by_source:")) and v}
