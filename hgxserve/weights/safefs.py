@@ -18,6 +18,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable
+from typing import Any, cast
 
 from hgxserve.weights.errors import LocalIOError
 
@@ -75,19 +76,23 @@ def open_in(dir_fd: int, name: str, flags: int, dest: str, rel: str, mode: int =
         raise
 
 
-def _load_syncfs() -> Callable[[int], int] | None:
+def libc_function(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """A Linux libc call by name (errno kept for ctypes.get_errno), or None where there is none.
+
+    libc_function("syncfs", [ctypes.c_int])
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:
-        func = ctypes.CDLL(None, use_errno=True).syncfs
+        func = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    func.argtypes = [ctypes.c_int]
+    func.argtypes = argtypes
     func.restype = ctypes.c_int
-    return func
+    return cast("Callable[..., int]", func)
 
 
-_SYNCFS = _load_syncfs()
+_SYNCFS = libc_function("syncfs", [ctypes.c_int])
 
 
 def sync_filesystem(fd: int) -> None:

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,14 @@ from typing import Protocol
 from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
 from hgxserve.weights.errors import LocalIOError, SourceError, VerifyError, WeightsError
 from hgxserve.weights.progress import Progress
-from hgxserve.weights.safefs import READ, READ_WRITE, WRITE_NEW, open_in, open_parent
+from hgxserve.weights.safefs import (
+    READ,
+    READ_WRITE,
+    WRITE_NEW,
+    libc_function,
+    open_in,
+    open_parent,
+)
 
 PARTIAL_SUFFIX = ".partial"
 PARTS_SUFFIX = ".partial.parts"
@@ -96,20 +102,9 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += n
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        func = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    func.restype = ctypes.c_int
-    return func
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE = libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
