@@ -233,7 +233,8 @@ def floor_download(url: str, dest: str, sums: str) -> None:
         digest, rel = line.split("  ", 1)
         expected[os.path.join(dest, rel)] = digest
     model = f"s3://{BUCKET}/{PREFIX}"
-    names = sorted(expected, key=lambda p: -expected_size(p, dest, sums))
+    served = Path(sums).parent / "served" / BUCKET / PREFIX  # beside the sums (sums_file)
+    names = sorted(expected, key=lambda p: -(served / os.path.relpath(p, dest)).stat().st_size)
     commands = "".join(
         f"cp --raw --concurrency 8 --part-size 32 {model}{os.path.relpath(p, dest)} {p}\n"
         for p in names
@@ -273,11 +274,6 @@ def floor_download(url: str, dest: str, sums: str) -> None:
             future.result()
     if proc.wait() != 0 or len(done) != len(expected):
         raise SystemExit(f"s5cmd run failed ({proc.returncode}, {len(done)} files)")
-
-
-def expected_size(path: str, dest: str, sums: str) -> int:
-    served = Path(sums).parent / "served" / BUCKET / PREFIX
-    return (served / os.path.relpath(path, dest)).stat().st_size
 
 
 def settle(dest: Path) -> None:

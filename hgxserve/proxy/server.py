@@ -254,8 +254,7 @@ class Metrics:
         self.added_ttft[-1] += 1
 
     def render(self, pool: Pool) -> str:
-        insts = pool.instances
-        where = [{"role": i.role, "instance": i.url} for i in insts]
+        where = [({"role": i.role, "instance": i.url}, i) for i in pool.instances]
         acc, buckets = 0, []
         for bound, n in zip(LATENCY_BUCKETS, self.added_ttft, strict=False):
             acc += n
@@ -288,32 +287,28 @@ class Metrics:
             "hgxserve_proxy_outstanding_requests",
             "gauge",
             "In-flight requests per instance.",
-            [(w, i.outstanding) for w, i in zip(where, insts, strict=True)],
+            [(w, i.outstanding) for w, i in where],
         )
         family(
             out,
             "hgxserve_proxy_instance_healthy",
             "gauge",
             "1 while the instance is in rotation.",
-            [(w, int(i.healthy)) for w, i in zip(where, insts, strict=True)],
+            [(w, int(i.healthy)) for w, i in where],
         )
         family(
             out,
             "hgxserve_proxy_instance_state_since_seconds",
             "gauge",
             "When the instance last went in or out of rotation (Unix time).",
-            [(w, f"{i.since:.3f}") for w, i in zip(where, insts, strict=True)],
+            [(w, f"{i.since:.3f}") for w, i in where],
         )
         family(
             out,
             "hgxserve_proxy_instance_out_of_rotation",
             "gauge",
             "Instances out of rotation, with why.",
-            [
-                (w | {"reason": i.reason}, 1)
-                for w, i in zip(where, insts, strict=True)
-                if not i.healthy
-            ],
+            [(w | {"reason": i.reason}, 1) for w, i in where if not i.healthy],
         )
         family(
             out,
