@@ -51,7 +51,7 @@ from pyinfra.api.connect import connect_all
 from pyinfra.context import ctx_inventory, ctx_state
 from pyinfra_cli.inventory import make_inventory
 from hgxserve.status.report import inspect_argv
-from hgxserve.status.remote import quote_argv
+from hgxserve.remote.ssh import quote_argv
 from hgxserve.topology import load_topology
 topo = load_topology(sys.argv[1])
 state = State()
@@ -100,7 +100,7 @@ def timed(argv: list[str], *, shell: bool = False) -> tuple[float, subprocess.Co
 def inventory_of(bed: testbed_hosts.Testbed, names: list[str], work: Path) -> str:
     """A pyinfra inventory file with just these test hosts (a release deploy wants every
     inventory host to be a host of the topology)."""
-    from hgxserve.status.remote import load_inventory
+    from hgxserve.remote.inventory import load_inventory
 
     full = load_inventory(str(REPO / INVENTORY))  # its host data (ssh, runtime wheel source)
     hosts = [(name, full.hosts[name].data) for name in names]

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "release": ("hgxserve.release.cli:release", "Host-side release switch, health gate, rollback."),
     "facts": ("hgxserve.facts.cli:facts", "Print this host's GPU/RDMA/shm facts as JSON."),
     "bench": ("hgxserve.bench.cli:bench", "SLA load tests of a deployed topology; compare runs."),
-    "gpus": ("hgxserve.gpus:gpus", "Check or wait until GPUs hold no memory (used by units)."),
+    "gpus": ("hgxserve.gpus.cli:gpus", "Check or wait until GPUs hold no memory (used by units)."),
     "status": ("hgxserve.status.cli:status", "What runs where, healthy or not, on every host."),
     "logs": ("hgxserve.status.cli:logs", "An engine's or the proxy's journal on all its hosts."),
     "inspect": ("hgxserve.status.host:inspect", "This host's serving state as JSON (for status)."),

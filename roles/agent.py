@@ -10,9 +10,9 @@ from pyinfra.api import deploy
 from pyinfra.facts.server import Command
 from pyinfra.operations import files, server
 
-from hgxserve.agent_build import wheelhouse
-from hgxserve.paths import AGENT_PREFIX, AGENT_STAGING
-from hgxserve.runstate import per_run
+from hgxserve.base.paths import AGENT_PREFIX, AGENT_STAGING
+from hgxserve.deploy.runstate import per_run
+from hgxserve.runtime.agent_build import wheelhouse
 
 AGENT_DIR = AGENT_PREFIX
 

@@ -18,9 +18,9 @@ from typing import Any
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
 
-from hgxserve.caches.layout import DEFAULT_ROOT
+from hgxserve.base.cachelayout import DEFAULT_ROOT
+from hgxserve.base.paths import AGENT
 from hgxserve.caches.operations import baked, restored, store_index
-from hgxserve.paths import AGENT
 
 
 @deploy("Restore JIT caches")

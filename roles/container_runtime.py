@@ -23,15 +23,15 @@ from pyinfra import host
 from pyinfra.api import DeployError, deploy
 from pyinfra.operations import files, server
 
-from hgxserve.facts.runtime import CdiSpecState, ContainerImage, DriverCuda
-from hgxserve.paths import (
+from hgxserve.base.paths import (
     AGENT,
     CDI_SPEC,
     CDI_STAMP,
     IMAGE_STAGING,
     TOOLKIT_APT_PREFERENCES,
 )
-from hgxserve.paths import REGISTRY_MIRROR_DROPIN as MIRROR_DROPIN
+from hgxserve.base.paths import REGISTRY_MIRROR_DROPIN as MIRROR_DROPIN
+from hgxserve.facts.runtime import CdiSpecState, ContainerImage, DriverCuda
 from hgxserve.runtime.images import archive_name, image_digest
 from roles.nvidia_driver import APT_CACHE_SECONDS, pinned_packages
 

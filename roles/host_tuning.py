@@ -15,8 +15,8 @@ from pyinfra import host
 from pyinfra.api import deploy, operation
 from pyinfra.operations import files, server
 
+from hgxserve.base.sizes import parse_size
 from hgxserve.facts.host import ShmSize
-from hgxserve.sizes import parse_size
 from roles.nvidia_driver import TEMPLATES
 
 MEMLOCK_DROPIN = "/etc/systemd/system.conf.d/hgxserve-memlock.conf"

@@ -23,6 +23,15 @@ from pyinfra import host
 from pyinfra.api import FactBase, deploy
 from pyinfra.operations import files, server, systemd
 
+from hgxserve.base.paths import (
+    DCGM_COUNTERS,
+    MONITORING_CONFIG_DIR,
+    NODE_EXPORTER_DEFAULTS,
+    PROMETHEUS_DEFAULTS,
+    PROMETHEUS_DIR,
+    PROMETHEUS_DROPIN,
+    UNIT_DIR,
+)
 from hgxserve.monitoring.host_files import (
     DCGM_UNIT,
     NODE_EXPORTER_DROPIN,
@@ -31,15 +40,6 @@ from hgxserve.monitoring.host_files import (
     PROMETHEUS_PACKAGE,
     PROMETHEUS_UNIT,
     HostMonitoring,
-)
-from hgxserve.paths import (
-    DCGM_COUNTERS,
-    MONITORING_CONFIG_DIR,
-    NODE_EXPORTER_DEFAULTS,
-    PROMETHEUS_DEFAULTS,
-    PROMETHEUS_DIR,
-    PROMETHEUS_DROPIN,
-    UNIT_DIR,
 )
 from roles.nvidia_driver import APT_CACHE_SECONDS, pinned_packages
 

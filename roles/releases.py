@@ -9,9 +9,9 @@ from pathlib import Path
 from pyinfra.api import deploy
 from pyinfra.operations import files, python, systemd
 
+from hgxserve.base.paths import RELEASE_ROOT
 from hgxserve.bench.releasegate import BenchStep, run_bench_gate
 from hgxserve.credfiles import secret_file
-from hgxserve.paths import RELEASE_ROOT
 from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.release.ops import (
     Coordination,

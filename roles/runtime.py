@@ -20,8 +20,8 @@ from pyinfra import host
 from pyinfra.api import DeployError, deploy
 from pyinfra.operations import files, server
 
+from hgxserve.base.paths import RUNTIME_STAGING
 from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
-from hgxserve.paths import RUNTIME_STAGING
 from hgxserve.runtime.checks import cuda_line
 from hgxserve.runtime.spec import VenvRuntime, parse_pin, version_matches
 from hgxserve.runtime.wheelhouse import wheelhouse_torch

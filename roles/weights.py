@@ -22,8 +22,8 @@ from pyinfra.facts.files import File
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
+from hgxserve.base.paths import AGENT, cephfs_secret_file, weights_state_dir
 from hgxserve.credfiles import secret_file
-from hgxserve.paths import AGENT, cephfs_secret_file, weights_state_dir
 from hgxserve.topology.model import CephfsSource, LocalSource, Model, S3Source
 from hgxserve.weights.cephfs import mount_unit, unit_name
 from hgxserve.weights.operations import file_content, mount_started, synced, verified

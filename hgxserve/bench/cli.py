@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from hgxserve.defaults import BENCH_RUNS_DIR
-from hgxserve.errors import ExitCode, UsageError, cli_errors, register_secret
+from hgxserve.base.defaults import BENCH_RUNS_DIR
+from hgxserve.base.errors import ExitCode, UsageError, cli_errors, register_secret
 
 
 def _progress(message: str) -> None:
@@ -183,8 +183,9 @@ def _running_releases(topo: object, inventory: str) -> str:
     """`host=release id` of every host the topology uses, as `hgxserve release status` says."""
     import json
 
-    from hgxserve.paths import AGENT
-    from hgxserve.status.remote import InventoryError, Sessions, load_inventory
+    from hgxserve.base.paths import AGENT
+    from hgxserve.remote.inventory import InventoryError, load_inventory
+    from hgxserve.remote.ssh import Sessions
 
     names = topo.hosts_in_use()  # type: ignore[attr-defined]
     try:

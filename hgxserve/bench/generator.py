@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hgxserve.base.errors import ExitCode, HgxserveError
 from hgxserve.bench.scenario import LoadPoint, Scenario
-from hgxserve.errors import ExitCode, HgxserveError
 
 EXPORT_FILE = "profile_export_aiperf.json"
 # AIPerf metric tag -> our name; times in AIPerf's export are milliseconds.

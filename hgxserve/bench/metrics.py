@@ -13,9 +13,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from hgxserve.errors import ExitCode, HgxserveError, UsageError
+from hgxserve.base.errors import ExitCode, HgxserveError, UsageError
 from hgxserve.release.gate import parse_samples
-from hgxserve.topology import Topology
+from hgxserve.topology import Topology, ports
 from hgxserve.topology.model import is_loopback
 from hgxserve.topology.ports import engine_bind, engine_url
 
@@ -106,10 +106,12 @@ def targets(
         raise UsageError(f"{topo.source_file}: the topology has no proxy to bench through")
     proxy = topo.proxy
     if proxy_url is None:
-        host = topo.hosts[proxy.host].address
-        if proxy.listen_host not in ("0.0.0.0", "::", ""):
-            host = proxy.listen_host
-        proxy_url = f"http://{host}:{proxy.listen_port}"
+        if is_loopback(proxy.listen_host):
+            raise UsageError(
+                f"the proxy listens on {proxy.listen_host} on {proxy.host}, which the controller "
+                "cannot reach: pass --inventory with --from HOST, or --proxy-url through a tunnel"
+            )
+        proxy_url = ports.proxy_url(topo, None)  # from the controller, outside the topology
     hidden = [
         e.name
         for e in topo.engines.values()

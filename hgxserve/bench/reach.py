@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from hgxserve.errors import UsageError
-from hgxserve.status.tunnel import Tunnels
+from hgxserve.base.errors import UsageError
+from hgxserve.remote.tunnel import Tunnels
 from hgxserve.topology import Topology
 from hgxserve.topology.ports import engine_url
 
@@ -52,7 +52,7 @@ def open_reach(
             raise UsageError("--from HOST needs --inventory (how to reach HOST over SSH)")
         return Reach(proxy_url, dict(engine_urls), "controller")
     from hgxserve.release.plan import proxy_url_from
-    from hgxserve.status.remote import InventoryError, load_inventory
+    from hgxserve.remote.inventory import InventoryError, load_inventory
 
     if topo.proxy is None:
         raise UsageError(f"{topo.source_file}: the topology has no proxy to bench through")

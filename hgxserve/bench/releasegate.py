@@ -27,10 +27,10 @@ from typing import Any
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
-from hgxserve.defaults import BENCH_RUNS_DIR
-from hgxserve.paths import RELEASE_ROOT
+from hgxserve.base.defaults import BENCH_RUNS_DIR
+from hgxserve.base.paths import RELEASE_ROOT
 from hgxserve.release.ops import Coordination
-from hgxserve.status.remote import CONNECTION_KEYS
+from hgxserve.remote.inventory import CONNECTION_KEYS
 
 RESULT_DIR = "bench"  # under releases/<id>/ on the gate's host
 # Besides the rounds' own time limit: reading releases, opening tunnels, writing the report.
@@ -54,7 +54,7 @@ class BenchStep:
 
 
 def connection_data(host: Host) -> dict[str, Any]:
-    """The SSH settings of a pyinfra host, for `hgxserve.status.remote` in the bench process."""
+    """The SSH settings of a pyinfra host, for `hgxserve.remote.ssh` in the bench process."""
     out = {}
     for key in CONNECTION_KEYS:
         value = host.data.get(key)

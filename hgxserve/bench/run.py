@@ -18,10 +18,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from hgxserve.base.errors import ExitCode, HgxserveError, UsageError
 from hgxserve.bench import generator, metrics
 from hgxserve.bench.relay import RoundRelay
 from hgxserve.bench.scenario import BenchSpec, LoadPoint, Scenario
-from hgxserve.errors import ExitCode, HgxserveError, UsageError
 
 SCHEMA_VERSION = 1
 POLL_S = 1.0

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hgxserve.defaults import BENCH_DRAIN_TIMEOUT_S, BENCH_PERCENTILE, topology_schema
-from hgxserve.errors import UsageError
+from hgxserve.base.defaults import BENCH_DRAIN_TIMEOUT_S, BENCH_PERCENTILE, topology_schema
+from hgxserve.base.errors import UsageError
 from hgxserve.topology import Topology, TopologyError, load_topology
 from hgxserve.topology.loader import Document, load_document
 from hgxserve.topology.problems import Problem, sort_problems

@@ -32,14 +32,14 @@ from typing import Any, BinaryIO, cast
 
 import zstandard
 
-from hgxserve.caches.layout import (
+from hgxserve.base.cachelayout import (
     MANIFEST_NAME,
     MAX_RESTORE_BYTES,
     MAX_RESTORE_ENTRIES,
     RESTORE_MARKER,
     read_marker,
 )
-from hgxserve.errors import HgxserveError
+from hgxserve.base.errors import HgxserveError
 
 FORMAT = "hgxserve-cache/1"
 ZSTD_LEVEL = 3

@@ -30,12 +30,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from hgxserve.caches.layout import BAKE_RECORD, ENV_SUBDIRS
+from hgxserve.base.cachelayout import BAKE_RECORD, ENV_SUBDIRS
+from hgxserve.base.credstore import read_credential
+from hgxserve.base.defaults import ENGINE
+from hgxserve.base.errors import HgxserveError
 from hgxserve.caches.logscan import JitHit, read_from, scan
 from hgxserve.caches.warmup import Shape, run_shape, served_model
-from hgxserve.credstore import read_credential
-from hgxserve.defaults import ENGINE
-from hgxserve.errors import HgxserveError
 
 # What systemd puts in every unit's environment before Environment= lines.
 SYSTEMD_BASE_ENV = {

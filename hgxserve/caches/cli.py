@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from hgxserve.base.cachelayout import DEFAULT_ROOT, ENV_SUBDIRS, valid_key
+from hgxserve.base.errors import ExitCode, HgxserveError, UsageError, cli_errors
 from hgxserve.caches.archive import (
     mark_packed,
     pack_dir,
@@ -25,8 +27,6 @@ from hgxserve.caches.archive import (
     restore_archive,
 )
 from hgxserve.caches.hostfacts import load_facts_file, probe_host_facts
-from hgxserve.caches.layout import DEFAULT_ROOT, ENV_SUBDIRS, valid_key
-from hgxserve.errors import ExitCode, HgxserveError, UsageError, cli_errors
 
 
 def _dump(value: Any) -> None:

@@ -32,7 +32,7 @@ import os
 import subprocess
 from typing import Any
 
-from hgxserve.errors import UsageError
+from hgxserve.base.errors import UsageError
 
 KEY_FACTS = (
     "engine_version",

@@ -22,10 +22,10 @@ from pyinfra import host
 from pyinfra.api import FactBase, FunctionCommand, OperationError, StringCommand, operation
 from pyinfra.api.command import FileUploadCommand, QuoteString
 
+from hgxserve.base.cachelayout import DEFAULT_ROOT, RESTORE_MARKER
+from hgxserve.base.paths import AGENT
 from hgxserve.caches.archive import sha256_of
 from hgxserve.caches.hostfacts import normalize_host_facts, probe_command
-from hgxserve.caches.layout import DEFAULT_ROOT, RESTORE_MARKER
-from hgxserve.paths import AGENT
 
 
 def shell_words(*words: str) -> StringCommand:

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from hgxserve.errors import ExitCode, UsageError, cli_errors
+from hgxserve.base.errors import ExitCode, UsageError, cli_errors
 from hgxserve.facts import HOST_FACTS, parsers
 from hgxserve.facts.local import DEFAULT_MODEL_PATH, collect
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hgxserve.sizes import format_size
+from hgxserve.base.sizes import format_size
 
 
 @dataclass(frozen=True)

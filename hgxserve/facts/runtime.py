@@ -21,8 +21,8 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
+from hgxserve.base.paths import RUNTIME_MARKER
 from hgxserve.facts import parsers
-from hgxserve.paths import RUNTIME_MARKER
 
 # Runs inside the venv's Python; prints one JSON line. Standard library only.
 PROBE = r"""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from hgxserve.errors import Found, UsageError, cli_errors
+from hgxserve.base.errors import Found, UsageError, cli_errors
 
 PROMTOOL = "promtool"
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hgxserve.base.paths import DCGM_COUNTERS
+from hgxserve.base.units import exec_line, path_list
 from hgxserve.monitoring.metrics import UNIT_INCLUDE
-from hgxserve.paths import DCGM_COUNTERS
-from hgxserve.render.systemd import exec_line, path_list
 from hgxserve.render.types import CONTAINER_TOOLS, templates
 from hgxserve.topology.model import Monitoring, Topology
 
@@ -138,10 +138,10 @@ def host_monitoring(topo: Topology, host: str, tool: str = "podman") -> HostMoni
     >>> host_monitoring(topo, "hgx-c").prometheus_args  # doctest: +SKIP
     'ARGS="--web.listen-address=:9090 --storage.tsdb.retention.time=1d"\\n'
     """
+    from hgxserve.base.paths import PROMETHEUS_DIR
     from hgxserve.monitoring.metrics import dcgm_counters_csv
     from hgxserve.monitoring.render import render_tree
     from hgxserve.monitoring.targets import gpu_hosts
-    from hgxserve.paths import PROMETHEUS_DIR
 
     mon = topo.monitoring
     if mon is None:

@@ -22,11 +22,11 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
+from hgxserve.base.paths import GRAFANA_DASHBOARDS_DIR, PROMETHEUS_DROPIN
 from hgxserve.monitoring.dashboard import dashboard
 from hgxserve.monitoring.metrics import dcgm_counters_csv
 from hgxserve.monitoring.rules import rule_groups
 from hgxserve.monitoring.targets import JOBS, Target, monitoring_of, scrape_targets
-from hgxserve.paths import GRAFANA_DASHBOARDS_DIR, PROMETHEUS_DROPIN
 from hgxserve.topology.model import Topology
 
 HEADER = "# Rendered by hgxserve from topology {name} (digest {digest}); do not edit here.\n"

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from hgxserve.errors import HgxserveError, cli_errors
+from hgxserve.base.errors import HgxserveError, cli_errors
 from hgxserve.proxy.config import load_proxy_config, read_api_key
 
 config_option = click.option(

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from hgxserve.defaults import SGLANG_BOOTSTRAP_PORT
-from hgxserve.errors import Found
+from hgxserve.base.defaults import SGLANG_BOOTSTRAP_PORT
+from hgxserve.base.errors import Found
 
 PROTOCOLS = ("vllm-nixl", "sglang")
 

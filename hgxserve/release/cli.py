@@ -8,9 +8,9 @@ import sys
 
 import click
 
-from hgxserve.credstore import read_credential
-from hgxserve.errors import UsageError, cli_errors
-from hgxserve.paths import RELEASE_ROOT
+from hgxserve.base.credstore import read_credential
+from hgxserve.base.errors import UsageError, cli_errors
+from hgxserve.base.paths import RELEASE_ROOT
 from hgxserve.release.gate import GateError, GateSpec, run_gate
 from hgxserve.release.store import ReleaseError, Store, check_release_id
 from hgxserve.release.switch import (

@@ -17,7 +17,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-from hgxserve.paths import RDMA_SYSFS  # inventory host data `rdma_sysfs` overrides it
+from hgxserve.base.paths import RDMA_SYSFS  # inventory host data `rdma_sysfs` overrides it
 from hgxserve.topology import Topology
 from hgxserve.topology.model import Engine
 

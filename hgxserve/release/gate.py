@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from hgxserve.errors import Found
+from hgxserve.base.errors import Found
 
 # vLLM's NIXL connector metrics (KV transfer evidence on the decode side).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"

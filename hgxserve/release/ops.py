@@ -13,9 +13,9 @@ from pyinfra.api import FactBase, FunctionCommand, operation
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
-from hgxserve.paths import AGENT, RELEASE_ROOT
+from hgxserve.base.paths import AGENT, RELEASE_ROOT
+from hgxserve.deploy.runstate import per_run
 from hgxserve.release import CONFIRM_WITHIN_S, evidence
-from hgxserve.runstate import per_run
 
 
 class ReleaseState(FactBase[dict[str, Any]]):

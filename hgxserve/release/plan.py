@@ -6,13 +6,13 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from hgxserve.digests import tree_digest
+from hgxserve.base.digests import tree_digest
 from hgxserve.release.evidence import unchecked_transport
 from hgxserve.release.store import ReleaseSpec, UnitSpec
 from hgxserve.render import credential_for, render_host
 from hgxserve.topology import Topology
-from hgxserve.topology.model import Engine, Proxy, SecretRef, is_loopback
-from hgxserve.topology.ports import engine_url
+from hgxserve.topology.model import Engine, Proxy, SecretRef
+from hgxserve.topology.ports import engine_url, proxy_url
 
 
 @dataclass
@@ -28,11 +28,6 @@ class HostRelease:
     @property
     def id(self) -> str:
         return self.spec.id
-
-
-def _local_url(bind: str | None, port: int, path: str) -> str:
-    host = "127.0.0.1" if bind in (None, "", "0.0.0.0", "::") or is_loopback(bind or "") else bind
-    return f"http://{host}:{port}{path}"
 
 
 def _credential_source(ref: SecretRef) -> str:
@@ -51,14 +46,9 @@ def gate_host(topo: Topology) -> str | None:
 
 
 def proxy_url_from(topo: Topology, proxy: Proxy, gate_host_name: str) -> str:
-    """The proxy as a host (the gate's, a bench's `--from`) reaches it: loopback on its own
-    host, else its routable address."""
-    if gate_host_name == proxy.host:
-        return _local_url(proxy.listen_host, proxy.listen_port, "")
-    address = proxy.listen_host
-    if address in (None, "", "0.0.0.0", "::") or is_loopback(address or ""):
-        address = topo.hosts[proxy.host].address
-    return f"http://{address}:{proxy.listen_port}"
+    """The proxy (`topo.proxy`) as a host (the gate's, a bench's `--from`) reaches it: the
+    topology's one rule, `hgxserve.topology.ports.proxy_url`."""
+    return proxy_url(topo, gate_host_name)
 
 
 def _enabled(setting: str, engines: list[Engine], *args: str) -> bool:
@@ -96,8 +86,7 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
     pd_engine = None
 
     def metrics(engine: Engine) -> str:
-        addr = "127.0.0.1" if engine.head == host else topo.hosts[engine.head].address
-        return f"http://{addr}:{engine.port}/metrics"
+        return engine_url(topo, engine, from_host=host) + "/metrics"
 
     for route in proxy.routes:
         for name in route.decode:
@@ -118,7 +107,7 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
         ["long"] if proxy.routes else []
     )
     return {
-        "proxy_url": proxy_url_from(topo, proxy, host),
+        "proxy_url": proxy_url(topo, host),
         "served_name": topo.model.served_name,
         "api_key_file": api_key_file,
         "pd_engine": pd_engine if proxy.routes else None,
@@ -158,7 +147,7 @@ def plan_release(
             if unit.engine is None:
                 proxy = topo.proxy
                 assert proxy is not None
-                url = _local_url(proxy.listen_host, proxy.listen_port, "/health")
+                url = proxy_url(topo, proxy.host) + "/health"
                 units.append(UnitSpec(unit.name, "proxy", url, []))
                 continue
             engine = topo.engines[unit.engine]

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hgxserve.digests import tree_digest
-from hgxserve.errors import HgxserveError
-from hgxserve.paths import RELEASE_ROOT
+from hgxserve.base.digests import tree_digest
+from hgxserve.base.errors import HgxserveError
+from hgxserve.base.paths import RELEASE_ROOT
 
 LINKS = ("current", "previous", "baseline")
 UnitKind = Literal["engine", "worker", "proxy"]
@@ -68,7 +68,7 @@ class ReleaseSpec:
     files: dict[str, int]  # absolute path on the host -> mode
     health_timeout_s: float | None = None  # `--data health_timeout`: caps every unit's wait
     gate: dict[str, Any] | None = None  # only on the host that runs the topology's gate
-    # digest of the files (hgxserve.digests.tree_digest): what `hgxserve render` prints
+    # digest of the files (hgxserve.base.digests.tree_digest): what `hgxserve render` prints
     tree_digest: str | None = None
 
     def to_json(self) -> str:

@@ -14,10 +14,10 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hgxserve.base.defaults import schema_default
+from hgxserve.base.paths import UNIT_DIR
 from hgxserve.caches.logscan import scan
-from hgxserve.defaults import schema_default
 from hgxserve.facts.parsers import diagnose_errors
-from hgxserve.paths import UNIT_DIR
 from hgxserve.release.progress import phase
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
 

@@ -17,14 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hgxserve import paths
-from hgxserve.caches.key import cache_key
-from hgxserve.caches.layout import ENV_SUBDIRS, cache_env
-from hgxserve.caches.warmup import Shape, shapes_arg, warmup_plan
-from hgxserve.paths import AGENT
-from hgxserve.render.engines import NodePlan, engine_args, engine_program, node_plan
-from hgxserve.render.proxy import render_proxy
-from hgxserve.render.systemd import (
+from hgxserve.base import paths
+from hgxserve.base.cachelayout import ENV_SUBDIRS, cache_env
+from hgxserve.base.paths import AGENT
+from hgxserve.base.units import (
     UnitText,
     UnitValueError,
     environment_value,
@@ -33,23 +29,25 @@ from hgxserve.render.systemd import (
     path_list,
     path_value,
 )
+from hgxserve.caches.key import cache_key
+from hgxserve.caches.warmup import Shape, shapes_arg, warmup_plan
+from hgxserve.render.engines import NodePlan, engine_args, engine_program, node_plan
+from hgxserve.render.proxy import render_proxy
 from hgxserve.render.types import (
     CONTAINER_TOOLS,
-    ENGINE_KEY_VAR,
     CredentialSpec,
     HostRender,
     RenderedFile,
     RenderedUnit,
     RenderError,
     add_credential,
-    credential_for,
-    engine_secret_env,
     templates,
     unit_name,
 )
 from hgxserve.topology.model import Engine, SecretRef, Topology
 from hgxserve.topology.placement import check_marker_args, serving_mounts, serving_tree
 from hgxserve.topology.ports import engine_url
+from hgxserve.topology.wiring import ENGINE_KEY_VAR, credential_for, engine_secret_env
 
 __all__ = [
     "CredentialSpec",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from hgxserve.errors import UsageError, cli_errors
+from hgxserve.base.errors import UsageError, cli_errors
 
 # Files written by the last render of a host tree, so a re-render removes what it no longer has.
 MANIFEST = ".hgxserve-render.json"

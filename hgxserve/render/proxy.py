@@ -13,44 +13,44 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hgxserve.defaults import SGLANG_BOOTSTRAP_PORT
-from hgxserve.paths import (
+from hgxserve.base.defaults import SGLANG_BOOTSTRAP_PORT
+from hgxserve.base.paths import (
     AGENT,
     AGENT_PREFIX,
-    CREDENTIALS_DIR,
     PROXY_CONFIG,
     unit_credentials_dir,
 )
+from hgxserve.base.units import environment_value, exec_line, path_value
 from hgxserve.proxy.config import ProxyConfigError, parse_proxy_config
-from hgxserve.render.systemd import environment_value, exec_line, path_value
 from hgxserve.render.types import (
     CONTAINER_TOOLS,
-    ENGINE_KEY_VAR,
     CredentialSpec,
     RenderedFile,
     RenderedUnit,
     RenderError,
     add_credential,
-    credential_for,
     templates,
     unit_name,
 )
 from hgxserve.topology.model import Engine, Topology
-from hgxserve.topology.ports import engine_url
+from hgxserve.topology.ports import engine_url, proxy_targets
+from hgxserve.topology.wiring import (
+    ENGINE_KEY_VAR,
+    credential_for,
+    proxy_key_credential,
+    proxy_protocol,
+    route_engines,
+)
 
 PROXY_UNIT = "hgxserve-proxy.service"
-API_KEY_CREDENTIAL = "api-key"
 PRIVILEGED_PORTS = 1024
 
 
 def _protocol(topo: Topology) -> str:
-    proxy = topo.proxy
-    assert proxy is not None
-    names = [n for r in proxy.routes for n in (*r.prefill, *r.decode)] or list(proxy.combined)
-    kinds = {topo.engines[n].engine for n in names if n in topo.engines}
-    if len(kinds) > 1:
+    kinds = {topo.engines[n].engine for n in route_engines(topo) if n in topo.engines}
+    if len(kinds) > 1:  # rule proxy-protocol refuses it in `validate`
         raise RenderError("proxy routes mix vLLM and SGLang engines; one protocol per proxy")
-    return "sglang" if kinds == {"sglang"} else "vllm-nixl"
+    return proxy_protocol(topo)
 
 
 def proxy_config(topo: Topology) -> dict[str, Any]:
@@ -107,19 +107,19 @@ def _engine_key_credential(topo: Topology) -> tuple[str, str, str | None] | None
 def _api_key_name(topo: Topology) -> str:
     proxy = topo.proxy
     assert proxy is not None and proxy.api_key is not None
-    return proxy.api_key.value if proxy.api_key.kind == "credential" else API_KEY_CREDENTIAL
+    return proxy_key_credential(proxy.api_key)[0]
 
 
 def _router_argv(topo: Topology) -> list[str]:
     proxy = topo.proxy
     assert proxy is not None
     if proxy.api_key is not None or proxy.engine_api_key is not None:
-        raise RenderError(
+        raise RenderError(  # rule proxy-router-auth refuses it in `validate`
             f"proxy kind {proxy.kind} takes its API keys only on the command line, where they "
             "would leak; use kind hgxserve for auth, or drop proxy.auth"
         )
     if proxy.routes and proxy.combined:
-        raise RenderError(
+        raise RenderError(  # rule proxy-router-mix
             f"proxy kind {proxy.kind} cannot mix P/D routes and combined engines "
             "(no prompt-length buckets); use kind hgxserve"
         )
@@ -174,7 +174,7 @@ def render_proxy(
     files: dict[str, RenderedFile] = {}
     notes: list[str] = []
     credentials: list[str] = []
-    routed = {n for r in proxy.routes for n in (*r.prefill, *r.decode)} | set(proxy.combined)
+    routed = proxy_targets(topo)
     local = [
         unit_name(e.name)
         for e in topo.engines.values()
@@ -190,15 +190,7 @@ def render_proxy(
         argv = [AGENT, "proxy", "serve", "--config", PROXY_CONFIG]
         if proxy.api_key is not None:
             ref = proxy.api_key
-            name = _api_key_name(topo)
-            path: str | None = None
-            if ref.kind == "credential":
-                line = name
-            elif ref.kind == "file":
-                line = f"{name}:{ref.value}"
-            else:
-                path = f"{CREDENTIALS_DIR}/{name}"
-                line = f"{name}:{path}"
+            name, line, path = proxy_key_credential(ref)
             add_credential(creds, PROXY_UNIT, name, ref, path)
             credentials.append(path_value(line))
             notes.append("API key: systemd credential, read from $CREDENTIALS_DIRECTORY")

@@ -11,11 +11,15 @@ from typing import Literal
 
 import jinja2
 
-from hgxserve.digests import tree_digest
-from hgxserve.errors import HgxserveError
-from hgxserve.paths import CREDENTIALS_DIR, UNIT_DIR
-from hgxserve.render.systemd import finalize
-from hgxserve.topology.model import Engine, Role, SecretRef, Topology
+from hgxserve.base.digests import tree_digest
+from hgxserve.base.errors import HgxserveError
+from hgxserve.base.paths import UNIT_DIR
+from hgxserve.base.units import finalize
+from hgxserve.topology.model import Role, SecretRef
+
+# the engines' key variable is the topology's (hgxserve.topology.wiring); named here too for the
+# modules that read it beside the rendered units
+from hgxserve.topology.wiring import ENGINE_KEY_VAR as ENGINE_KEY_VAR
 
 CONTAINER_TOOLS = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker"}
 
@@ -116,49 +120,3 @@ def templates(folder: str = "units") -> jinja2.Environment:
         # every printed value is unit text: escaped once, control characters refused
         finalize=finalize,
     )
-
-
-def credential_for(var: str, ref: SecretRef) -> tuple[str, str, str | None]:
-    """(credential name, LoadCredential= value, file the release role writes or None)."""
-    if ref.kind == "credential":
-        return ref.value, ref.value, None
-    if ref.kind == "file":
-        name = var.lower().replace("_", "-")
-        return name, f"{name}:{ref.value}", None
-    name = ref.value.lower().replace("_", "-")
-    path = f"{CREDENTIALS_DIR}/{name}"
-    return name, f"{name}:{path}", path
-
-
-# vLLM reads its API key from here when --api-key is not given (never on a command line)
-ENGINE_KEY_VAR = "VLLM_API_KEY"
-
-
-def routed_engines(topo: Topology) -> set[str]:
-    """Names of the engines the proxy sends requests to."""
-    proxy = topo.proxy
-    if proxy is None:
-        return set()
-    return {n for r in proxy.routes for n in (*r.prefill, *r.decode)} | set(proxy.combined)
-
-
-def engine_secret_env(topo: Topology, engine: Engine) -> dict[str, SecretRef]:
-    """The engine's secret environment, plus VLLM_API_KEY when the proxy keys its engines."""
-    secrets = dict(engine.secret_env)
-    key = topo.proxy.engine_api_key if topo.proxy else None
-    if key is None or engine.name not in routed_engines(topo):
-        return secrets
-    if engine.engine != "vllm":
-        raise RenderError(
-            f"proxy.auth.engine_api_key: engine {engine.name} is {engine.engine}, which takes "
-            "its key only as --api-key on the command line, where every local user can read it; "
-            "keep it on the proxy's host (it listens on loopback there) or firewall its port, "
-            "and drop engine_api_key"
-        )
-    if ENGINE_KEY_VAR in secrets or ENGINE_KEY_VAR in engine.env:
-        raise RenderError(
-            f"engine {engine.name}: {ENGINE_KEY_VAR} is set in its env/secret_env and by "
-            "proxy.auth.engine_api_key; set it in one place (proxy.auth.engine_api_key)"
-        )
-    secrets[ENGINE_KEY_VAR] = key
-    return secrets

@@ -9,7 +9,7 @@ import hashlib
 
 import click
 
-from hgxserve.errors import cli_errors
+from hgxserve.base.errors import cli_errors
 
 
 @click.group()

@@ -14,7 +14,7 @@ import hashlib
 import urllib.request
 from pathlib import Path
 
-from hgxserve.agent_build import CACHE
+from hgxserve.runtime.agent_build import CACHE
 from hgxserve.topology.model import TopologyFile
 
 FETCH_TIMEOUT_S = 60

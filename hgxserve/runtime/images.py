@@ -21,7 +21,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from hgxserve.errors import Found
+from hgxserve.base.errors import Found
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 CHUNK = 8 << 20

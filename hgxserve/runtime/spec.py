@@ -16,7 +16,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from hgxserve.paths import RUNTIME_MARKER
+from hgxserve.base.paths import RUNTIME_MARKER
 from hgxserve.topology.model import Engine, Topology
 
 # The distribution each engine is installed as.

@@ -23,7 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hgxserve.agent_build import CACHE, pack_wheels
+from hgxserve.runtime.agent_build import CACHE, pack_wheels
 
 
 class WheelhouseError(RuntimeError):

@@ -4,7 +4,7 @@ Each host answers one read-only command, `hgxserve inspect` (module `hgxserve.st
 with everything `status` shows as JSON: releases and the pending switch, the units and their
 health, drift from the release, GPUs and who holds them, the weights marker, cache keys, and on
 the proxy's host the proxy's rotation and counters. The controller runs that command on every
-host at once over SSH (`hgxserve.status.remote`), compares the answers with the topology
+host at once over SSH (`hgxserve.remote.ssh`), compares the answers with the topology
 (`hgxserve.status.report`) and prints a table or JSON (`hgxserve.status.cli`).
 
     hgxserve status topologies/demo/demo-pd.yml --inventory inventory/testhosts.py

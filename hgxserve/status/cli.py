@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from hgxserve.paths import AGENT
+from hgxserve.base.paths import AGENT
 from hgxserve.status.report import EXIT_UNKNOWN
 
 DEFAULT_INVENTORY = "inventory/lab.py"
@@ -56,7 +56,7 @@ def _topology(path: str) -> Any:
 
 
 def _inventory(path: str, names: list[str]) -> Any:
-    from hgxserve.status.remote import InventoryError, load_inventory
+    from hgxserve.remote.inventory import InventoryError, load_inventory
 
     try:
         return load_inventory(path).select(names)
@@ -69,7 +69,7 @@ def _inventory(path: str, names: list[str]) -> Any:
 
 def gather(topo: Any, sessions: Any, agent: str, topology_file: str, digest: str | None) -> Any:
     """Run `hgxserve inspect` on every host at once and build the report."""
-    from hgxserve.status.remote import quote_argv
+    from hgxserve.remote.ssh import quote_argv
     from hgxserve.status.report import build_report, inspect_argv
 
     started = time.monotonic()
@@ -132,7 +132,7 @@ def status(
     hgxserve status t.yml --json | jq .problems
     hgxserve status t.yml --watch --interval 5
     """
-    from hgxserve.status.remote import Sessions
+    from hgxserve.remote.ssh import Sessions
     from hgxserve.status.table import render
     from hgxserve.topology.placement import pin_digest
 
@@ -255,7 +255,7 @@ def logs(
     hgxserve logs t.yml prefill-0 --host h200-b -f
     hgxserve logs t.yml decode-0 --diagnose
     """
-    from hgxserve.status.remote import Sessions, quote_argv
+    from hgxserve.remote.ssh import Sessions, quote_argv
 
     if follow and diagnose:
         raise click.UsageError("--diagnose reads the journal once; it cannot --follow")

@@ -24,9 +24,9 @@ from typing import Any
 import click
 
 from hgxserve import __version__
-from hgxserve.caches.layout import BAKE_RECORD, read_marker, valid_key
+from hgxserve.base.cachelayout import BAKE_RECORD, read_marker, valid_key
+from hgxserve.base.paths import CACHE_ROOT, RELEASE_ROOT
 from hgxserve.facts import parsers
-from hgxserve.paths import CACHE_ROOT, RELEASE_ROOT
 from hgxserve.release.gate import parse_samples
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store
 from hgxserve.release.switch import DEADMAN_UNIT

@@ -106,7 +106,7 @@ def topology_to_render(path: str) -> Topology:
     """
     import click
 
-    from hgxserve.errors import Found, UsageError
+    from hgxserve.base.errors import Found, UsageError
 
     result = check_topology(path)
     for problem in result.problems:

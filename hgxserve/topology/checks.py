@@ -13,12 +13,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from hgxserve.caches.layout import ENV_SUBDIRS
-from hgxserve.paths import CONFIG_DIR, TOPOLOGY_FILES_DIR
+from hgxserve.base.cachelayout import ENV_SUBDIRS
+from hgxserve.base.paths import CONFIG_DIR, TOPOLOGY_FILES_DIR
 from hgxserve.topology.engine_args import arg_of_flag
 from hgxserve.topology.model import Engine, Topology, is_loopback
 from hgxserve.topology.ports import (
-    ANY_ADDRESS,
+    UNSPECIFIED,
     listeners_by_host,
     proxy_targets,
     setting_path,
@@ -41,7 +41,6 @@ VLLM_MTP_PD_FIX = (0, 15, 0)
 VLLM_NIXL_P_TP_GT_D = (0, 32, 0)
 # Attention kinds whose KV is the same on every TP rank (MLA latent): nothing to split per head.
 REPLICATED_KV = ("mla", "dsa", "csa")
-UNSPECIFIED = (ANY_ADDRESS, "::")
 
 
 def _version(text: str | None) -> tuple[int, ...] | None:

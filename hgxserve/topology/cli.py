@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from hgxserve.errors import ExitCode
+from hgxserve.base.errors import ExitCode
 from hgxserve.topology import CheckResult, check_topology
 from hgxserve.topology.model import S3Source, Topology
 from hgxserve.topology.ports import (
@@ -151,18 +151,12 @@ def validate(files: tuple[str, ...], fmt: str, strict: bool, list_rules: bool) -
 # -- plan ----------------------------------------------------------------------------------------
 
 
-def _render_units(topo: Topology) -> tuple[dict[str, list[dict[str, Any]]] | None, str | None]:
-    """Units per host from the renderer, or (None, why) when it is missing or fails."""
-    try:
-        from hgxserve.render import render_topology
-    except ImportError:
-        return None, "renderer not available"
-    try:
-        rendered = render_topology(topo)
-    except Exception as exc:  # noqa: BLE001  (show the plan anyway, with the reason)
-        return None, f"renderer failed: {type(exc).__name__}: {exc}"
+def _render_units(topo: Topology) -> dict[str, list[dict[str, Any]]]:
+    """Units per host, from the renderer (a RenderError propagates: `plan` then fails)."""
+    from hgxserve.render import render_topology
+
     units: dict[str, list[dict[str, Any]]] = {}
-    for host, host_render in rendered.items():
+    for host, host_render in render_topology(topo).items():
         units[host] = [
             {
                 "name": unit.name,
@@ -172,7 +166,7 @@ def _render_units(topo: Topology) -> tuple[dict[str, list[dict[str, Any]]] | Non
             }
             for unit in host_render.units
         ]
-    return units, None
+    return units
 
 
 def _model_source(topo: Topology) -> str:
@@ -192,7 +186,7 @@ def build_plan(topo: Topology) -> dict[str, Any]:
     {'index': 0, 'engine': 'prefill-0', 'role': 'prefill'}
     """
     listeners = listeners_by_host(topo)
-    units, units_note = _render_units(topo)
+    units = _render_units(topo)
     hosts: dict[str, Any] = {}
     for name in topo.hosts_in_use():
         host = topo.hosts[name]
@@ -216,7 +210,7 @@ def build_plan(topo: Topology) -> dict[str, Any]:
                 {"port": li.port, "bind": li.bind, "owner": li.owner, "what": li.what}
                 for li in sorted(listeners.get(name, []), key=lambda li: li.port)
             ],
-            "units": units.get(name, []) if units is not None else None,
+            "units": units.get(name, []),
         }
     return {
         "topology": topo.name,
@@ -231,7 +225,6 @@ def build_plan(topo: Topology) -> dict[str, Any]:
             "integrity": topo.model.integrity,
         },
         "hosts": hosts,
-        "units_note": units_note,
         "wiring": _wiring(topo),
         "fit": _fit(topo),
     }
@@ -370,11 +363,9 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
         for li in host["listeners"]:
             lines.append(f"    {li['port']:<6} {li['bind']:<15} {li['owner']} {li['what']}")
         lines.append("  units")
-        if host["units"] is None:
-            lines.append(f"    ({plan['units_note']})")
-        elif not host["units"]:
+        if not host["units"]:
             lines.append("    (none)")
-        for unit in host["units"] or []:
+        for unit in host["units"]:
             lines.append(f"    {unit['name']}")
             for key, value in sorted(unit["env"].items()):
                 lines.append(f"      {key}={shlex.quote(str(value))}")
@@ -508,8 +499,11 @@ def plan(file: str, fmt: str, diagram_out: str | None) -> None:
     hgxserve plan topologies/h200-dsv32-2p1d.yml --format json
     hgxserve plan topologies/h200-dsv32-2p1d.yml --diagram dsv32.svg
 
-    An invalid topology is refused with the same output as `validate` (exit 1, or 2).
+    An invalid topology is refused with the same output as `validate` (exit 1, or 2); one the
+    renderer cannot write (a bug: the rules refuse every such topology) exits 6.
     """
+    from hgxserve.render import RenderError
+
     result = _safe_check(file)
     if result.unreadable or result.errors or result.topology is None:
         if fmt == "json":
@@ -531,6 +525,9 @@ def plan(file: str, fmt: str, diagram_out: str | None) -> None:
             from hgxserve.topology.diagram import topology_dot, write_diagram
 
             click.echo(write_diagram(topology_dot(topo), diagram_out), err=True)
+    except RenderError as exc:
+        click.echo(f"{file}: error: not rendered: {exc}", err=True)
+        sys.exit(exc.exit_code)
     except (OSError, ValueError) as exc:
         click.echo(f"{file}: error: {exc}", err=True)
         sys.exit(EXIT_UNREADABLE)

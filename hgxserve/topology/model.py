@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from hgxserve.defaults import schema_default
-from hgxserve.paths import TOPOLOGY_FILES_DIR
-from hgxserve.sizes import parse_size
+from hgxserve.base.defaults import schema_default
+from hgxserve.base.paths import TOPOLOGY_FILES_DIR
+from hgxserve.base.sizes import parse_size
 
 LOOPBACK = ("127.", "localhost", "::1")
 # Engine flags whose value is a file or directory the engine reads on its host.

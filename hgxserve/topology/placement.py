@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hgxserve.paths import weights_state_dir
+from hgxserve.base.paths import weights_state_dir
 from hgxserve.topology.model import CephfsSource, Model, Topology
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 
-from hgxserve.defaults import topology_schema
+from hgxserve.base.defaults import topology_schema
 from hgxserve.topology.loader import Document, control_character
 from hgxserve.topology.problems import JsonPath, Problem
 

@@ -7,8 +7,8 @@ text = mount_unit(["10.0.0.1:6789"], "/models", "models-ro", "/etc/ceph/models.s
 
 from __future__ import annotations
 
-from hgxserve.render.systemd import mount_unit_name as unit_name
-from hgxserve.render.systemd import unit_value
+from hgxserve.base.units import mount_unit_name as unit_name
+from hgxserve.base.units import unit_value
 
 __all__ = ["mount_unit", "unit_name"]
 

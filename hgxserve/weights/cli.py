@@ -13,9 +13,9 @@ from typing import Any
 
 import click
 
-from hgxserve.defaults import NATIVE_MIN_SIZE, S3_CONCURRENCY, S3_PART_SIZE
-from hgxserve.errors import cli_errors
-from hgxserve.sizes import parse_size
+from hgxserve.base.defaults import NATIVE_MIN_SIZE, S3_CONCURRENCY, S3_PART_SIZE
+from hgxserve.base.errors import cli_errors
+from hgxserve.base.sizes import parse_size
 from hgxserve.weights.errors import EXIT_VERIFY_FAILED
 
 

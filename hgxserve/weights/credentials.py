@@ -17,7 +17,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from hgxserve.errors import register_secret, scrub
+from hgxserve.base.errors import register_secret, scrub
 from hgxserve.weights.errors import CredentialsError
 
 _ENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")

@@ -5,7 +5,7 @@ raise SourceError("s3://models/x/: endpoint http://127.0.0.1:9 refused the conne
 
 from __future__ import annotations
 
-from hgxserve.errors import ExitCode, HgxserveError
+from hgxserve.base.errors import ExitCode, HgxserveError
 
 # Exit codes (README "Exit codes"; engine units and the pyinfra role rely on them).
 EXIT_VERIFY_FAILED = ExitCode.FOUND  # content mismatch, missing/truncated file, marker stale

@@ -46,7 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 
-from hgxserve.errors import scrub
+from hgxserve.base.errors import scrub
 from hgxserve.weights.errors import (
     CredentialsError,
     LocalIOError,

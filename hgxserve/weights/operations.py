@@ -18,7 +18,7 @@ from pyinfra.api import FactBase, StringCommand, operation
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files
 
-from hgxserve.paths import AGENT
+from hgxserve.base.paths import AGENT
 from hgxserve.weights.options import SyncArgs
 from hgxserve.weights.state import STATE_DIR_NAME
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE
+from hgxserve.base.defaults import S3_CONCURRENCY, S3_PART_SIZE
 from hgxserve.weights.manifest import MANIFEST_NAME
 
 

@@ -29,7 +29,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from hgxserve.errors import scrub
+from hgxserve.base.errors import scrub
 from hgxserve.weights.credentials import Credentials
 from hgxserve.weights.errors import CredentialsError, SourceError, VerifyError, WeightsError
 from hgxserve.weights.manifest import check_size

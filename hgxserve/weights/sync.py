@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from hgxserve.defaults import NATIVE_MIN_SIZE_BYTES, S3_CONCURRENCY, S3_PART_SIZE_BYTES
+from hgxserve.base.defaults import NATIVE_MIN_SIZE_BYTES, S3_CONCURRENCY, S3_PART_SIZE_BYTES
 from hgxserve.weights import native
 from hgxserve.weights.complete import check_complete
 from hgxserve.weights.errors import SourceError, UsageError, VerifyError, WeightsError

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from hgxserve.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
+from hgxserve.base.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
 from hgxserve.weights.errors import LocalIOError, SourceError, VerifyError, WeightsError
 from hgxserve.weights.progress import Progress
 from hgxserve.weights.safefs import (

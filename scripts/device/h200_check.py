@@ -84,7 +84,7 @@ def _files(root: str) -> dict[str, int]:
 
 
 def _run_workload(key_dir: str) -> dict[str, object]:
-    from hgxserve.caches.layout import ENV_SUBDIRS
+    from hgxserve.base.cachelayout import ENV_SUBDIRS
 
     env = dict(os.environ)
     for var, sub in ENV_SUBDIRS.items():

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from hgxserve.base.errors import UsageError
 from hgxserve.bench import metrics, report
 from hgxserve.bench.run import _point, load_run, verdicts
 from hgxserve.bench.scenario import LoadPoint, Scenario, Sla
-from hgxserve.errors import UsageError
 
 T = metrics.Targets(
     "http://10.77.0.13:8000",

@@ -13,7 +13,7 @@ from typing import Any
 
 from hgxserve.bench import releasegate
 from hgxserve.release.ops import Coordination
-from hgxserve.status.remote import load_inventory
+from hgxserve.remote.inventory import load_inventory
 from hgxserve.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from hgxserve.base.errors import UsageError
 from hgxserve.bench.scenario import bench_file_for, load_bench
-from hgxserve.errors import UsageError
 from hgxserve.topology import TopologyError
 
 REPO = Path(__file__).resolve().parents[2]

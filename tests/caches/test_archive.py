@@ -11,9 +11,9 @@ import tarfile
 import pytest
 import zstandard
 
+from hgxserve.base.cachelayout import BAKE_RECORD, RESTORE_MARKER
 from hgxserve.caches import archive
 from hgxserve.caches.archive import ArchiveError, pack_dir, restore_archive
-from hgxserve.caches.layout import BAKE_RECORD, RESTORE_MARKER
 
 
 def make_tree(root: str, seed: int = 0) -> None:

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from hgxserve.base.cachelayout import BAKE_RECORD, cache_env
 from hgxserve.caches.archive import pack_dir, restore_archive
 from hgxserve.caches.bake import BakeError, BakeSpec, bake, deep_gemm_argv
-from hgxserve.caches.layout import BAKE_RECORD, cache_env
 from hgxserve.caches.logscan import scan
 from hgxserve.caches.warmup import Shape, warmup_plan
 

@@ -199,7 +199,7 @@ def _free_port() -> int:
 @pytest.mark.timeout(120)
 def test_bake_cli_runs_the_rendered_unit(tmp_path, monkeypatch):
     """The bake runs the renderer's argv/env: a fake `vllm` in a venv dir stands in for vLLM."""
-    import hgxserve.paths as paths
+    import hgxserve.base.paths as paths
 
     monkeypatch.setattr(paths, "RUN_ROOT", str(tmp_path / "run"))
     venv = tmp_path / "venv"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hgxserve import sizes
+from hgxserve.base import sizes
 from hgxserve.facts import parsers
 
 H200_BUS = [

@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from hgxserve.proxy.server import Metrics, family
+from hgxserve.base.promtext import family
+from hgxserve.proxy.metrics import Metrics
 
 
 def _instance(role: str, url: str, healthy: bool, reason: str) -> types.SimpleNamespace:

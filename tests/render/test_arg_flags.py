@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from conftest import topology
 
-from hgxserve.defaults import topology_schema
+from hgxserve.base.defaults import topology_schema
 from hgxserve.render.engines import engine_args, node_plan
 from hgxserve.topology.checks import _TYPED_FLAGS
 from hgxserve.topology.engine_args import ARG_FLAGS, not_rendered

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 from conftest import ROOT, topology
 
+from hgxserve.base.cachelayout import valid_key
 from hgxserve.caches.key import cache_key
-from hgxserve.caches.layout import valid_key
 from hgxserve.topology.model import Runtime
 
 

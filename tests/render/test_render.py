@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TEST_TOPOLOGIES, flag_pairs, topology
 
-from hgxserve.digests import tree_digest
+from hgxserve.base.digests import tree_digest
+from hgxserve.base.units import exec_line, quote_word
 from hgxserve.proxy.config import load_proxy_config
 from hgxserve.render import (
     HostRender,
@@ -19,7 +20,6 @@ from hgxserve.render import (
     render_host,
     render_topology,
 )
-from hgxserve.render.systemd import exec_line, quote_word
 from hgxserve.topology import load_topology
 
 ALL_TOPOLOGIES = sorted(ROOT.glob("topologies/**/*.yml")) + sorted(TEST_TOPOLOGIES.glob("*.yml"))

@@ -12,8 +12,8 @@ import re
 import pytest
 from conftest import topology
 
+from hgxserve.base.units import UnitValueError, environment_value, exec_line, unit_value
 from hgxserve.render import RenderError, render_host
-from hgxserve.render.systemd import UnitValueError, environment_value, exec_line, unit_value
 
 HOSTILE = ["\n", "\r", "\x00", "\x1b", "\x7f", "\x85", "\u2028", "\t"]
 

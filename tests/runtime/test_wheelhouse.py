@@ -105,7 +105,7 @@ def test_torch_cuda_read_from_the_wheel(tmp_path: Path) -> None:
     simwheels.build_wheel(wheels, "torch", "2.9.0", {"torch/version.py": version_py}, "test torch")
     simwheels.build_wheel(wheels, "vllm", "0.26.0", {"vllm/__init__.py": b""}, "test vllm")
     tarball = tmp_path / "w.tar"
-    from hgxserve.agent_build import pack_wheels
+    from hgxserve.runtime.agent_build import pack_wheels
 
     pack_wheels(sorted(wheels.glob("*.whl")), tarball)
     assert wheelhouse.wheelhouse_torch(tarball) == ("2.9.0", "13.0")

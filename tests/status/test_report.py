@@ -12,7 +12,7 @@ import pytest
 
 from hgxserve.caches.key import cache_key
 from hgxserve.release.plan import plan_release
-from hgxserve.status.remote import Result
+from hgxserve.remote.ssh import Result
 from hgxserve.status.report import build_report, inspect_argv
 from hgxserve.status.table import render
 from hgxserve.topology import load_topology

@@ -1,4 +1,4 @@
-"""hgxserve.status.tunnel against a real SSH server (paramiko's server side, in this process):
+"""hgxserve.remote.tunnel against a real SSH server (paramiko's server side, in this process):
 through a forwarded port, many connections at once, and an unreachable host named."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import paramiko
 import pytest
 
-from hgxserve.status.remote import InventoryHost
-from hgxserve.status.tunnel import TunnelError, Tunnels
+from hgxserve.remote.inventory import InventoryHost
+from hgxserve.remote.tunnel import TunnelError, Tunnels
 
 
 class _Server(paramiko.ServerInterface):

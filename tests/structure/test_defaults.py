@@ -1,5 +1,5 @@
 """Each default is written once: the CLIs, roles and operations use the schema's defaults and the
-host paths from hgxserve.paths, so a direct call behaves as a deploy does."""
+host paths from hgxserve.base.paths, so a direct call behaves as a deploy does."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import inspect
 
 from click.testing import CliRunner
 
-from hgxserve import defaults, paths
+from hgxserve.base import defaults, paths
 from hgxserve.topology.model import S3Source, _engine
 from hgxserve.weights.cli import weights as weights_cli
 from hgxserve.weights.operations import sync_command

@@ -7,12 +7,12 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.base.errors import ExitCode, HgxserveError, cli_errors, register_secret
 from hgxserve.caches.archive import ArchiveError
 from hgxserve.caches.bake import BakeError
 from hgxserve.caches.cli import cache
 from hgxserve.caches.hostfacts import FactsError
-from hgxserve.errors import ExitCode, HgxserveError, cli_errors, register_secret
-from hgxserve.gpus import GpuQueryError
+from hgxserve.gpus.cli import GpuQueryError
 from hgxserve.proxy.config import ProxyConfigError
 from hgxserve.release.cli import release
 from hgxserve.release.gate import GateError

@@ -12,18 +12,8 @@ from imports import cycles, import_graph, modules
 
 # Lowest first. A module belongs to the first layer one of whose prefixes it matches.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    (
-        "base",
-        (
-            "hgxserve",  # the package itself: __version__ only
-            "hgxserve.paths",
-            "hgxserve.defaults",
-            "hgxserve.sizes",
-            "hgxserve.digests",
-            "hgxserve.errors",
-            "hgxserve.runstate",
-        ),
-    ),
+    # `hgxserve`: __version__ only; `hgxserve.deploy.runstate`: state kept per pyinfra run
+    ("base", ("hgxserve", "hgxserve.base", "hgxserve.deploy.runstate")),
     (
         "topology and leaf libraries",
         (
@@ -32,20 +22,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "hgxserve.proxy",
             "hgxserve.weights",
             "hgxserve.gpus",
-            "hgxserve.agent_build",
+            "hgxserve.remote",
             "hgxserve.credfiles",
-            "hgxserve.credstore",
-            # two low modules of higher packages: systemd value escaping, the cache dir layout
-            "hgxserve.render.systemd",
-            "hgxserve.caches.layout",
         ),
     ),
-    ("render", ("hgxserve.render", "hgxserve.caches", "hgxserve.runtime", "hgxserve.monitoring")),
+    ("caches and runtimes", ("hgxserve.caches", "hgxserve.runtime")),
+    ("render", ("hgxserve.render",)),
+    ("monitoring", ("hgxserve.monitoring",)),
     ("release", ("hgxserve.release",)),
-    (
-        "deploy helpers and status",
-        ("hgxserve.deploying", "hgxserve.stages", "hgxserve.status", "hgxserve.bench"),
-    ),
+    ("status and bench", ("hgxserve.status", "hgxserve.bench")),
+    ("deploy: the --data table and the stage plans", ("hgxserve.deploy",)),
     ("command line", ("hgxserve.cli", "*.cli")),
     ("roles", ("roles",)),
     ("deploys", ("deploys",)),
@@ -90,15 +76,7 @@ def _package(module: str) -> str:
 
 
 # Imports between packages of one layer: the few the README names, no others.
-SAME_LAYER = {
-    ("hgxserve.defaults", "hgxserve.sizes"),
-    ("hgxserve.gpus", "hgxserve.facts"),
-    ("hgxserve.render", "hgxserve.caches"),
-    ("hgxserve.monitoring", "hgxserve.render"),  # render.types: container tools, unit templates
-    ("hgxserve.topology", "hgxserve.caches"),  # checks -> caches.layout (the cache variables)
-    ("hgxserve.weights", "hgxserve.render"),  # cephfs -> render.systemd (unit value escaping)
-    ("hgxserve.bench", "hgxserve.status"),  # reach/releasegate -> SSH tunnels, the inventory
-}
+SAME_LAYER: set[tuple[str, str]] = set()
 
 
 def test_packages_of_one_layer_import_each_other_only_where_named():

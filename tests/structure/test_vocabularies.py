@@ -6,7 +6,7 @@ from typing import get_args
 
 import pytest
 
-from hgxserve.defaults import topology_schema
+from hgxserve.base.defaults import topology_schema
 from hgxserve.topology import model
 
 

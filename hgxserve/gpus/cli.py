@@ -25,7 +25,7 @@ from pathlib import Path
 
 import click
 
-from hgxserve.errors import ExitCode, Found, UsageError, cli_errors, fail
+from hgxserve.base.errors import ExitCode, Found, UsageError, cli_errors, fail
 from hgxserve.facts.parsers import parse_compute_apps, parse_smi_csv
 
 QUERY_GPUS = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"]

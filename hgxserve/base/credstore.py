@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from hgxserve.errors import UsageError
+from hgxserve.base.errors import UsageError
 
 # where systemd looks for `LoadCredential=NAME` without a path (systemd.exec(5))
 CREDENTIAL_STORES = ("/etc/credstore", "/run/credstore", "/usr/lib/credstore")

@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any
 
-from hgxserve.paths import CACHE_ROOT
+from hgxserve.base.paths import CACHE_ROOT
 
 DEFAULT_ROOT = CACHE_ROOT
 

@@ -16,7 +16,7 @@ import socket
 import threading
 from typing import Any
 
-from hgxserve.errors import ExitCode, HgxserveError
+from hgxserve.base.errors import ExitCode, HgxserveError
 
 BUFFER = 65536
 
@@ -83,11 +83,11 @@ class Tunnel:
 
 
 class Tunnels:
-    """Tunnels through the hosts of a pyinfra inventory (`hgxserve.status.remote`'s SSH
+    """Tunnels through the hosts of a pyinfra inventory (`hgxserve.remote.ssh`'s SSH
     settings), one SSH connection per host, all closed together."""
 
     def __init__(self, hosts: list[Any], connect_timeout: float = 10.0) -> None:
-        from hgxserve.status.remote import Sessions
+        from hgxserve.remote.ssh import Sessions
 
         self.sessions = Sessions(hosts, connect_timeout)
         self.tunnels: list[Tunnel] = []
@@ -100,7 +100,7 @@ class Tunnels:
 
     def url(self, host: str, dest_host: str, dest_port: int) -> str:
         """`http://127.0.0.1:<port>` that reaches `dest_host:dest_port` from `host`."""
-        from hgxserve.status.remote import describe_error
+        from hgxserve.remote.ssh import describe_error
 
         try:
             transport = self.sessions.client(host).get_transport()

@@ -15,9 +15,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from hgxserve.sizes import parse_size
+from hgxserve.base.sizes import parse_size
 
-SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "topology.schema.json"
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "topology.schema.json"
 
 
 @cache

@@ -13,7 +13,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("HGXSERVE_CONTROLLER_CACHE", "/var/cache/hgxserve-controller"))
 SOURCES = ("pyproject.toml", "hgxserve", "schemas", "files")
 

@@ -1,0 +1,1 @@
+"""`hgxserve gpus`: the GPU checks engine units run around the engine."""

@@ -1,0 +1,1 @@
+"""Reaching hosts from the controller: the inventory, parallel SSH sessions, tunnels."""
