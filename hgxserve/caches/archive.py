@@ -28,7 +28,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, cast
+from typing import IO, Any, BinaryIO, cast
 
 import zstandard
 
@@ -101,40 +101,41 @@ class RestoreResult:
         }
 
 
-class _HashingWriter(io.RawIOBase):
-    """Counts and hashes bytes on their way to a file."""
+class _Hashing(io.RawIOBase):
+    """Counts and hashes the bytes that pass through it."""
 
     def __init__(self, fh: BinaryIO) -> None:
         self.fh = fh
         self.hasher = hashlib.sha256()
         self.count = 0
+
+    def _passed(self, data: bytes | memoryview) -> None:
+        self.hasher.update(data)
+        self.count += len(data)
+
+
+class _HashingWriter(_Hashing):
+    """Counts and hashes bytes on their way to a file."""
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        self.hasher.update(view)
+        self._passed(view)
         self.fh.write(view)
-        self.count += len(view)
         return len(view)
 
 
-class _HashingReader(io.RawIOBase):
+class _HashingReader(_Hashing):
     """Hashes a file while tarfile copies it into the archive (one read per file)."""
-
-    def __init__(self, fh: BinaryIO) -> None:
-        self.fh = fh
-        self.hasher = hashlib.sha256()
-        self.count = 0
 
     def readable(self) -> bool:
         return True
 
     def read(self, size: int = -1) -> bytes:
         data = self.fh.read(size)
-        self.hasher.update(data)
-        self.count += len(data)
+        self._passed(data)
         return data
 
 
@@ -331,6 +332,94 @@ def _safe_member_name(name: str) -> str:
     return clean
 
 
+class _Unpacker:
+    """One restore's unpack into tmp: the caps still left and what it has written so far."""
+
+    def __init__(self, archive: str, tmp: str, max_bytes: int) -> None:
+        self.archive = archive
+        self.tmp = tmp
+        self.max_bytes = max_bytes
+        self.budget = max_bytes
+        self.entries = 0
+        self.files: dict[str, tuple[int, str]] = {}
+        self.dirs: set[str] = set()
+        self.links: dict[str, str] = {}
+
+    def admit(self, member: tarfile.TarInfo) -> str:
+        """Check a member against the caps, the free space and the names so far; its clean name."""
+        archive = self.archive
+        self.entries += 1
+        if self.entries > MAX_RESTORE_ENTRIES:
+            raise ArchiveError(f"{archive}: more than {MAX_RESTORE_ENTRIES} entries")
+        if member.size > self.budget:
+            raise ArchiveError(
+                f"{archive}: {member.name!r} ({member.size} bytes) would take the restore past "
+                f"its cap of {self.max_bytes} bytes; nothing more written"
+            )
+        self.budget -= member.size
+        if member.isfile() and member.size > _free_bytes(self.tmp):
+            raise ArchiveError(
+                f"{archive}: {member.name!r} needs {member.size} bytes, more than is free "
+                f"on {self.tmp}"
+            )
+        name = _safe_member_name(member.name)
+        if name in self.files or name in self.dirs or name in self.links:
+            raise ArchiveError(f"{archive}: {name!r} appears twice")
+        # Only this restore creates symlinks in tmp, so knowing them all is enough.
+        prefixes = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
+        if any(p in self.links for p in prefixes):
+            raise ArchiveError(f"{archive}: {name!r} would be written through a symlink")
+        return name
+
+    def write(self, tar: tarfile.TarFile, member: tarfile.TarInfo, name: str) -> None:
+        """Write one admitted member (not the manifest) into tmp."""
+        if name == RESTORE_MARKER:
+            raise ArchiveError(f"{self.archive}: carries a host restore marker; refusing it")
+        target_path = os.path.join(self.tmp, name)
+        if member.isdir():
+            os.makedirs(target_path, exist_ok=True)
+            self.dirs.add(name)
+        elif member.issym():
+            if not _link_stays_inside(name, member.linkname):
+                raise ArchiveError(
+                    f"unsafe symlink in archive: {name!r} -> {member.linkname!r}; refusing it"
+                )
+            os.makedirs(os.path.dirname(target_path), exist_ok=True)
+            os.symlink(member.linkname, target_path)
+            self.links[name] = member.linkname
+        elif member.isfile():
+            os.makedirs(os.path.dirname(target_path), exist_ok=True)
+            src = tar.extractfile(member)
+            assert src is not None
+            self.files[name] = _write_new_file(src, target_path, member.mode)
+        else:
+            raise ArchiveError(
+                f"{self.archive}: {name!r} is a device, fifo or hard link; refusing it"
+            )
+
+    def check_link_chains(self) -> None:
+        for name, target in self.links.items():
+            if not _resolves_inside(self.tmp, name):
+                raise ArchiveError(
+                    f"unsafe symlink in archive: {name!r} -> {target!r} resolves outside "
+                    "the cache through a chain of links; refusing it"
+                )
+
+
+def _write_new_file(src: IO[bytes], path: str, mode: int) -> tuple[int, str]:
+    """Copy src into a new file at path (never through a link); its (size, sha256)."""
+    hasher = hashlib.sha256()
+    size = 0
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o755 if mode & 0o111 else 0o644)
+    with os.fdopen(fd, "wb") as out:
+        while chunk := src.read(COPY_BUFSIZE):
+            hasher.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+    return size, hasher.hexdigest()
+
+
 def _unpack(
     archive: str, tmp: str, max_bytes: int = MAX_RESTORE_BYTES
 ) -> tuple[dict[str, Any], bytes]:
@@ -339,11 +428,7 @@ def _unpack(
     Each member's size (from its tar header) is checked against `max_bytes` still left and the
     free space before a byte of it is written; every link chain must resolve inside tmp.
     """
-    budget = max_bytes
-    entries = 0
-    seen: dict[str, tuple[int, str]] = {}
-    seen_dirs: set[str] = set()
-    seen_links: dict[str, str] = {}
+    unpacker = _Unpacker(archive, tmp, max_bytes)
     manifest_body: bytes | None = None
     dctx = zstandard.ZstdDecompressor()
     with (
@@ -354,82 +439,30 @@ def _unpack(
         for member in tar:
             if manifest_body is not None:
                 raise ArchiveError(f"{archive}: entries after the manifest; not a cache archive")
-            entries += 1
-            if entries > MAX_RESTORE_ENTRIES:
-                raise ArchiveError(f"{archive}: more than {MAX_RESTORE_ENTRIES} entries")
-            if member.size > budget:
-                raise ArchiveError(
-                    f"{archive}: {member.name!r} ({member.size} bytes) would take the restore past "
-                    f"its cap of {max_bytes} bytes; nothing more written"
-                )
-            budget -= member.size
-            if member.isfile() and member.size > _free_bytes(tmp):
-                raise ArchiveError(
-                    f"{archive}: {member.name!r} needs {member.size} bytes, more than is free "
-                    f"on {tmp}"
-                )
-            name = _safe_member_name(member.name)
-            if name in seen or name in seen_dirs or name in seen_links:
-                raise ArchiveError(f"{archive}: {name!r} appears twice")
-            target_path = os.path.join(tmp, name)
-            parent = os.path.dirname(target_path)
-            # Only this restore creates symlinks in tmp, so knowing them all is enough.
-            prefixes = ["/".join(name.split("/")[:i]) for i in range(1, name.count("/") + 1)]
-            if any(p in seen_links for p in prefixes):
-                raise ArchiveError(f"{archive}: {name!r} would be written through a symlink")
-            if name == MANIFEST_NAME:
-                if not member.isfile():
-                    raise ArchiveError(f"{archive}: manifest is not a regular file")
-                fh = tar.extractfile(member)
-                manifest_body = fh.read() if fh else b""
+            name = unpacker.admit(member)
+            if name != MANIFEST_NAME:
+                unpacker.write(tar, member, name)
                 continue
-            if name == RESTORE_MARKER:
-                raise ArchiveError(f"{archive}: carries a host restore marker; refusing it")
-            if member.isdir():
-                os.makedirs(target_path, exist_ok=True)
-                seen_dirs.add(name)
-            elif member.issym():
-                if not _link_stays_inside(name, member.linkname):
-                    raise ArchiveError(
-                        f"unsafe symlink in archive: {name!r} -> {member.linkname!r}; refusing it"
-                    )
-                os.makedirs(parent, exist_ok=True)
-                os.symlink(member.linkname, target_path)
-                seen_links[name] = member.linkname
-            elif member.isfile():
-                os.makedirs(parent, exist_ok=True)
-                src = tar.extractfile(member)
-                assert src is not None
-                hasher = hashlib.sha256()
-                size = 0
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                fd = os.open(target_path, flags, 0o755 if member.mode & 0o111 else 0o644)
-                with os.fdopen(fd, "wb") as out:
-                    while chunk := src.read(COPY_BUFSIZE):
-                        hasher.update(chunk)
-                        out.write(chunk)
-                        size += len(chunk)
-                seen[name] = (size, hasher.hexdigest())
-            else:
-                raise ArchiveError(
-                    f"{archive}: {name!r} is a device, fifo or hard link; refusing it"
-                )
-    for name in seen_links:
-        if not _resolves_inside(tmp, name):
-            raise ArchiveError(
-                f"unsafe symlink in archive: {name!r} -> {seen_links[name]!r} resolves outside "
-                "the cache through a chain of links; refusing it"
-            )
-    if manifest_body is None:
+            if not member.isfile():
+                raise ArchiveError(f"{archive}: manifest is not a regular file")
+            fh = tar.extractfile(member)
+            manifest_body = fh.read() if fh else b""
+    unpacker.check_link_chains()
+    manifest, body = _parse_manifest(archive, manifest_body)
+    _check_against_manifest(archive, manifest, unpacker.files, unpacker.dirs, unpacker.links)
+    return manifest, body
+
+
+def _parse_manifest(archive: str, body: bytes | None) -> tuple[dict[str, Any], bytes]:
+    if body is None:
         raise ArchiveError(f"{archive}: no manifest at the end: truncated or not a cache archive")
     try:
-        manifest = json.loads(manifest_body)
+        manifest = json.loads(body)
     except ValueError as exc:
         raise ArchiveError(f"{archive}: manifest is not JSON: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArchiveError(f"{archive}: manifest format is not {FORMAT}")
-    _check_against_manifest(archive, manifest, seen, seen_dirs, seen_links)
-    return manifest, manifest_body
+    return manifest, body
 
 
 def _free_bytes(path: str) -> int:
@@ -481,7 +514,7 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a)
 
 
-def restore_archive(
+def restore_archive(  # noqa: PLR0913 - public call: archive, dest and four keyword options
     archive: str,
     dest: str,
     sha256: str | None = None,
@@ -502,38 +535,19 @@ def restore_archive(
         raise ArchiveError(f"{archive}: no such archive")
     want = expected_digest(archive, sha256)
     marker = read_marker(dest) if os.path.isdir(dest) else None
-    same_key = full_key is None or marker is not None and marker.get("full_key") == full_key
-    if not force and marker and want and marker.get("archive_sha256") == want and same_key:
+    if not force and marker and want and _marker_matches(marker, want, full_key):
         return RestoreResult(
             dest, want, marker.get("manifest_sha256", ""), int(marker.get("files", 0)),
             int(marker.get("bytes", 0)), changed=False, seconds=time.monotonic() - started,
         )  # fmt: skip
-    size = os.path.getsize(archive)
-    if size > max_bytes:
-        raise ArchiveError(
-            f"{archive}: {size} bytes, over the restore cap of {max_bytes}; {dest} left untouched"
-        )
-    if want:
-        got = sha256_of(archive)
-        if got != want:
-            raise ArchiveError(
-                f"{archive}: sha256 is {got}, expected {want}: corrupt or truncated archive; "
-                f"{dest} left untouched"
-            )
+    _check_whole_archive(archive, dest, want, max_bytes)
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.realpath(
         tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.restore-", dir=parent)
     )
     try:
-        try:
-            manifest, body = _unpack(archive, tmp, max_bytes)
-        except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
-            raise ArchiveError(
-                f"{archive}: corrupt or truncated archive ({exc}); {dest} left untouched"
-            ) from exc
-        except ArchiveError as exc:
-            raise ArchiveError(f"{exc}; {dest} left untouched") from exc
+        manifest, body = _unpack_for(archive, tmp, dest, max_bytes)
         os.chmod(tmp, 0o755)
         manifest_sha = hashlib.sha256(body).hexdigest()
         files = manifest.get("files", [])
@@ -551,14 +565,7 @@ def restore_archive(
         )
         replaced = os.path.lexists(dest)
         if replaced:
-            if not _exchange(tmp, dest):
-                old = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.old-", dir=parent)
-                os.rmdir(old)
-                os.rename(dest, old)
-                os.rename(tmp, dest)
-                tmp = old
-            # tmp now holds the previous cache
-            shutil.rmtree(tmp, ignore_errors=True)
+            _replace_dir(tmp, dest)
         else:
             os.rename(tmp, dest)
     except BaseException:
@@ -574,6 +581,52 @@ def restore_archive(
         seconds=time.monotonic() - started,
         replaced=replaced,
     )
+
+
+def _marker_matches(marker: dict[str, Any], want: str, full_key: str | None) -> bool:
+    """True when dest's restore marker says it already holds this archive (for this key)."""
+    same_key = full_key is None or marker.get("full_key") == full_key
+    return marker.get("archive_sha256") == want and same_key
+
+
+def _check_whole_archive(archive: str, dest: str, want: str | None, max_bytes: int) -> None:
+    """The archive's size against the cap and its sha256 against `want`, before any unpacking."""
+    size = os.path.getsize(archive)
+    if size > max_bytes:
+        raise ArchiveError(
+            f"{archive}: {size} bytes, over the restore cap of {max_bytes}; {dest} left untouched"
+        )
+    if want:
+        got = sha256_of(archive)
+        if got != want:
+            raise ArchiveError(
+                f"{archive}: sha256 is {got}, expected {want}: corrupt or truncated archive; "
+                f"{dest} left untouched"
+            )
+
+
+def _unpack_for(archive: str, tmp: str, dest: str, max_bytes: int) -> tuple[dict[str, Any], bytes]:
+    """_unpack, with every failure said as one that left `dest` untouched."""
+    try:
+        return _unpack(archive, tmp, max_bytes)
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+        raise ArchiveError(
+            f"{archive}: corrupt or truncated archive ({exc}); {dest} left untouched"
+        ) from exc
+    except ArchiveError as exc:
+        raise ArchiveError(f"{exc}; {dest} left untouched") from exc
+
+
+def _replace_dir(tmp: str, dest: str) -> None:
+    """Swap the unpacked tmp into dest's place and remove the previous cache."""
+    old = tmp
+    if not _exchange(tmp, dest):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(dest)}.old-", dir=os.path.dirname(dest))
+        os.rmdir(old)
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+    # old now holds the previous cache
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def mark_packed(dest: str, result: PackResult, full_key: str | None = None) -> None:

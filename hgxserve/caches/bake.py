@@ -35,7 +35,7 @@ from hgxserve.base.credstore import read_credential
 from hgxserve.base.defaults import ENGINE
 from hgxserve.base.errors import HgxserveError
 from hgxserve.caches.logscan import JitHit, read_from, scan
-from hgxserve.caches.warmup import Shape, run_shape, served_model
+from hgxserve.caches.warmup import Engine, Shape, run_shape, served_model
 
 # What systemd puts in every unit's environment before Environment= lines.
 SYSTEMD_BASE_ENV = {
@@ -255,7 +255,8 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
         except OSError as exc:
             raise BakeError(f"cannot start {spec.argv[0]}: {exc.strerror}") from exc
     try:
-        record.update(_bake_running(spec, proc, log_path, start_offset, started, api_key))
+        baking = _Baking(spec, proc, log_path, api_key)
+        record.update(_bake_running(baking, start_offset, started))
     finally:
         record["stop"] = stop_engine(proc, spec.stop_timeout)
     record["seconds"] = round(time.monotonic() - started, 3)
@@ -267,74 +268,39 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
     return record
 
 
-def _bake_running(
-    spec: BakeSpec,
-    proc: subprocess.Popen[bytes],
-    log_path: str,
-    offset: int,
-    started: float,
-    api_key: str | None = None,
-) -> dict[str, Any]:
-    deadline = time.monotonic() + spec.ready_timeout
-    while True:
-        if proc.poll() is not None:
+@dataclass
+class _Baking:
+    """The engine a bake started: what it was started from, its process, log and API key."""
+
+    spec: BakeSpec
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    api_key: str | None = None
+
+    def check_alive(self, when: str) -> None:
+        if self.proc.poll() is not None:
             raise BakeError(
-                f"engine exited with {proc.returncode} before ready; log: {log_path}\n"
-                + _tail(log_path)
+                f"engine exited with {self.proc.returncode} {when}; log: {self.log_path}\n"
+                + _tail(self.log_path)
             )
-        if _health(spec.base_url) == 200:
-            break
-        if time.monotonic() > deadline:
-            raise BakeError(
-                f"engine not ready after {spec.ready_timeout:g}s at {spec.base_url}/health; "
-                f"log: {log_path}\n" + _tail(log_path)
-            )
-        time.sleep(0.5)
+
+
+def _bake_running(baking: _Baking, offset: int, started: float) -> dict[str, Any]:
+    spec, log_path = baking.spec, baking.log_path
+    _wait_ready(baking)
     ready_seconds = time.monotonic() - started
     startup_text, offset = read_from(log_path, offset)
     startup_hits = scan(startup_text)
-    model = spec.model or served_model(spec.base_url, api_key=api_key)
+    model = spec.model or served_model(spec.base_url, api_key=baking.api_key)
     if not model:
         raise BakeError(f"{spec.base_url}/v1/models lists no model; log: {log_path}")
+    engine = Engine(spec.base_url, model, baking.api_key, spec.request_timeout)
     rounds: list[dict[str, Any]] = []
     settled = False
     for round_no in range(1, spec.max_rounds + 1):
-        round_started = time.monotonic()
-        results = []
-        for shape in spec.shapes:
-            if proc.poll() is not None:
-                raise BakeError(
-                    f"engine exited with {proc.returncode} during warm-up; log: {log_path}\n"
-                    + _tail(log_path)
-                )
-            results.append(
-                run_shape(
-                    spec.base_url, model, shape, round_no, spec.request_timeout, api_key=api_key
-                )
-            )
-        # Lines about a request can trail its response a little.
-        time.sleep(spec.settle_seconds)
-        text, offset = read_from(log_path, offset)
-        hits: list[JitHit] = scan(text)
-        failed = sum(len(r.errors) for r in results)
-        rounds.append(
-            {
-                "round": round_no,
-                "requests": sum(r.ok for r in results) + failed,
-                "failed": failed,
-                "jit_lines": len(hits),
-                "jit": [h.as_dict() for h in hits[:50]],
-                "shapes": [r.as_dict() for r in results],
-                "seconds": round(time.monotonic() - round_started, 3),
-            }
-        )
-        if failed:
-            first = next(e for r in results for e in r.errors)
-            raise BakeError(
-                f"round {round_no}: {failed} warm-up request(s) failed, first: {first}; "
-                f"log: {log_path}"
-            )
-        if not hits:
+        round_record, offset = _warm_round(baking, engine, round_no, offset)
+        rounds.append(round_record)
+        if not round_record["jit_lines"]:
             settled = True
             break
     return {
@@ -346,3 +312,52 @@ def _bake_running(
         "settled": settled,
         "log": log_path,
     }
+
+
+def _wait_ready(baking: _Baking) -> None:
+    """Wait for the engine's /health to answer 200, up to the spec's ready timeout."""
+    spec = baking.spec
+    deadline = time.monotonic() + spec.ready_timeout
+    while True:
+        baking.check_alive("before ready")
+        if _health(spec.base_url) == 200:
+            return
+        if time.monotonic() > deadline:
+            raise BakeError(
+                f"engine not ready after {spec.ready_timeout:g}s at {spec.base_url}/health; "
+                f"log: {baking.log_path}\n" + _tail(baking.log_path)
+            )
+        time.sleep(0.5)
+
+
+def _warm_round(
+    baking: _Baking, engine: Engine, round_no: int, offset: int
+) -> tuple[dict[str, Any], int]:
+    """Send every shape once; the round's record and the log offset after it."""
+    spec = baking.spec
+    round_started = time.monotonic()
+    results = []
+    for shape in spec.shapes:
+        baking.check_alive("during warm-up")
+        results.append(run_shape(engine, shape, round_no))
+    # Lines about a request can trail its response a little.
+    time.sleep(spec.settle_seconds)
+    text, offset = read_from(baking.log_path, offset)
+    hits: list[JitHit] = scan(text)
+    failed = sum(len(r.errors) for r in results)
+    if failed:
+        first = next(e for r in results for e in r.errors)
+        raise BakeError(
+            f"round {round_no}: {failed} warm-up request(s) failed, first: {first}; "
+            f"log: {baking.log_path}"
+        )
+    record = {
+        "round": round_no,
+        "requests": sum(r.ok for r in results) + failed,
+        "failed": failed,
+        "jit_lines": len(hits),
+        "jit": [h.as_dict() for h in hits[:50]],
+        "shapes": [r.as_dict() for r in results],
+        "seconds": round(time.monotonic() - round_started, 3),
+    }
+    return record, offset

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 NEAR_MAX_OUTPUT = 16
@@ -34,13 +34,7 @@ class Shape:
     label: str = "topology"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "input": self.input,
-            "output": self.output,
-            "concurrency": self.concurrency,
-            "api": self.api,
-            "label": self.label,
-        }
+        return asdict(self)
 
 
 def warmup_plan(shapes: list[Shape], max_model_len: int | None) -> list[Shape]:
@@ -92,9 +86,18 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _request(
-    base_url: str, model: str, shape: Shape, salt: int, timeout: float, api_key: str | None
-) -> str | None:
+@dataclass(frozen=True)
+class Engine:
+    """Where warm-up requests go: the engine's base URL, the model it serves, its API key and
+    how long one request may take."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    timeout: float = 600
+
+
+def _request(engine: Engine, shape: Shape, salt: int) -> str | None:
     if shape.api == "chat":
         # Text of ~4 characters per token; chat prompts cannot be given as ids.
         words = " ".join(f"w{(salt + i) % 997}" for i in range(max(1, shape.input // 2)))
@@ -104,20 +107,20 @@ def _request(
         path = "/v1/completions"
         body = {"prompt": prompt_ids(shape.input, salt)}
     body.update(
-        model=model,
+        model=engine.model,
         max_tokens=shape.output,
         temperature=0,
         ignore_eos=True,  # vLLM and SGLang: always generate `output` tokens
         stream=False,
     )
     req = urllib.request.Request(
-        base_url.rstrip("/") + path,
+        engine.base_url.rstrip("/") + path,
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **_headers(api_key)},
+        headers={"Content-Type": "application/json", **_headers(engine.api_key)},
         method="POST",
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=engine.timeout) as resp:
             resp.read()
         return None
     except urllib.error.HTTPError as exc:
@@ -127,21 +130,12 @@ def _request(
         return f"{type(exc).__name__}: {exc}"
 
 
-def run_shape(
-    base_url: str,
-    model: str,
-    shape: Shape,
-    round_no: int,
-    timeout: float = 600,
-    api_key: str | None = None,
-) -> ShapeResult:
+def run_shape(engine: Engine, shape: Shape, round_no: int) -> ShapeResult:
     """Send `concurrency` requests of one shape at the same time and wait for all."""
     started = time.monotonic()
     salts = [round_no * 100_003 + shape.input * 7 + i for i in range(shape.concurrency)]
     with ThreadPoolExecutor(max_workers=shape.concurrency) as pool:
-        outcomes = list(
-            pool.map(lambda s: _request(base_url, model, shape, s, timeout, api_key), salts)
-        )
+        outcomes = list(pool.map(lambda s: _request(engine, shape, s), salts))
     errors = [o for o in outcomes if o]
     return ShapeResult(shape, len(outcomes) - len(errors), errors, time.monotonic() - started)
 
@@ -206,9 +200,10 @@ def warm_up(
     model = served_model(base_url, api_key=api_key)
     if model is None:
         return [f"{base_url}/v1/models names no model"]
+    engine = Engine(base_url, model, api_key, timeout)
     errors: list[str] = []
     for shape in shapes:
-        result = run_shape(base_url, model, shape, round_no=0, timeout=timeout, api_key=api_key)
+        result = run_shape(engine, shape, round_no=0)
         log(
             f"hgxserve warm-up: {shape.input}x{shape.output}x{shape.concurrency} {shape.api} "
             f"({shape.label}): {result.ok}/{shape.concurrency} answered in {result.seconds:.2f} s"
