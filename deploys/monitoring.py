@@ -6,18 +6,14 @@ topology's `monitoring.prometheus.host` names. A topology without `monitoring:` 
     pyinfra inventory/lab.py deploys/monitoring.py --data topology=topologies/h200-dsv32-2p1d.yml
 
 Optional `--data container_tool=docker` for `dcgm_exporter.source: container` (default podman).
+Every key: `hgxserve deploy-data` (docs/deploy-data.md).
 """
 
-from pyinfra import host, logger
+from pyinfra import host
 
-from hgxserve.deploying import topology_from_data
-from hgxserve.monitoring.host_files import host_monitoring
+from hgxserve.deploy.plans import monitoring_plan
 from roles.monitoring import monitoring
 
-topology = topology_from_data(host)
-part = host_monitoring(topology, host.name, str(host.data.get("container_tool", "podman")))
-if part is None:
-    why = "no monitoring: section" if topology.monitoring is None else "not a host in use"
-    logger.info(f"{host.print_prefix}monitoring: nothing to do ({why} in {topology.name})")
-else:
+part = monitoring_plan(host)
+if part is not None:
     monitoring(part=part)

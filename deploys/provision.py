@@ -3,48 +3,31 @@
     pyinfra inventory/lab.py deploys/provision.py --data topology=topologies/h200-dsv32-tp8.yml
 
 Runs the hardware preflight first (nothing changes on a host with the wrong GPUs). Optional
-`--data` keys: `driver_version` (default roles.nvidia_driver.DRIVER_VERSION), `apt_source`
+`--data` keys: `driver_version` (default hgxserve.topology.cuda.DRIVER_VERSION), `apt_source`
 (an apt line for a local mirror instead of NVIDIA's CUDA repository), `fabric_manager`
 (`auto`: only with NVSwitch, `always`, `never`), `load_now=false` (write boot config for
-peermem and sysctl but do not load/apply it now), `remount_shm=false`.
+peermem and sysctl but do not load/apply it now), `remount_shm=false`. Booleans are
+true/false, yes/no or 1/0; every key: `hgxserve deploy-data` (docs/deploy-data.md).
 """
 
 from pyinfra import host
-from pyinfra.api import DeployError
 
-from hgxserve.deploying import topology_from_data
-from hgxserve.facts.preflight import expectation_from_topology
+from hgxserve.deploy.plans import provision_plan
 from roles.fabric_manager import fabric_manager
 from roles.host_tuning import DEFAULT_SHM_SIZE, host_tuning
-from roles.nvidia_driver import DRIVER_VERSION, nvidia_driver
+from roles.nvidia_driver import nvidia_driver
 from roles.preflight import preflight
 from roles.rdma import rdma
 
-
-def _flag(name: str, default: bool = True) -> bool:
-    value = host.data.get(name, default)
-    return value if isinstance(value, bool) else str(value).lower() not in ("0", "false", "no")
-
-
-topology = topology_from_data(host)
-if host.name not in topology.hosts:
-    raise DeployError(
-        f"{host.name}: not a host of topology {topology.name} "
-        f"(hosts: {', '.join(sorted(topology.hosts))})"
-    )
-spec = topology.hosts[host.name]
-version = str(host.data.get("driver_version", DRIVER_VERSION))
-load_now = _flag("load_now")
-fm_mode = str(host.data.get("fabric_manager", "auto"))
-
-preflight(expect=expectation_from_topology(topology, host.name), after_provision=False)
-nvidia_driver(version=version, branch=version.split(".")[0], source=host.data.get("apt_source"))
-if fm_mode != "never":
-    fabric_manager(version=version, require_nvswitch=fm_mode != "always")
-if spec.rdma:
-    rdma(load_now=load_now)
+plan = provision_plan(host)
+preflight(expect=plan.expect, after_provision=False)
+nvidia_driver(version=plan.driver_version, branch=plan.driver_branch, source=plan.apt_source)
+if plan.fabric_manager:
+    fabric_manager(version=plan.driver_version, require_nvswitch=plan.require_nvswitch)
+if plan.rdma:
+    rdma(load_now=plan.load_now)
 host_tuning(
-    shm_size=spec.shm or DEFAULT_SHM_SIZE,
-    remount_shm=_flag("remount_shm"),
-    apply_sysctl=load_now,
+    shm_size=plan.shm or DEFAULT_SHM_SIZE,
+    remount_shm=plan.remount_shm,
+    apply_sysctl=plan.load_now,
 )

@@ -9,20 +9,13 @@ bake JIT caches) -> engines (release: stage, switch, gate, confirm or roll back)
         --data stages=preflight,runtime,weights,engines
 
 `--data stages=a,b` runs only those stages (in the order above); each is also its own deploy
-file under deploys/.
+file under deploys/. The stages' own keys pass through; every key: `hgxserve deploy-data`
+(docs/deploy-data.md).
 """
 
 from pyinfra import host, local
-from pyinfra.api import DeployError
 
-from hgxserve.stages import STAGES, requested_stages, set_site_stages
+from hgxserve.deploy.plans import site_stages
 
-try:
-    wanted = requested_stages(host.data.get("stages"))
-except ValueError as exc:
-    raise DeployError(str(exc)) from None
-set_site_stages(wanted)
-
-for stage in STAGES:
-    if stage in wanted:
-        local.include(f"deploys/{stage}.py")
+for stage in site_stages(host):
+    local.include(f"deploys/{stage}.py")

@@ -5,24 +5,15 @@
 Optional `--data` keys: `weights_digest=sha256:...` pins the manifest digest the hosts must
 verify against (default: the topology's `model.digest`; the engine units check the same one);
 `agent=/opt/hgxserve/bin/hgxserve` where the agent lives. The agent itself is installed by
-`roles.agent` first.
+`roles.agent` first. Every key: `hgxserve deploy-data` (docs/deploy-data.md).
 """
 
 from pyinfra import host
-from pyinfra.api import DeployError
 
-from hgxserve.deploying import topology_from_data
-from hgxserve.paths import AGENT
+from hgxserve.deploy.plans import weights_plan
 from roles.agent import agent
 from roles.weights import weights
 
-topology = topology_from_data(host)
-if host.name not in topology.hosts:
-    raise DeployError(f"{host.name}: not a host of topology {topology.name}")
-
+plan = weights_plan(host)
 agent()
-weights(
-    model=topology.model,
-    digest=host.data.get("weights_digest") or topology.model.digest,  # --data overrides the pin
-    agent=str(host.data.get("agent", AGENT)),
-)
+weights(model=plan.model, digest=plan.digest, agent=plan.agent)

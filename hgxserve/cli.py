@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("hgxserve.status.cli:logs", "An engine's or the proxy's journal on all its hosts."),
     "inspect": ("hgxserve.status.host:inspect", "This host's serving state as JSON (for status)."),
     "runtime": ("hgxserve.runtime.cli:runtime", "Check the files the runtime stage shipped."),
+    "deploy-data": ("hgxserve.deploy.cli:deploy_data", "The --data keys the deploys read."),
     "monitoring": (
         "hgxserve.monitoring.cli:monitoring",
         "Prometheus config, rules and Grafana dashboard from a topology.",

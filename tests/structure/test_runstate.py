@@ -9,8 +9,8 @@ from typing import Any
 
 from pyinfra.api import Config, Inventory, State
 
-from hgxserve import deploying
-from hgxserve.runstate import _RUNS, per_run
+from hgxserve.deploy import switching as deploying
+from hgxserve.deploy.runstate import _RUNS, per_run
 
 
 def _run() -> State:

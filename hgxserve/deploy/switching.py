@@ -1,6 +1,6 @@
-"""Deploy-time helpers, the one library module the deploy files (deploys/*.py) take their logic
-from: load the topology named by `--data topology=FILE`, decide per run which hosts switch,
-resolve secret values, read cache key facts and elect one cache baker per key."""
+"""Decisions the release and rollback deploys make once per run: every host's release plan,
+which hosts switch (all of a topology's hosts switch together), and the secret values the
+controller pushes."""
 
 from __future__ import annotations
 
@@ -11,24 +11,12 @@ from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
-from hgxserve.caches.key import cache_key
-from hgxserve.caches.operations import CacheKeyFacts
-from hgxserve.release.ops import Coordination, ReleaseState, coordination, needs_switch
+from hgxserve.deploy.runstate import per_run
+from hgxserve.facts.release import ReleaseState
+from hgxserve.release.coordination import Coordination, coordination, needs_switch
 from hgxserve.release.plan import HostRelease, plan_release
-from hgxserve.runstate import per_run
-from hgxserve.topology import Topology, TopologyError, load_topology
+from hgxserve.topology import Topology
 from hgxserve.topology.model import SecretRef
-
-
-def topology_from_data(host: Host) -> Topology:
-    """The validated topology `--data topology=FILE` names; a clear DeployError otherwise."""
-    path = host.data.get("topology") or os.environ.get("HGXSERVE_TOPOLOGY")
-    if not path:
-        raise DeployError("no topology given: pass --data topology=topologies/<name>.yml")
-    try:
-        return load_topology(path)
-    except TopologyError as exc:
-        raise DeployError(f"invalid topology {path}:\n{exc}") from None
 
 
 def require_all_reachable(all_hosts: list[Host], active: list[Host]) -> None:
@@ -115,46 +103,3 @@ def rollback_targets(hosts: list[Host], to: str) -> dict[str, str]:
     if missing:
         raise DeployError(f"no {to} release on: {', '.join(missing)}; nothing was changed")
     return targets
-
-
-def topology_file(host: Host) -> str:
-    """The topology file a deploy was given (`--data topology=FILE` or $HGXSERVE_TOPOLOGY)."""
-    return str(host.data.get("topology") or os.environ.get("HGXSERVE_TOPOLOGY"))
-
-
-def cache_entries(topo: Topology, host: Host) -> list[dict[str, Any]]:
-    """Each engine on `host`: its cache key, and the full key with the host's facts (the
-    engine venv's torch/CUDA/GPU build, read on the host) that decides who bakes."""
-    entries = []
-    for engine in topo.engines_on(host.name):
-        venv = engine.runtime.venv if engine.runtime else None
-        facts: dict[str, Any] = {}
-        if venv:
-            facts = host.get_fact(
-                CacheKeyFacts,
-                python=f"{venv.rstrip('/')}/bin/python",
-                engine=engine.engine,
-                manifest=f"{topo.model.path}/{topo.model.manifest}",
-            )
-        entries.append(
-            {
-                "engine": engine.name,
-                "key": cache_key(topo, engine),
-                "full_key": cache_key(topo, engine, host_facts=facts),
-                "facts": facts,
-                "multi_node": engine.is_multi_node,
-            }
-        )
-    return entries
-
-
-def elect_bakers(topo: Topology, active: list[Host]) -> dict[str, str]:
-    """One baker per full cache key (GPU kind and host build included): the first host in
-    topology order that needs the key; the others restore what it baked."""
-    by_name = {h.name: h for h in active}
-    bakers: dict[str, str] = {}
-    for name in topo.hosts:
-        if name in by_name:
-            for entry in cache_entries(topo, by_name[name]):
-                bakers.setdefault(entry["full_key"], name)
-    return bakers

@@ -9,6 +9,8 @@ reusing the first one's plan or verdict, and a finished run's state goes away wi
 >>> run = State(Inventory(([], {})), Config())
 >>> per_run(run, "answer", lambda: 42), per_run(run, "answer", lambda: 0)
 (42, 42)
+>>> recorded(run, "answer"), recorded(run, "question")
+(42, None)
 """
 
 from __future__ import annotations
@@ -31,3 +33,8 @@ def per_run(state: State, key: Hashable, make: Callable[[], T]) -> T:
         memo[key] = make()
     value: T = memo[key]
     return value
+
+
+def recorded(state: State, key: Hashable) -> Any:
+    """The value stored under `key` for this run, or None when nothing was stored."""
+    return _RUNS.get(state, {}).get(key)

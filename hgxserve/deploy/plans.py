@@ -1,0 +1,438 @@
+"""One plan per stage: what a deploy file (deploys/<stage>.py) hands its roles on one host.
+
+Each `<stage>_plan(host, ...)` loads the topology `--data topology=FILE` names, reads the stage's
+`--data` keys through the typed table (`hgxserve.deploy.data`) and returns a frozen plan object;
+anything wrong is a DeployError with a message for the operator, raised before a role runs.
+The deploy files only call roles with what the plan holds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from pyinfra import logger
+from pyinfra.api import DeployError
+from pyinfra.api.host import Host
+from pyinfra.api.inventory import Inventory
+
+from hgxserve.bench.releasegate import BenchStep, bench_step_for
+from hgxserve.deploy.bakers import cache_entries, elect_bakers
+from hgxserve.deploy.data import DeployData, deploy_data
+from hgxserve.deploy.stages import in_site_run, record_site_stages
+from hgxserve.deploy.switching import (
+    env_secret_values,
+    plan_switch,
+    release_plans,
+    require_all_reachable,
+    rollback_targets,
+    secret_values,
+)
+from hgxserve.facts.preflight import HostExpectation, expectation_from_topology
+from hgxserve.facts.release import ReleaseState
+from hgxserve.facts.runtime import HostPython
+from hgxserve.monitoring.host_files import HostMonitoring, host_monitoring
+from hgxserve.release.coordination import Coordination
+from hgxserve.release.evidence import rdma_roles, unchecked_transport
+from hgxserve.release.plan import HostRelease, gate_host, switch_bound_s
+from hgxserve.release.store import UnitSpec
+from hgxserve.release.switch import SWITCH_OVERHEAD_S, start_timeout
+from hgxserve.render import render_host
+from hgxserve.runtime.files import FileSourceError, local_copy
+from hgxserve.runtime.images import archive_name, image_digest
+from hgxserve.runtime.spec import RuntimeSpecError, VenvRuntime, container_images, venv_runtimes
+from hgxserve.runtime.wheelhouse import (
+    HostPlatform,
+    IndexOptions,
+    WheelhouseError,
+    build_wheelhouse,
+)
+from hgxserve.topology import Topology, TopologyError, load_topology
+from hgxserve.topology.model import Host as TopologyHost
+from hgxserve.topology.model import Model, S3Source, TopologyFile
+from hgxserve.topology.placement import pin_digest
+
+# --- the topology and this host's part of it -------------------------------------------------
+
+
+def stage_topology(host: Host) -> Topology:
+    """The validated topology `--data topology=FILE` (or $HGXSERVE_TOPOLOGY) names."""
+    path = deploy_data(host).get("topology")
+    if not path:
+        raise DeployError("no topology given: pass --data topology=topologies/<name>.yml")
+    try:
+        return load_topology(path)
+    except TopologyError as exc:
+        raise DeployError(f"invalid topology {path}:\n{exc}") from None
+
+
+def topology_host(host: Host) -> tuple[Topology, TopologyHost]:
+    """The topology and `host`'s entry in it; a DeployError for a host the topology lacks."""
+    topology = stage_topology(host)
+    if host.name not in topology.hosts:
+        raise DeployError(
+            f"{host.name}: not a host of topology {topology.name} "
+            f"(hosts: {', '.join(sorted(topology.hosts))})"
+        )
+    return topology, topology.hosts[host.name]
+
+
+def _venv_runtimes(topology: Topology, host: Host, require_version: bool) -> list[VenvRuntime]:
+    try:
+        return venv_runtimes(topology, host.name, require_version=require_version)
+    except RuntimeSpecError as exc:
+        detail = str(exc).replace("\n", "\n  ")
+        raise DeployError(f"runtime: topology {topology.name}:\n  {detail}") from None
+
+
+def _planned_driver(host: Host, data: DeployData) -> str | None:
+    """The driver a provision stage of this site run installs (None outside such a run)."""
+    return str(data.get("driver_version")) if in_site_run(host, "provision") else None
+
+
+# --- site -------------------------------------------------------------------------------------
+
+
+def site_stages(host: Host) -> tuple[str, ...]:
+    """The stages deploys/site.py runs (`--data stages=`), noted for this run so that each
+    stage's checks leave out what a later stage installs."""
+    return record_site_stages(host, deploy_data(host).get("stages"))
+
+
+# --- preflight and provision ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreflightPlan:
+    expect: HostExpectation
+    after_provision: bool  # `--data preflight=full`: the provisioned state and runtimes too
+    runtimes: tuple[VenvRuntime, ...]
+    runtime_installs: bool  # the runtime stage of this site run installs missing runtimes
+    images: tuple[tuple[str, str], ...]
+    planned_driver: str | None
+
+
+def preflight_plan(host: Host) -> PreflightPlan:
+    topology, _ = topology_host(host)
+    data = deploy_data(host)
+    full = data.get("preflight") == "full"
+    runtimes = _venv_runtimes(topology, host, require_version=False) if full else []
+    images = container_images(topology, host.name)
+    return PreflightPlan(
+        expect=expectation_from_topology(topology, host.name),
+        after_provision=full,
+        runtimes=tuple(runtimes),
+        runtime_installs=in_site_run(host, "runtime"),
+        images=tuple(images) if full else (),
+        planned_driver=_planned_driver(host, data),
+    )
+
+
+@dataclass(frozen=True)
+class ProvisionPlan:
+    expect: HostExpectation
+    driver_version: str
+    driver_branch: str
+    apt_source: str | None
+    fabric_manager: bool  # `--data fabric_manager=never`: not installed
+    require_nvswitch: bool  # `auto`: only where NVSwitch is present
+    rdma: bool  # the host has RDMA devices: packages, peermem
+    load_now: bool
+    remount_shm: bool
+    shm: int | None  # the topology's /dev/shm size (None: the role's default)
+
+
+def provision_plan(host: Host) -> ProvisionPlan:
+    topology, spec = topology_host(host)
+    data = deploy_data(host)
+    version = str(data.get("driver_version"))
+    fm_mode = data.get("fabric_manager")
+    return ProvisionPlan(
+        expect=expectation_from_topology(topology, host.name),
+        driver_version=version,
+        driver_branch=version.split(".")[0],
+        apt_source=data.get("apt_source"),
+        fabric_manager=fm_mode != "never",
+        require_nvswitch=fm_mode != "always",
+        rdma=bool(spec.rdma),
+        load_now=data.get("load_now"),
+        remount_shm=data.get("remount_shm"),
+        shm=spec.shm,
+    )
+
+
+# --- runtime ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VenvPlan:
+    spec: VenvRuntime
+    wheelhouse: Callable[[], tuple[Path, str]]  # built on the controller when the role needs it
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    image: str
+    tool: str
+    mirror: str | None
+    archive_url: str | None
+    s3_env_file: str | None
+    s3_endpoint: str | None
+    s3_addressing: str
+
+
+@dataclass(frozen=True)
+class RuntimePlan:
+    venvs: tuple[VenvPlan, ...]
+    index_url: str | None  # `runtime_source=index`: the hosts install from this mirror
+    planned_driver: str | None
+    images: tuple[ImagePlan, ...]
+    image_agent: bool  # image archives are fetched and verified by the agent
+    files: tuple[tuple[TopologyFile, Path], ...]
+
+
+def _wheelhouse(
+    requirements: tuple[str, ...], platform: HostPlatform, index: IndexOptions
+) -> tuple[Path, str]:
+    try:
+        return build_wheelhouse(requirements, platform, index)
+    except WheelhouseError as exc:
+        raise DeployError(f"runtime wheelhouse: {exc}") from None
+
+
+def _index(data: DeployData) -> tuple[IndexOptions, str | None]:
+    """Where the controller's wheels come from, and the index the hosts use themselves."""
+    source = data.get("runtime_source")
+    index_url = data.get("runtime_index_url")
+    if source == "index" and not index_url:
+        raise DeployError("runtime_source=index needs runtime_index_url (a mirror the hosts reach)")
+    options = IndexOptions(
+        index_url=index_url,
+        find_links=data.get("runtime_find_links"),
+        no_index=data.get("runtime_no_index"),
+    )
+    return options, index_url if source == "index" else None
+
+
+def _venvs(host: Host, specs: list[VenvRuntime], index: IndexOptions) -> tuple[VenvPlan, ...]:
+    if not specs:
+        return ()
+    python = host.get_fact(HostPython)
+    if not python.get("version"):
+        raise DeployError(f"{host.name}: runtime: the host has no python3 to create a venv with")
+    platform = HostPlatform(python["version"], python["machine"], python["glibc"])
+    return tuple(
+        VenvPlan(spec, partial(_wheelhouse, spec.requirements, platform, index)) for spec in specs
+    )
+
+
+def _images(topology: Topology, host: Host, data: DeployData) -> tuple[ImagePlan, ...]:
+    prefix = data.get("image_archive_prefix")
+    # archives come from the same S3 as the weights unless told otherwise
+    weights_s3 = topology.model.source if isinstance(topology.model.source, S3Source) else None
+    creds = weights_s3.credentials if weights_s3 else None
+    env_file = creds[1] if creds and creds[0] == "env_file" else None
+    return tuple(
+        ImagePlan(
+            image=image,
+            tool=tool,
+            mirror=data.get("image_mirror"),
+            archive_url=f"{prefix.rstrip('/')}/{archive_name(image_digest(image))}"
+            if prefix
+            else None,
+            s3_env_file=data.get("image_s3_env_file") or env_file,
+            s3_endpoint=data.get("image_s3_endpoint")
+            or (weights_s3.endpoint if weights_s3 else None),
+            s3_addressing=data.get("image_s3_addressing")
+            or (weights_s3.addressing if weights_s3 else "auto"),
+        )
+        for image, tool in container_images(topology, host.name)
+    )
+
+
+def _files(topology: Topology, host: Host) -> tuple[tuple[TopologyFile, Path], ...]:
+    """The topology's `files:`, copied on the controller, for a host that runs an engine."""
+    if not (topology.files and topology.engines_on(host.name)):
+        return ()
+    try:
+        return tuple((spec, local_copy(spec)) for spec in topology.files.values())
+    except FileSourceError as exc:
+        raise DeployError(f"runtime: {exc}") from None
+
+
+def runtime_plan(host: Host) -> RuntimePlan:
+    topology, _ = topology_host(host)
+    data = deploy_data(host)
+    specs = _venv_runtimes(topology, host, require_version=True)
+    index, host_index_url = _index(data)
+    images = _images(topology, host, data)
+    return RuntimePlan(
+        venvs=_venvs(host, specs, index),
+        index_url=host_index_url,
+        planned_driver=_planned_driver(host, data),
+        images=images,
+        image_agent=bool(images) and data.given("image_archive_prefix"),
+        files=_files(topology, host),
+    )
+
+
+# --- weights and caches -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightsPlan:
+    model: Model
+    digest: str | None  # `--data weights_digest=` over the topology's `model.digest`
+    agent: str
+
+
+def weights_plan(host: Host) -> WeightsPlan:
+    topology, _ = topology_host(host)
+    data = deploy_data(host)
+    return WeightsPlan(
+        model=topology.model,
+        digest=data.get("weights_digest") or topology.model.digest,
+        agent=data.get("agent"),
+    )
+
+
+@dataclass(frozen=True)
+class CachesPlan:
+    runs: bool  # the cache policy is not `off` and the host runs an engine
+    bake_secrets: dict[str, str]  # host path -> value: what a baker's engine units read
+    engines: list[dict[str, Any]]
+    topology_file: str
+    store: str
+    policy: str
+    distribute: str
+    root: str
+    bakers: dict[str, str]
+
+
+def _bake_secrets(topology: Topology, host: Host, bakers: dict[str, str]) -> dict[str, str]:
+    """A bake starts the engine with its unit's secrets (a keyed engine's VLLM_API_KEY): the
+    credentials from the controller's environment go to the host before it."""
+    if host.name not in bakers.values():
+        return {}
+    rendered = render_host(topology, host.name).credentials
+    return env_secret_values({c.path: c.ref for c in rendered if c.path is not None})
+
+
+def caches_plan(host: Host, inventory: Inventory) -> CachesPlan:
+    topology = stage_topology(host)
+    data = deploy_data(host)
+    runs = topology.cache.policy != "off" and bool(topology.engines_on(host.name))
+    bakers = elect_bakers(topology, list(inventory.iter_activated_hosts())) if runs else {}
+    return CachesPlan(
+        runs=runs,
+        bake_secrets=_bake_secrets(topology, host, bakers),
+        engines=cache_entries(topology, host) if runs else [],
+        topology_file=str(data.get("topology")),
+        store=os.path.expanduser(data.get("cache_store")),
+        policy=topology.cache.policy,
+        distribute=topology.cache.distribute,
+        root=topology.cache.root,
+        bakers=bakers,
+    )
+
+
+# --- engines (the release) and rollback -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnginesPlan:
+    release: HostRelease
+    secret_values: dict[str, str]
+    switch: bool
+    coord: Coordination
+    gate: bool
+    confirm_within: int
+    peers_within: int
+    rdma: tuple[str, list[str]] | None  # (sysfs root, devices) for the RDMA evidence
+    bench: BenchStep | None
+    bench_s: int
+
+
+def _bench(
+    topology: Topology, host: Host, active: list[Host], data: DeployData
+) -> BenchStep | None:
+    """The SLA bench (`gate.bench:`), run on the controller by the gate's host."""
+    if topology.gate.bench is None or host.name != gate_host(topology):
+        return None
+    return bench_step_for(topology, topology.source_file, active, data.get("bench_tokenizer"))
+
+
+def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
+    data = deploy_data(host)
+    # a pinned weights digest (as for the weights stage) reaches the units
+    topology = pin_digest(stage_topology(host), data.get("weights_digest"))
+    active = list(inventory.iter_activated_hosts())
+    require_all_reachable(list(inventory), active)
+    plans = release_plans(topology, active, data.get("health_timeout"))
+    coord = plan_switch(f"release:{topology.digest}", active, {n: p.id for n, p in plans.items()})
+    plan = plans[host.name]
+    coord.rdma_roles = rdma_roles(topology)
+    # gate.rdma: off: what carried cross-host KV instead (TCP), said when the release is confirmed
+    coord.rdma_note = None if coord.rdma_roles else unchecked_transport(topology)
+    devices = list(topology.hosts[host.name].rdma) if host.name in topology.hosts else []
+    bench = _bench(topology, host, active, data)
+    return EnginesPlan(
+        release=plan,
+        secret_values=secret_values(plan),
+        switch=host.name in coord.switching,
+        coord=coord,
+        gate=bool(coord.switching) and host.name == gate_host(topology),
+        confirm_within=data.get("confirm_within"),
+        peers_within=switch_bound_s(plans, SWITCH_OVERHEAD_S),
+        rdma=(data.get("rdma_sysfs"), devices) if host.name in coord.rdma_roles else None,
+        bench=bench,
+        bench_s=topology.gate.bench.timeout_s if topology.gate.bench is not None else 0,
+    )
+
+
+@dataclass(frozen=True)
+class RollbackPlan:
+    release_id: str
+    coord: Coordination
+    switch: bool
+    gate: bool
+    confirm_within: int
+    peers_within: int
+
+
+def rollback_plan(host: Host, inventory: Inventory) -> RollbackPlan:
+    data = deploy_data(host)
+    hosts = list(inventory.iter_activated_hosts())
+    require_all_reachable(list(inventory), hosts)
+    to = data.get("to")
+    targets = rollback_targets(hosts, to)
+    coord = plan_switch(f"rollback:{to}", hosts, targets)
+    state = host.get_fact(ReleaseState)
+    # The staged releases' engine timeouts are on the hosts: bound the slowest by the default one.
+    slowest = start_timeout(UnitSpec("engine", "engine"), data.get("health_timeout"))
+    return RollbackPlan(
+        release_id=targets[host.name],
+        coord=coord,
+        switch=host.name in coord.switching,
+        gate=bool(coord.switching) and bool(state.get(f"gate_{to}")),  # to: previous|baseline
+        confirm_within=data.get("confirm_within"),
+        peers_within=int(SWITCH_OVERHEAD_S + slowest) + 1,
+    )
+
+
+# --- monitoring -------------------------------------------------------------------------------
+
+
+def monitoring_plan(host: Host) -> HostMonitoring | None:
+    """What `host` runs for the topology's `monitoring:`; None (and a note in the log) for a
+    topology without one or a host that is not in use."""
+    topology = stage_topology(host)
+    part = host_monitoring(topology, host.name, deploy_data(host).get("container_tool"))
+    if part is None:
+        why = "no monitoring: section" if topology.monitoring is None else "not a host in use"
+        logger.info(f"{host.print_prefix}monitoring: nothing to do ({why} in {topology.name})")
+    return part
