@@ -1,0 +1,122 @@
+"""The stage plans (hgxserve/deploy/plans.py) on fake hosts: what each stage hands its roles
+from the topology and `--data`, and the errors an operator sees before anything changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pyinfra.api import Config, DeployError, Inventory, State
+from pyinfra.api.host import Host
+
+from hgxserve.deploy import plans
+from hgxserve.topology.cuda import DRIVER_VERSION
+
+TOPOLOGY = "topologies/demo/demo-pd.yml"
+HOSTS = ["hgx-a", "hgx-b", "hgx-c"]
+FACTS: dict[str, Any] = {
+    "HostPython": {"version": "3.11.2", "machine": "x86_64", "glibc": "2.36"},
+    "ReleaseState": {"previous": "r1", "current": "r2", "gate_previous": True},
+}
+
+
+@pytest.fixture(autouse=True)
+def _facts(monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[2])
+    monkeypatch.delenv("HGXSERVE_TOPOLOGY", raising=False)
+    monkeypatch.setattr(Host, "get_fact", lambda self, fact, *a, **k: dict(FACTS[fact.__name__]))
+
+
+def run(data: dict[str, Any], names: list[str] = HOSTS) -> tuple[Inventory, dict[str, Host]]:
+    """One pyinfra run over `names` with `--data` `data` (the demo P/D topology unless given)."""
+    inventory = Inventory((names, {}), override_data={"topology": TOPOLOGY, **data})
+    state = State(inventory, Config())
+    for host in inventory:
+        state.activate_host(host)
+    return inventory, {h.name: h for h in inventory}
+
+
+def test_a_host_outside_the_topology_is_refused_with_the_hosts_named():
+    _, hosts = run({}, [*HOSTS, "stranger"])
+    for plan in (
+        plans.preflight_plan,
+        plans.provision_plan,
+        plans.runtime_plan,
+        plans.weights_plan,
+    ):
+        with pytest.raises(DeployError) as err:
+            plan(hosts["stranger"])
+        assert str(err.value) == (
+            "stranger: not a host of topology demo-pd (hosts: hgx-a, hgx-b, hgx-c)"
+        )
+
+
+def test_no_topology_and_an_invalid_one_are_clear_errors(tmp_path):
+    inventory = Inventory((["hgx-a"], {}))
+    State(inventory, Config())
+    with pytest.raises(DeployError, match="no topology given: pass --data topology="):
+        plans.weights_plan(inventory.get_host("hgx-a"))
+    bad = tmp_path / "bad.yml"
+    bad.write_text("name: x\n")
+    _, hosts = run({"topology": str(bad)})
+    with pytest.raises(DeployError, match=f"invalid topology {bad}"):
+        plans.weights_plan(hosts["hgx-a"])
+
+
+def test_provision_defaults_and_settings():
+    _, hosts = run({})
+    plan = plans.provision_plan(hosts["hgx-a"])
+    assert (plan.driver_version, plan.driver_branch) == (DRIVER_VERSION, DRIVER_VERSION[:3])
+    assert plan.fabric_manager and plan.require_nvswitch and plan.load_now and plan.remount_shm
+    _, hosts = run({"load_now": "No", "remount_shm": 0, "fabric_manager": "never"})
+    plan = plans.provision_plan(hosts["hgx-a"])
+    assert not (plan.load_now or plan.remount_shm or plan.fabric_manager)
+    _, hosts = run({"load_now": "nah"})
+    with pytest.raises(DeployError, match=r"--data load_now='nah': not a boolean"):
+        plans.provision_plan(hosts["hgx-a"])
+
+
+def test_site_stages_reach_the_preflight_of_the_same_run_only():
+    _, hosts = run({"stages": "runtime,preflight,provision", "driver_version": "575.57.08"})
+    host = hosts["hgx-a"]
+    assert plans.preflight_plan(host).runtime_installs is False  # before site.py noted its stages
+    assert plans.site_stages(host) == ("preflight", "provision", "runtime")  # in site order
+    plan = plans.preflight_plan(host)
+    assert plan.runtime_installs and plan.planned_driver == "575.57.08"
+    _, again = run({"stages": "runtime,preflight,provision"})
+    assert plans.preflight_plan(again["hgx-a"]).runtime_installs is False  # a new run
+    with pytest.raises(DeployError, match="unknown bake; choose from preflight"):
+        plans.site_stages(run({"stages": "weights,bake"})[1]["hgx-a"])
+
+
+def test_runtime_index_settings():
+    _, hosts = run({"runtime_find_links": "/w1,/w2", "runtime_no_index": True})
+    plan = plans.runtime_plan(hosts["hgx-a"])
+    assert plan.index_url is None and plan.venvs
+    options = plan.venvs[0].wheelhouse.args[2]  # type: ignore[attr-defined]
+    assert (options.find_links, options.no_index) == (("/w1", "/w2"), True)
+    _, hosts = run({"runtime_source": "index"})
+    with pytest.raises(DeployError, match="runtime_source=index needs runtime_index_url"):
+        plans.runtime_plan(hosts["hgx-a"])
+    _, hosts = run({"runtime_source": "mirror"})
+    with pytest.raises(DeployError, match="runtime_source='mirror': use wheelhouse or index"):
+        plans.runtime_plan(hosts["hgx-a"])
+
+
+def test_weights_digest_and_agent():
+    _, hosts = run({})
+    plan = plans.weights_plan(hosts["hgx-a"])
+    assert plan.agent == "/opt/hgxserve/bin/hgxserve"
+    pinned = "sha256:" + "1" * 64
+    _, hosts = run({"weights_digest": pinned, "agent": "/srv/agent"})
+    plan = plans.weights_plan(hosts["hgx-a"])
+    assert (plan.digest, plan.agent) == (pinned, "/srv/agent")
+
+
+def test_rollback_plan_and_its_choice():
+    inventory, hosts = run({"confirm_within": "120"})
+    plan = plans.rollback_plan(hosts["hgx-a"], inventory)
+    assert (plan.release_id, plan.confirm_within, plan.switch) == ("r1", 120, True)
+    inventory, hosts = run({"to": "sideways"})
+    with pytest.raises(DeployError, match="--data to='sideways': use previous or baseline"):
+        plans.rollback_plan(hosts["hgx-a"], inventory)
