@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from hgxserve.base.errors import ExitCode, HgxserveError, UsageError
-from hgxserve.release.gate import parse_samples
+from hgxserve.base.promtext import parse_samples
 from hgxserve.topology import Topology, ports
 from hgxserve.topology.model import is_loopback
 from hgxserve.topology.ports import engine_bind, engine_url

@@ -12,9 +12,10 @@ indices on the head host).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from hgxserve.topology.model import Monitoring, Topology, is_loopback
-from hgxserve.topology.ports import ANY_ADDRESS, engine_bind
+from hgxserve.topology.ports import ANY_ADDRESS, engine_bind, proxy_url
 
 JOB_PROXY = "hgxserve-proxy"
 JOB_ENGINE = "hgxserve-engine"
@@ -71,9 +72,9 @@ def scrape_targets(topo: Topology) -> list[Target]:
     out: list[Target] = []
     proxy = topo.proxy
     if proxy is not None and proxy.host in topo.hosts:
-        addr = _address(topo, proxy.host, proxy.listen_host, prom)
         labels = {**base, "host": proxy.host, "role": "proxy"}
-        out.append(Target(JOB_PROXY, _hostport(addr, proxy.listen_port), labels))
+        # host:port of the proxy's URL as Prometheus' host reaches it (the gate and bench's rule)
+        out.append(Target(JOB_PROXY, urlsplit(proxy_url(topo, prom)).netloc, labels))
     for engine in topo.engines.values():
         if engine.head not in topo.hosts:
             continue

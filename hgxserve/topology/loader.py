@@ -39,18 +39,40 @@ class _Refused(Exception):
         self.problem = problem
 
 
-def control_character(text: str) -> str | None:
+# Line breaks and tabs a free-text value may hold (and nothing else of the control characters).
+FREE_TEXT_CONTROLS = "\n\t"
+
+
+def free_text(path: JsonPath) -> bool:
+    """Whether the value at `path` is free text: the topology's `description` and the reasons
+    under `accept`. People read them (validate, plan, the dashboard); the renderer never writes
+    them into a unit or a command line, so they may span lines.
+
+    >>> free_text(("description",)), free_text(("accept", "heads-per-rank"))
+    (True, True)
+    >>> free_text(("model", "path"))
+    False
+    """
+    return path == ("description",) or (len(path) == 2 and path[0] == "accept")
+
+
+def control_character(text: str, *, free: bool = False) -> str | None:
     """The first control character in `text` (newline, CR, tab, NUL, DEL, C1...), described.
 
     Topology strings end up in root-run systemd units and shell commands, where a newline
-    starts a new directive: no string value or key may hold one.
+    starts a new directive: no key and no value but free text (`free`, where line breaks and
+    tabs are fine) may hold one.
 
     >>> control_character("/models/x\\nExecStartPre=/bin/sh")
     'U+000A (line feed)'
     >>> control_character("/models/x") is None
     True
+    >>> control_character("two\\nlines", free=True) is None
+    True
     """
     for ch in text:
+        if free and ch in FREE_TEXT_CONTROLS:
+            continue
         if unicodedata.category(ch) == "Cc" or ch in "\u2028\u2029":
             name = unicodedata.name(ch, "") or _CONTROL_NAMES.get(ch, "control character")
             return f"U+{ord(ch):04X} ({name.lower()})"
@@ -186,7 +208,7 @@ class _Builder:
         assert isinstance(node, ScalarNode)
         value = _scalar(node)
         if isinstance(value, str):
-            self._check_text(node, path, value, "value")
+            self._check_text(node, path, value, "value", free=free_text(path))
             hole = placeholder(value)
             if hole is not None:
                 self._report(
@@ -199,8 +221,10 @@ class _Builder:
         line, col = self._pos(node)
         self.problems.append(Problem(self.doc.file, line, col, path, message, rule))
 
-    def _check_text(self, node: Node, path: JsonPath, text: str, what: str) -> None:
-        bad = control_character(text)
+    def _check_text(
+        self, node: Node, path: JsonPath, text: str, what: str, *, free: bool = False
+    ) -> None:
+        bad = control_character(text, free=free)
         if bad is not None:
             self._report(
                 node,

@@ -23,6 +23,7 @@ from hgxserve.topology.problems import JsonPath
 
 ANY_ADDRESS = "0.0.0.0"
 LOCALHOST = "127.0.0.1"
+UNSPECIFIED = (ANY_ADDRESS, "::")
 
 
 @dataclass(frozen=True)
@@ -135,21 +136,55 @@ def engine_bind(topo: Topology, engine: Engine) -> str:
     return ANY_ADDRESS
 
 
+def reach_address(topo: Topology, host: str, bind: str, from_host: str | None) -> str:
+    """The address a client on `from_host` dials for a listener bound to `bind` on `host`
+    (`from_host` None: a machine outside the topology, such as the controller).
+
+    A wildcard bind (0.0.0.0, ::) is the host's address from elsewhere and loopback from the
+    host itself; a specific address is that address; a loopback bind is loopback, which only
+    the same host reaches (the `reachable` rule refuses topologies that need more).
+
+    >>> reach_address(topo, "h20-a", "0.0.0.0", "h20-b")  # doctest: +SKIP
+    '10.0.0.11'
+    """
+    if is_loopback(bind):
+        return LOCALHOST if bind == "localhost" else bind
+    if bind in UNSPECIFIED:
+        if from_host == host:
+            return LOCALHOST if bind == ANY_ADDRESS else "::1"
+        known = topo.hosts.get(host)
+        return known.address if known else host
+    return bind
+
+
+def _url(address: str, port: int) -> str:
+    if ":" in address:
+        address = f"[{address}]"
+    return f"http://{address}:{port}"
+
+
 def engine_url(topo: Topology, engine: Engine, *, from_host: str | None = None) -> str:
-    """Base URL of the engine's OpenAI API as seen from `from_host` (default: the proxy host)."""
+    """Base URL of the engine's OpenAI API as seen from `from_host` (default: the proxy host;
+    "" for a machine outside the topology)."""
     if from_host is None:
         from_host = topo.proxy.host if topo.proxy else engine.head
     bind = engine_bind(topo, engine)
-    if from_host == engine.head and (bind == ANY_ADDRESS or is_loopback(bind)):
-        address = LOCALHOST
-    elif bind not in (ANY_ADDRESS, "::"):
-        address = bind
-    else:
-        head = topo.hosts.get(engine.head)
-        address = head.address if head else engine.head
-    if ":" in address:
-        address = f"[{address}]"
-    return f"http://{address}:{engine.port}"
+    return _url(reach_address(topo, engine.head, bind, from_host or None), engine.port)
+
+
+def proxy_url(topo: Topology, from_host: str | None) -> str:
+    """Base URL of the proxy as a client on `from_host` reaches it (None: a machine outside the
+    topology, e.g. the controller running `hgxserve bench`); the one rule the release gate, the
+    bench and Prometheus share.
+
+    >>> proxy_url(topo, "h20-a"), proxy_url(topo, None)  # doctest: +SKIP
+    ('http://127.0.0.1:8000', 'http://10.0.0.11:8000')
+    """
+    proxy = topo.proxy
+    if proxy is None:
+        raise ValueError(f"topology {topo.name} has no proxy")
+    address = reach_address(topo, proxy.host, proxy.listen_host, from_host)
+    return _url(address, proxy.listen_port)
 
 
 def side_channel_host(topo: Topology, engine: Engine, host: str) -> str:

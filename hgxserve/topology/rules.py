@@ -1,13 +1,19 @@
 """Semantic rules: what the schema cannot say (GPU overlap, port clashes, P/D agreement...).
 
-The rules live in hgxserve.topology.checks and hgxserve.topology.engine_rules, registered in
-hgxserve.topology.registry; this module runs them and turns their findings into positioned Problems.
+The rules live in hgxserve.topology.checks, engine_rules, render_rules and address_rules,
+registered in hgxserve.topology.registry; this module runs them and turns their findings into
+positioned Problems.
 """
 
 from __future__ import annotations
 
 # importing the rule modules registers their rules
-from hgxserve.topology import checks, engine_rules  # noqa: F401
+from hgxserve.topology import (  # noqa: F401
+    address_rules,
+    checks,
+    engine_rules,
+    render_rules,
+)
 from hgxserve.topology.loader import Document
 from hgxserve.topology.model import Topology
 from hgxserve.topology.problems import Problem

@@ -64,20 +64,19 @@ def test_plan_includes_rendered_commands_when_the_renderer_is_there() -> None:
     assert "--tensor-parallel-size" in units[0]["argv"]
 
 
-def test_plan_without_renderer_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    import builtins
+def test_plan_fails_when_the_renderer_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A topology that validates but does not render is a bug: `plan` says so and exits 6,
+    never a plan with "renderer failed" in place of the units."""
+    import hgxserve.render as render
 
-    real_import = builtins.__import__
+    def broken(topo):  # type: ignore[no-untyped-def]
+        raise render.RenderError("engine x: cannot be written")
 
-    def no_render(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if name == "hgxserve.render":
-            raise ImportError("no renderer")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_render)
+    monkeypatch.setattr(render, "render_topology", broken)
     result = CliRunner().invoke(plan, [PD])
-    assert result.exit_code == 0
-    assert "    (renderer not available)" in result.output
+    assert result.exit_code == 6
+    assert "renderer failed" not in result.output
+    assert "not rendered: engine x: cannot be written" in result.output
 
 
 def test_plan_refuses_invalid_topology_like_validate() -> None:

@@ -1,0 +1,135 @@
+"""Rules on addresses as what they are (hgxserve.topology.addresses): IP syntax or a hostname,
+ports inside URLs and `host:port` pairs within 1..65535, one address per host name, and every
+listener a peer on another host dials bound where that peer can reach it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from hgxserve.topology.addresses import address_problem, canonical, hostport_problem, url_problem
+from hgxserve.topology.model import CephfsSource, S3Source, Topology, is_loopback
+from hgxserve.topology.ports import engine_bind, proxy_targets, setting_path
+from hgxserve.topology.problems import JsonPath
+from hgxserve.topology.registry import Finding, rule
+
+
+def _engine_addresses(topo: Topology) -> Iterator[tuple[JsonPath, str]]:
+    """(where, address) of each engine's bind and side channel host, as written."""
+    places: list[tuple[tuple[str, ...], Any]] = [(("defaults",), topo.raw.get("defaults", {}))]
+    places += [(("engines", n), d) for n, d in topo.raw.get("engines", {}).items()]
+    for base, data in places:
+        data = data or {}
+        if isinstance(data.get("bind"), str):
+            yield (*base, "bind"), data["bind"]
+        side = ((data.get("kv") or {}).get("side_channel") or {}).get("host")
+        if isinstance(side, str) and side != "auto":
+            yield (*base, "kv", "side_channel", "host"), side
+
+
+def _addresses(topo: Topology) -> Iterator[tuple[JsonPath, str]]:
+    for name, data in topo.raw.get("hosts", {}).items():
+        for key in ("address", "side_channel_address"):
+            if isinstance(data.get(key), str):
+                yield ("hosts", name, key), data[key]
+    yield from _engine_addresses(topo)
+    if topo.proxy is not None:
+        yield ("proxy", "listen"), topo.proxy.listen_host
+
+
+def _endpoints(topo: Topology) -> Iterator[tuple[JsonPath, str, str]]:
+    """(where, text, kind) of every URL and host:port the topology dials."""
+    source = topo.model.source
+    if isinstance(source, S3Source) and source.endpoint:
+        yield ("model", "source", "s3", "endpoint"), source.endpoint, "url"
+    if isinstance(source, CephfsSource):
+        for i, monitor in enumerate(source.monitors):
+            yield ("model", "source", "cephfs", "monitors", i), monitor, "hostport"
+    for name, data in topo.raw.get("files", {}).items():
+        text = data.get("source", "")
+        if text.startswith(("https://", "http://")):
+            yield ("files", name, "source"), text, "url"
+
+
+@rule(
+    "address-syntax",
+    "error",
+    "Addresses are IP syntax or a hostname; ports in URLs and host:port are 1-65535.",
+)
+def address_syntax(topo: Topology) -> Iterator[Finding]:
+    for path, address in _addresses(topo):
+        bad = address_problem(address)
+        if bad:
+            yield path, f"{bad}; write an IPv4/IPv6 address or a hostname"
+    for path, text, kind in _endpoints(topo):
+        bad = url_problem(text) if kind == "url" else hostport_problem(text)
+        if bad:
+            yield path, bad
+
+
+@rule("address-unique", "error", "No two host names share one address.")
+def address_unique(topo: Topology) -> Iterator[Finding]:
+    first: dict[str, str] = {}
+    for name, host in topo.hosts.items():
+        if address_problem(host.address):
+            continue  # address-syntax reports it
+        other = first.setdefault(canonical(host.address), name)
+        if other != name:
+            yield (
+                ("hosts", name, "address"),
+                f"{host.address} is also the address of {other}: two names for one machine "
+                "would double-book its GPUs and ports past every rule; list it once",
+            )
+
+
+def _binds(engine_name: str, bind: str, written: str | None, host: str) -> str:
+    default = "" if written else " (the default for an engine beside the proxy)"
+    return f"{engine_name} binds {bind} on {host}{default}"
+
+
+@rule(
+    "reachable",
+    "error",
+    "What a peer on another host dials (an engine the proxy routes to, the proxy and the P/D "
+    "engines the gate reads) is not bound to loopback.",
+)
+def reachable(topo: Topology) -> Iterator[Finding]:
+    proxy = topo.proxy
+    if proxy is None:
+        return
+    for name in sorted(proxy_targets(topo)):
+        engine = topo.engines.get(name)
+        if engine is None or engine.head == proxy.host or engine.head not in topo.hosts:
+            continue
+        bind = engine_bind(topo, engine)
+        if is_loopback(bind):
+            yield (
+                setting_path(topo, name, "bind"),
+                f"{_binds(name, bind, engine.bind, engine.head)}, but the proxy on {proxy.host} "
+                f"must reach it; bind 0.0.0.0 (or {topo.hosts[engine.head].address}), or run the "
+                f"proxy on {engine.head}",
+            )
+    gate = topo.gate.from_host
+    if gate is None or gate == proxy.host or gate not in topo.hosts:
+        return
+    if is_loopback(proxy.listen_host):
+        yield (
+            ("proxy", "listen"),
+            f"the proxy listens on {proxy.listen_host} on {proxy.host}, but the gate runs on "
+            f"{gate} (gate.from) and must reach it; listen on 0.0.0.0 or "
+            f"{topo.hosts[proxy.host].address}, or drop gate.from",
+        )
+    for route in proxy.routes:
+        for name in dict.fromkeys((*route.prefill, *route.decode)):
+            engine = topo.engines.get(name)
+            if engine is None or engine.head == gate:
+                continue
+            bind = engine_bind(topo, engine)
+            if is_loopback(bind):
+                yield (
+                    setting_path(topo, name, "bind"),
+                    f"{_binds(name, bind, engine.bind, engine.head)}, but the gate on {gate} "
+                    "(gate.from) reads its /metrics for the KV evidence; bind 0.0.0.0 (or "
+                    f"{topo.hosts[engine.head].address}), or drop gate.from",
+                )
