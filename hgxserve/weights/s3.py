@@ -27,7 +27,7 @@ import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hgxserve.base.errors import scrub
 from hgxserve.weights.credentials import Credentials
@@ -101,6 +101,23 @@ class ObjectChecksum:
     etag: str
 
 
+@dataclass
+class S3Call:
+    """One S3 request: the method, the object key (None: the bucket itself) and what goes with
+    it. `into` takes the answer's body in place; `on_data(start, end)` hears of each slice
+    `into[start:end]` as it arrives (a retry starts again from 0, so the consumer must accept
+    the same range twice)."""
+
+    method: str
+    key: str | None
+    query: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    into: memoryview | None = None
+    ok: tuple[int, ...] = (200,)
+    on_data: Callable[[int, int], None] | None = None
+
+
 class S3RequestError(WeightsError):
     """An S3 answer with an error status, already parsed."""
 
@@ -136,21 +153,16 @@ class Signer:
             self._key_cache = {(secret, date): cached}
         return cached
 
-    def sign(
-        self,
-        method: str,
-        host: str,
-        path: str,
-        query: dict[str, str],
-        headers: dict[str, str],
-        payload_sha256: str = EMPTY_SHA256,
-    ) -> dict[str, str]:
-        """Return headers with Authorization, x-amz-date and x-amz-content-sha256 added."""
+    def sign(self, host: str, path: str, call: S3Call) -> dict[str, str]:
+        """Return the call's headers with Authorization, x-amz-date and x-amz-content-sha256
+        added."""
+        method, query = call.method, call.query
+        payload_sha256 = hashlib.sha256(call.body).hexdigest() if call.body else EMPTY_SHA256
         access_key, secret_key, token = self.credentials.get()
         now = dt.datetime.now(dt.UTC)
         amz_date = now.strftime("%Y%m%dT%H%M%SZ")
         date = amz_date[:8]
-        out = dict(headers)
+        out = dict(call.headers)
         out["host"] = host
         out["x-amz-date"] = amz_date
         out["x-amz-content-sha256"] = payload_sha256
@@ -273,14 +285,13 @@ class S3Client:
         signer: Signer,
         bucket: str,
         retries: int = 8,
-        timeout: float = 60.0,
         on_retry: Callable[[str], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.signer = signer
         self.bucket = bucket
         self.retries = retries
-        self.timeout = timeout
+        self.timeout = 60.0
         self.on_retry = on_retry
         self._local = threading.local()
         self._ssl = _ssl_context() if endpoint.scheme == "https" else None
@@ -338,34 +349,19 @@ class S3Client:
     def _what(self, key: str | None) -> str:
         return f"s3://{self.bucket}/{key}" if key is not None else f"s3://{self.bucket}"
 
-    def request(
-        self,
-        method: str,
-        key: str | None,
-        query: dict[str, str] | None = None,
-        headers: dict[str, str] | None = None,
-        body: bytes = b"",
-        into: memoryview | None = None,
-        ok: tuple[int, ...] = (200,),
-        on_data: Callable[[int, int], None] | None = None,
-    ) -> tuple[int, dict[str, str], bytes]:
-        """Send one request with retries; read the body into `into` when given.
+    def request(self, call: S3Call) -> tuple[int, dict[str, str], bytes]:
+        """Send one request with retries; read the body into `call.into` when given.
 
-        `on_data(start, end)` is called as each slice `into[start:end]` arrives (a retry starts
-        again from 0, so the consumer must accept the same range twice).
-
-        status, headers, body = client.request("GET", "a/config.json")
+        status, headers, body = client.request(S3Call("GET", "a/config.json"))
         """
-        query = query or {}
+        key = call.key
         path = self.object_path(key) if key is not None else (self.endpoint.path_prefix or "") + "/"
         what = self._what(key)
         attempt = 0
         while True:
             attempt += 1
             try:
-                return self._request_once(
-                    method, path, query, headers or {}, body, into, ok, what, on_data
-                )
+                return self._request_once(call, path, what)
             except _Retry as retry:
                 if attempt > self.retries:
                     raise SourceError(
@@ -386,19 +382,10 @@ class S3Client:
         return None
 
     def _request_once(
-        self,
-        method: str,
-        path: str,
-        query: dict[str, str],
-        headers: dict[str, str],
-        body: bytes,
-        into: memoryview | None,
-        ok: tuple[int, ...],
-        what: str,
-        on_data: Callable[[int, int], None] | None = None,
+        self, call: S3Call, path: str, what: str
     ) -> tuple[int, dict[str, str], bytes]:
-        payload_hash = hashlib.sha256(body).hexdigest() if body else EMPTY_SHA256
-        signed = self.signer.sign(method, self.endpoint.host, path, query, headers, payload_hash)
+        signed = self.signer.sign(self.endpoint.host, path, call)
+        query = call.query
         url = path + (
             "?" + "&".join(f"{_quote(k)}={_quote(v)}" for k, v in query.items()) if query else ""
         )
@@ -409,31 +396,12 @@ class S3Client:
             self.request_count += 1
         conn = self._connection()
         try:
-            conn.request(method, url, body=body or None, headers=signed)
+            conn.request(call.method, url, body=call.body or None, headers=signed)
             resp = conn.getresponse()
             status = resp.status
             resp_headers = {k.lower(): v for k, v in resp.getheaders()}
-            if status in ok:
-                if into is not None:
-                    length = int(resp_headers.get("content-length", "-1"))
-                    if length != len(into):
-                        resp.close()
-                        self._drop_connection()
-                        raise _Retry(f"expected {len(into)} bytes, server sends {length}")
-                    got = 0
-                    step = RECV_SLICE if on_data is not None else length
-                    while got < length:
-                        n = resp.readinto(into[got : got + step])
-                        if not n:
-                            break
-                        if on_data is not None:
-                            on_data(got, got + n)
-                        got += n
-                    if got != length:
-                        self._drop_connection()
-                        raise _Retry(f"connection closed after {got} of {length} bytes")
-                    return status, resp_headers, b""
-                return status, resp_headers, resp.read()
+            if status in call.ok:
+                return status, resp_headers, self._read_body(resp, resp_headers, call)
             data = resp.read()
         except _Retry:
             raise
@@ -443,20 +411,7 @@ class S3Client:
             raise
         except (OSError, http.client.HTTPException) as exc:
             self._drop_connection()
-            if isinstance(exc, ssl.SSLCertVerificationError):
-                raise SourceError(
-                    f"{what}: TLS certificate of {self.endpoint.host} not trusted: "
-                    f"{exc.verify_message}",
-                    hint="add your CA with AWS_CA_BUNDLE=/path/ca.pem (verification stays on)",
-                ) from None
-            if isinstance(exc, socket.gaierror):
-                raise _Retry(f"cannot resolve {self.endpoint.host}") from None
-            reason = getattr(exc, "strerror", None) or exc.__class__.__name__
-            if isinstance(exc, ConnectionRefusedError):
-                reason = f"connection to {self.endpoint.host} refused"
-            elif isinstance(exc, TimeoutError | socket.timeout):
-                reason = f"connection to {self.endpoint.host} timed out"
-            raise _Retry(str(reason)) from None
+            raise self._transport_error(exc, what) from None
         if resp_headers.get("connection", "").lower() == "close":
             self._drop_connection()
         code, message = _parse_error(data)
@@ -465,6 +420,49 @@ class S3Client:
         raise self._error(
             status, code or http.client.responses.get(status, ""), message, what, resp_headers
         )
+
+    def _read_body(
+        self, resp: http.client.HTTPResponse, headers: dict[str, str], call: S3Call
+    ) -> bytes:
+        """A good answer's body: whole, or b"" once it is read into `call.into` in slices."""
+        into = call.into
+        if into is None:
+            return resp.read()
+        length = int(headers.get("content-length", "-1"))
+        if length != len(into):
+            resp.close()
+            self._drop_connection()
+            raise _Retry(f"expected {len(into)} bytes, server sends {length}")
+        got = 0
+        step = RECV_SLICE if call.on_data is not None else length
+        while got < length:
+            n = resp.readinto(into[got : got + step])
+            if not n:
+                break
+            if call.on_data is not None:
+                call.on_data(got, got + n)
+            got += n
+        if got != length:
+            self._drop_connection()
+            raise _Retry(f"connection closed after {got} of {length} bytes")
+        return b""
+
+    def _transport_error(self, exc: Exception, what: str) -> Exception:
+        """What a failed connection, send or read becomes: a retry, or a TLS trust error."""
+        host = self.endpoint.host
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return SourceError(
+                f"{what}: TLS certificate of {host} not trusted: {exc.verify_message}",
+                hint="add your CA with AWS_CA_BUNDLE=/path/ca.pem (verification stays on)",
+            )
+        if isinstance(exc, socket.gaierror):
+            return _Retry(f"cannot resolve {host}")
+        reason = getattr(exc, "strerror", None) or exc.__class__.__name__
+        if isinstance(exc, ConnectionRefusedError):
+            reason = f"connection to {host} refused"
+        elif isinstance(exc, TimeoutError | socket.timeout):
+            reason = f"connection to {host} timed out"
+        return _Retry(str(reason))
 
     def _error(
         self, status: int, code: str, message: str, what: str, headers: dict[str, str]
@@ -510,7 +508,7 @@ class S3Client:
             query = {"list-type": "2", "prefix": prefix}
             if token:
                 query["continuation-token"] = token
-            _, _, body = self.request("GET", None, query=query)
+            _, _, body = self.request(S3Call("GET", None, query=query))
             pages += 1
             try:
                 root = ET.fromstring(body)
@@ -543,7 +541,8 @@ class S3Client:
 
     def head_checksum(self, key: str) -> ObjectChecksum:
         """HeadObject with x-amz-checksum-mode: ENABLED."""
-        _, headers, _ = self.request("HEAD", key, headers={"x-amz-checksum-mode": "ENABLED"})
+        call = S3Call("HEAD", key, headers={"x-amz-checksum-mode": "ENABLED"})
+        _, headers, _ = self.request(call)
         value = headers.get("x-amz-checksum-sha256")
         return ObjectChecksum(
             sha256_b64=value,
@@ -554,7 +553,7 @@ class S3Client:
 
     def get_bytes(self, key: str) -> bytes:
         """GET a small object whole."""
-        return self.request("GET", key)[2]
+        return self.request(S3Call("GET", key))[2]
 
     def get_range_into(
         self,
@@ -573,7 +572,7 @@ class S3Client:
             headers["If-Match"] = f'"{etag}"'
         try:
             _, resp_headers, _ = self.request(
-                "GET", key, headers=headers, into=buf, ok=(206, 200), on_data=on_data
+                S3Call("GET", key, headers=headers, into=buf, ok=(206, 200), on_data=on_data)
             )
         except S3RequestError as exc:
             if exc.status == 412:
@@ -587,12 +586,8 @@ class S3Client:
     def put_bytes(self, key: str, body: bytes, content_type: str = "application/json") -> None:
         """PUT a small object (the published manifest) with its sha256 checksum."""
         checksum = base64.b64encode(hashlib.sha256(body).digest()).decode()
-        self.request(
-            "PUT",
-            key,
-            headers={"Content-Type": content_type, "x-amz-checksum-sha256": checksum},
-            body=body,
-        )
+        headers = {"Content-Type": content_type, "x-amz-checksum-sha256": checksum}
+        self.request(S3Call("PUT", key, headers=headers, body=body))
 
     def close(self) -> None:
         self._drop_connection()
