@@ -388,11 +388,32 @@ def _probe_pass(spec: GateSpec, base: str, key: str | None, log: Any) -> int:
 
 def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
     """Run every check; return a summary or raise GateError naming the failed check."""
-    key = None
-    if spec.api_key_file:
-        with open(spec.api_key_file, encoding="utf-8") as fh:
-            key = fh.read().strip()
+    key = _api_key(spec)
     base = spec.proxy_url.rstrip("/")
+    _check_front_door(spec, base, key, log)
+    wait_instances_admitted(base, spec.instances_timeout_s, log)
+    before = _kv_counters(spec) if spec.pd_engine else KvCounters()
+    completion = _deterministic_completion(spec, base, key)
+    log(f"gate: deterministic completion {completion!r}")
+    result: dict[str, Any] = {"completion": completion}
+    pd_requests = 2 if spec.pd_engine else 0
+    if spec.probe:
+        long_requests = _probe_pass(spec, base, key, log)
+        pd_requests += long_requests if spec.pd_engine else 0
+    if spec.pd_engine:
+        result["kv_transfers"] = _check_kv_moved(spec, before, pd_requests, log)
+    return result
+
+
+def _api_key(spec: GateSpec) -> str | None:
+    if not spec.api_key_file:
+        return None
+    with open(spec.api_key_file, encoding="utf-8") as fh:
+        return fh.read().strip()
+
+
+def _check_front_door(spec: GateSpec, base: str, key: str | None, log: Any) -> None:
+    """The proxy's /health answers 200 and its /v1/models names the served model."""
     status, _ = _request(f"{base}/health", timeout=10)
     if status != 200:
         raise GateError(f"proxy /health answered HTTP {status}")
@@ -404,8 +425,11 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
     if spec.served_name not in names:
         raise GateError(f"/v1/models lists {names}, not the served model '{spec.served_name}'")
     log(f"gate: /v1/models lists {spec.served_name}")
-    wait_instances_admitted(base, spec.instances_timeout_s, log)
-    before = _kv_counters(spec) if spec.pd_engine else KvCounters()
+
+
+def _deterministic_completion(spec: GateSpec, base: str, key: str | None) -> str:
+    """A completion at temperature 0, asked twice: its text, when both are the same and not
+    empty."""
     prompt = " ".join(f"hgxserve gate check {i}." for i in range(spec.prompt_words // 4 + 1))
     body = {"model": spec.served_name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
     texts = []
@@ -420,32 +444,31 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
         raise GateError("completion through the proxy returned no text")
     if texts[0] != texts[1]:
         raise GateError(f"completion at temperature 0 is not deterministic: {texts!r}")
-    log(f"gate: deterministic completion {texts[0]!r}")
-    result: dict[str, Any] = {"completion": texts[0]}
-    pd_requests = 2 if spec.pd_engine else 0
-    if spec.probe:
-        long_requests = _probe_pass(spec, base, key, log)
-        pd_requests += long_requests if spec.pd_engine else 0
-    if spec.pd_engine:
-        after = _kv_counters(spec)
-        transfers, failures = after.served - before.served, after.failed - before.failed
-        if failures > 0:
-            raise GateError(
-                f"decode reported {failures:.0f} failed KV transfers: it recomputed the prompt "
-                "instead of pulling KV (check the NIXL side channel address and P/D TP)"
-                if spec.pd_engine == "vllm"
-                else f"SGLang reported {failures:.0f} failed KV bootstraps/transfers "
-                "(check the prefill's bootstrap port and --disaggregation-ib-device)"
-            )
-        if transfers < pd_requests:
-            what = "decode pulled KV" if spec.pd_engine == "vllm" else "prefill served"
-            raise GateError(
-                f"{what} {transfers:.0f} times for {pd_requests} P/D requests: requests were "
-                "served without P/D KV transfer (silent local recompute or no P/D routing)"
-            )
-        if spec.pd_engine == "vllm":
-            log(vllm_kv_evidence(before, after, spec))
-        else:
-            log(f"gate: SGLang prefill served {transfers:.0f} P/D requests, 0 failed transfers")
-        result["kv_transfers"] = transfers
-    return result
+    completion: str = texts[0]
+    return completion
+
+
+def _check_kv_moved(spec: GateSpec, before: KvCounters, pd_requests: int, log: Any) -> float:
+    """The P/D engines' counters since `before` show a KV transfer for every P/D request and no
+    failure; the number of transfers."""
+    after = _kv_counters(spec)
+    transfers, failures = after.served - before.served, after.failed - before.failed
+    if failures > 0:
+        raise GateError(
+            f"decode reported {failures:.0f} failed KV transfers: it recomputed the prompt "
+            "instead of pulling KV (check the NIXL side channel address and P/D TP)"
+            if spec.pd_engine == "vllm"
+            else f"SGLang reported {failures:.0f} failed KV bootstraps/transfers "
+            "(check the prefill's bootstrap port and --disaggregation-ib-device)"
+        )
+    if transfers < pd_requests:
+        what = "decode pulled KV" if spec.pd_engine == "vllm" else "prefill served"
+        raise GateError(
+            f"{what} {transfers:.0f} times for {pd_requests} P/D requests: requests were "
+            "served without P/D KV transfer (silent local recompute or no P/D routing)"
+        )
+    if spec.pd_engine == "vllm":
+        log(vllm_kv_evidence(before, after, spec))
+    else:
+        log(f"gate: SGLang prefill served {transfers:.0f} P/D requests, 0 failed transfers")
+    return transfers
