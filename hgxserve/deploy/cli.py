@@ -28,6 +28,9 @@ the value.
   where there are some).
 - **url**: `scheme://...`; **path**, **str**: as given. An empty value counts as unset.
 
+A `--data` key that no stage reads but that looks like one that does (`health_timout`) gets a
+warning naming the key it resembles.
+
 pyinfra's own connection keys (`ssh_hostname`, `ssh_user`, `ssh_key`, ...) are pyinfra's and not
 listed here.
 """

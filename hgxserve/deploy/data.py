@@ -19,14 +19,18 @@ pyinfra turns `--data` values into Python values before a deploy sees them (`tru
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from pyinfra import logger
 from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 
 from hgxserve.base.paths import AGENT, RDMA_SYSFS
+from hgxserve.deploy.runstate import per_run
 from hgxserve.deploy.stages import STAGES
 from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.render.types import CONTAINER_TOOLS
@@ -298,6 +302,31 @@ class DeployData:
         return convert(key, self._data.get(name))
 
 
+def misspelt(given: Iterable[str]) -> dict[str, str]:
+    """Keys of `given` the table lacks but that look like one of its keys -> that key.
+
+    >>> misspelt(["health_timout", "lab_rack", "ssh_user", "topology"])
+    {'health_timout': 'health_timeout'}
+    """
+    out = {}
+    for name in given:
+        if name in TABLE or name.startswith(("ssh_", "_")):
+            continue  # ours, or pyinfra's own (connection keys, global arguments)
+        close = difflib.get_close_matches(name, TABLE, n=1, cutoff=0.8)
+        if close:
+            out[name] = close[0]
+    return out
+
+
+def _warn_misspelt(host: Host) -> None:
+    for name, key in misspelt(host.inventory.override_data).items():
+        logger.warning(
+            f"--data {name}: no stage reads it; did you mean {key}? (hgxserve deploy-data)"
+        )
+
+
 def deploy_data(host: Host) -> DeployData:
-    """The typed `--data` of `host`."""
+    """The typed `--data` of `host`; the first time in a run, a warning for each `--data` key
+    no stage reads that looks like one that does (a typo would otherwise pass unnoticed)."""
+    per_run(host.state, "misspelt-data-keys", lambda: _warn_misspelt(host))
     return DeployData(host.data)

@@ -120,3 +120,15 @@ def test_rollback_plan_and_its_choice():
     inventory, hosts = run({"to": "sideways"})
     with pytest.raises(DeployError, match="--data to='sideways': use previous or baseline"):
         plans.rollback_plan(hosts["hgx-a"], inventory)
+
+
+def test_a_misspelt_data_key_is_warned_about_once_per_run(caplog):
+    _, hosts = run({"health_timout": 75, "lab_rack": "r1"})
+    with caplog.at_level("WARNING", logger="pyinfra"):
+        plans.weights_plan(hosts["hgx-a"])
+        plans.weights_plan(hosts["hgx-b"])
+    warned = [r.getMessage() for r in caplog.records if "no stage reads it" in r.getMessage()]
+    assert warned == [
+        "--data health_timout: no stage reads it; did you mean health_timeout? "
+        "(hgxserve deploy-data)"
+    ]
