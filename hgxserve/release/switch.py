@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hgxserve.base.defaults import schema_default
@@ -193,22 +194,28 @@ def unchanged_units(store: Store, old: ReleaseSpec | None, new: ReleaseSpec) -> 
     return frozenset(keep)
 
 
+@dataclass(frozen=True)
+class _Host:
+    """What every step of a switch on this host works with: the release store, systemd, the
+    log and how long the old units' GPUs may take to hold no memory."""
+
+    store: Store
+    systemd: Systemd
+    log: Log
+    gpu_timeout_s: float = GPU_TIMEOUT_S
+
+
 def _transition(
-    store: Store,
-    old: ReleaseSpec | None,
-    new: ReleaseSpec,
-    systemd: Systemd,
-    log: Log,
-    gpu_timeout_s: float,
-    defer_proxy: bool = False,
+    host: _Host, old: ReleaseSpec | None, new: ReleaseSpec, defer_proxy: bool = False
 ) -> None:
     """Go from `old` to `new`: stop what changes, wait for its GPUs, install, start."""
+    store, systemd, log = host.store, host.systemd, host.log
     keep = unchanged_units(store, old, new)
     if old is not None:
         stop_units(old, systemd, log, keep)
     moving = {g for spec in (old, new) if spec for u in spec.units if u.name not in keep
               for g in u.gpus}  # fmt: skip
-    wait_gpus_free(moving, gpu_timeout_s, log)
+    wait_gpus_free(moving, host.gpu_timeout_s, log)
     store.install(new, old)
     systemd.daemon_reload()
     start_units(new, systemd, log, keep, defer_proxy)
@@ -274,77 +281,104 @@ def _wait_healthy(
     """Wait until every unit is active and its /health answers 200, printing each engine's
     start phase from its journal (loading weights n%, compiling, capturing CUDA graphs) when
     it changes and every PROGRESS_EVERY_S; fail on the first unit that fails or runs late."""
-    started, since = time.monotonic(), time.time() - 1
+    watch = _StartWatch(systemd, log, time.monotonic(), time.time() - 1)
+    watch.deadlines = {u.name: watch.started + start_timeout(u, cap_s) for u in units}
     waiting = {u.name: u for u in units}
-    deadlines = {u.name: started + start_timeout(u, cap_s) for u in units}
-    said: dict[str, tuple[str, float]] = {}
-    restarts: dict[str, int] = {}
     last_read = 0.0
     while waiting:
         now = time.monotonic()
         read_journal = now - last_read >= JOURNAL_EVERY_S
         last_read = now if read_journal else last_read
         for name, unit in list(waiting.items()):
-            info = systemd.show(name)
-            state = info.get("ActiveState", "")
-            result = info.get("Result", "success") or "success"
-            if state == "failed" or (
-                state == "inactive" and (result != "success" or now - started > START_GRACE_S)
-            ):
-                what = f"{name} is {state} while starting ({_why(info)})"
-                raise _failure(systemd, name, since, what)
-            count = int(info.get("NRestarts") or 0)
-            exited = result != "success" or count > 0 or info.get("SubState") == "auto-restart"
-            if exited and state != "active" and read_journal:
-                # it exited and systemd restarts it (Restart=): with a known cause in its journal
-                # it is not a flake, and starting it again would only fail again
-                if any(line.startswith("CAUSE") for line in diagnosis(systemd, name, since)):
-                    what = f"{name} failed while starting ({_why(info)}; systemd would restart it)"
-                    raise _failure(systemd, name, since, what)
-                if restarts.get(name) != count:
-                    restarts[name] = count
-                    log(f"{name}: exited while starting ({_why(info)}); systemd restarts it")
-            if state == "active" and (unit.health_url is None or _healthy(unit.health_url)):
-                log(f"{name} is healthy after {now - started:.1f}s")
-                if unit.health_url is not None:
-                    for line in after_ready(systemd.journal(name, DIAGNOSE_LINES, since)):
-                        log(f"{name}: {line}")
+            if watch.healthy(unit, now, read_journal):
                 del waiting[name]
-                continue
-            if now > deadlines[name]:
-                last = said.get(name, ("", 0.0))[0] or state
-                raise _failure(
-                    systemd,
-                    name,
-                    since,
-                    f"{name} did not become healthy in time ({deadlines[name] - started:.0f}s, "
-                    f"last seen: {last})",
-                )
-            if unit.health_url is not None and read_journal:
-                text = systemd.journal(name, lines=JOURNAL_LINES, since=since)
-                current = phase(text.splitlines()) or f"{state}, no engine progress line yet"
-                previous, at = said.get(name, ("", 0.0))
-                if current != previous or now - at >= PROGRESS_EVERY_S:
-                    log(f"{name}: {current} ({now - started:.0f}s)")
-                    said[name] = (current, now)
         if waiting:
             time.sleep(0.5)
 
 
+@dataclass
+class _StartWatch:
+    """The health wait over a group of starting units: when each must be healthy, the start
+    phase last said of each (and when), the restarts seen."""
+
+    systemd: Systemd
+    log: Log
+    started: float  # monotonic
+    since: float  # wall clock, for the journal
+    deadlines: dict[str, float] = field(default_factory=dict)
+    said: dict[str, tuple[str, float]] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+
+    def healthy(self, unit: UnitSpec, now: float, read_journal: bool) -> bool:
+        """One look at a starting unit: True once it is healthy; raises when it failed or is
+        late."""
+        name = unit.name
+        info = self.systemd.show(name)
+        state = info.get("ActiveState", "")
+        self._check_started(name, info, now)
+        if state != "active" and read_journal:
+            self._check_restart(name, info)
+        if state == "active" and (unit.health_url is None or _healthy(unit.health_url)):
+            self.log(f"{name} is healthy after {now - self.started:.1f}s")
+            if unit.health_url is not None:
+                for line in after_ready(self.systemd.journal(name, DIAGNOSE_LINES, self.since)):
+                    self.log(f"{name}: {line}")
+            return True
+        if now > self.deadlines[name]:
+            last = self.said.get(name, ("", 0.0))[0] or state
+            raise _failure(
+                self.systemd,
+                name,
+                self.since,
+                f"{name} did not become healthy in time "
+                f"({self.deadlines[name] - self.started:.0f}s, last seen: {last})",
+            )
+        if unit.health_url is not None and read_journal:
+            self._say_phase(name, state, now)
+        return False
+
+    def _check_started(self, name: str, info: dict[str, str], now: float) -> None:
+        """Fail when the unit failed, or stopped (or never started) instead of starting."""
+        state = info.get("ActiveState", "")
+        result = info.get("Result", "success") or "success"
+        if state == "failed" or (
+            state == "inactive" and (result != "success" or now - self.started > START_GRACE_S)
+        ):
+            what = f"{name} is {state} while starting ({_why(info)})"
+            raise _failure(self.systemd, name, self.since, what)
+
+    def _check_restart(self, name: str, info: dict[str, str]) -> None:
+        """A unit that exited and that systemd restarts (Restart=): with a known cause in its
+        journal it is not a flake, and starting it again would only fail again."""
+        result = info.get("Result", "success") or "success"
+        count = int(info.get("NRestarts") or 0)
+        if not (result != "success" or count > 0 or info.get("SubState") == "auto-restart"):
+            return
+        if any(line.startswith("CAUSE") for line in diagnosis(self.systemd, name, self.since)):
+            what = f"{name} failed while starting ({_why(info)}; systemd would restart it)"
+            raise _failure(self.systemd, name, self.since, what)
+        if self.restarts.get(name) != count:
+            self.restarts[name] = count
+            self.log(f"{name}: exited while starting ({_why(info)}); systemd restarts it")
+
+    def _say_phase(self, name: str, state: str, now: float) -> None:
+        """Log the engine's start phase from its journal when it changed or was said long ago."""
+        text = self.systemd.journal(name, lines=JOURNAL_LINES, since=self.since)
+        current = phase(text.splitlines()) or f"{state}, no engine progress line yet"
+        previous, at = self.said.get(name, ("", 0.0))
+        if current != previous or now - at >= PROGRESS_EVERY_S:
+            self.log(f"{name}: {current} ({now - self.started:.0f}s)")
+            self.said[name] = (current, now)
+
+
 def _activate(
-    store: Store,
-    new: ReleaseSpec,
-    old: ReleaseSpec | None,
-    systemd: Systemd,
-    log: Log,
-    gpu_timeout_s: float,
-    defer_proxy: bool = False,
+    host: _Host, new: ReleaseSpec, old: ReleaseSpec | None, defer_proxy: bool = False
 ) -> None:
-    store.verify_tree(new)
-    _transition(store, old, new, systemd, log, gpu_timeout_s, defer_proxy)
+    host.store.verify_tree(new)
+    _transition(host, old, new, defer_proxy)
 
 
-def switch(
+def switch(  # noqa: PLR0913 - the agent's entry point: store, release and keyword-only options
     store: Store,
     release_id: str,
     *,
@@ -377,13 +411,14 @@ def switch(
     old = store.load(current_id) if current_id else None
     previous_id = pending["previous"] if pending else current_id
     log(f"switching {new.host} from {current_id or 'nothing'} to {release_id} ({new.topology})")
+    host = _Host(store, systemd, log, gpu_timeout_s)
     try:
-        _activate(store, new, old, systemd, log, gpu_timeout_s, defer_proxy)
+        _activate(host, new, old, defer_proxy)
     except ReleaseError as exc:
         reason = str(exc)
         log(f"switch to {release_id} failed: {reason}")
         back = store.load(previous_id) if previous_id else None
-        _rollback_to(store, back, new, systemd, log, gpu_timeout_s)
+        _rollback_to(host, back, new)
         store.set_pending(None)
         raise ReleaseError(
             f"switch to {release_id} failed and was rolled back to "
@@ -449,24 +484,17 @@ def _restart_stopped(spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:
     return f"release {spec.id} is current; restarted {names}"
 
 
-def _rollback_to(
-    store: Store,
-    back: ReleaseSpec | None,
-    failed: ReleaseSpec,
-    systemd: Systemd,
-    log: Log,
-    gpu_timeout_s: float,
-) -> None:
+def _rollback_to(host: _Host, back: ReleaseSpec | None, failed: ReleaseSpec) -> None:
     if back is None:
-        stop_units(failed, systemd, log)
-        store.install(ReleaseSpec("none", "", "", False, failed.host, [], {}), failed)
-        systemd.daemon_reload()
+        stop_units(failed, host.systemd, host.log)
+        host.store.install(ReleaseSpec("none", "", "", False, failed.host, [], {}), failed)
+        host.systemd.daemon_reload()
         return
     try:
-        _transition(store, failed, back, systemd, log, gpu_timeout_s)
+        _transition(host, failed, back)
     except ReleaseError as exc:
         raise ReleaseError(f"rollback to {back.id} failed too: {exc}") from None
-    log(f"back on {back.id}")
+    host.log(f"back on {back.id}")
 
 
 def _commit(store: Store, spec: ReleaseSpec, previous_id: str | None) -> None:
@@ -525,7 +553,7 @@ def confirm(store: Store, release_id: str, systemd: Systemd | None = None) -> st
     return f"release {release_id} confirmed"
 
 
-def revert(
+def revert(  # noqa: PLR0913 - the agent's entry point: store, release and keyword-only options
     store: Store,
     release_id: str,
     *,
@@ -550,7 +578,7 @@ def revert(
     back = store.load(previous_id) if previous_id else None
     log(f"reverting {release_id}, back to {previous_id or 'nothing'}")
     try:
-        _rollback_to(store, back, failed, systemd, log, gpu_timeout_s)
+        _rollback_to(_Host(store, systemd, log, gpu_timeout_s), back, failed)
     finally:
         store.set_pending(None)
     return f"reverted {release_id}; {previous_id or 'nothing'} is running"
