@@ -20,8 +20,11 @@ from typing import Any
 from hgxserve.runtime.spec import VenvRuntime, version_matches
 from hgxserve.topology.cuda import cuda_driver_problem, max_cuda_of_driver
 
+# fact, expected, found
+_Mismatch = tuple[str, str, str]
 
-def runtime_problems(
+
+def runtime_problems(  # noqa: PLR0913 - public: roles/preflight.py passes the two keyword options
     host: str,
     specs: list[VenvRuntime],
     states: dict[str, dict[str, Any]],
@@ -39,57 +42,18 @@ def runtime_problems(
     + planned_driver: the driver version the provision stage of this deploy installs
     """
     problems: list[str] = []
-
-    def problem(fact: str, expected: str, found: str) -> None:
-        problems.append(f"{host}: {fact}: expected {expected}, found {found}")
-
     for spec in specs:
         state = states.get(spec.venv) or {"present": False}
         wanted = f"{spec.engine} {spec.version}" if spec.version else spec.engine
-        if not state.get("present"):
-            if not will_install:
-                problem(
-                    f"runtime {spec.venv}",
-                    f"{wanted} installed",
-                    "no venv (install it with deploys/runtime.py)",
-                )
-            continue
-        if state.get("error"):
-            problem(f"runtime {spec.venv}", "a working Python", state["error"].splitlines()[-1])
-            continue
-        found = state.get("engine_version")
-        if found is None:
-            if not will_install:
-                problem("engine.version", f"{wanted} in {spec.venv}", "not installed")
-        elif spec.version and not version_matches(spec.version, found):
-            problem(
-                "engine.version",
-                f"{wanted} in {spec.venv}",
-                f"{found} (a runtime venv is not changed in place: releases start from it; "
-                f"install {spec.version} into its own runtime.venv)",
-            )
-        imports = state.get("imports") or {}
-        for module in spec.imports:
-            result = imports.get(module)
-            if result == "ok" or (will_install and result != "ok"):
-                continue
-            why = spec.why.get(module, "")
-            problem(
-                f"runtime.{module.split('.')[0]}",
-                f"{module} importable in {spec.venv}" + (f" ({why})" if why else ""),
-                result or "not checked",
-            )
-        needs_ucx = any(m.startswith("nixl") for m in spec.imports)
-        nixl_there = all(imports.get(m) == "ok" for m in spec.imports if m.startswith("nixl"))
-        if needs_ucx and nixl_there and not state.get("ucx"):
-            problem(
-                "runtime.ucx",
-                f"UCX (libucp) for NIXL in {spec.venv} or on the system",
-                "none",
-            )
+        unusable = _unusable(spec, state, wanted, will_install)
+        found = unusable if unusable is not None else [
+            *_engine_mismatch(spec, state, wanted, will_install),
+            *_import_mismatches(spec, state, will_install),
+        ]  # fmt: skip
+        problems += [f"{host}: {fact}: expected {want}, found {got}" for fact, want, got in found]
         # torch's own answer; without torch in the venv, what the topology declares
         cuda = state.get("torch_cuda") or spec.cuda
-        if cuda:
+        if unusable is None and cuda:
             line = cuda_line(
                 host, spec.venv, state.get("torch_version"), str(cuda), driver, planned_driver
             )
@@ -97,7 +61,75 @@ def runtime_problems(
     return problems
 
 
-def cuda_line(
+def _unusable(
+    spec: VenvRuntime, state: dict[str, Any], wanted: str, will_install: bool
+) -> list[_Mismatch] | None:
+    """What is wrong with a venv that is missing or has no working Python; None when it runs."""
+    if not state.get("present"):
+        if will_install:
+            return []
+        return [
+            (
+                f"runtime {spec.venv}",
+                f"{wanted} installed",
+                "no venv (install it with deploys/runtime.py)",
+            )
+        ]
+    if state.get("error"):
+        return [(f"runtime {spec.venv}", "a working Python", state["error"].splitlines()[-1])]
+    return None
+
+
+def _engine_mismatch(
+    spec: VenvRuntime, state: dict[str, Any], wanted: str, will_install: bool
+) -> list[_Mismatch]:
+    found = state.get("engine_version")
+    if found is None:
+        return (
+            []
+            if will_install
+            else [("engine.version", f"{wanted} in {spec.venv}", "not installed")]
+        )
+    if spec.version and not version_matches(spec.version, found):
+        return [
+            (
+                "engine.version",
+                f"{wanted} in {spec.venv}",
+                f"{found} (a runtime venv is not changed in place: releases start from it; "
+                f"install {spec.version} into its own runtime.venv)",
+            )
+        ]
+    return []
+
+
+def _import_mismatches(
+    spec: VenvRuntime, state: dict[str, Any], will_install: bool
+) -> list[_Mismatch]:
+    """The modules the venv must import, and UCX when NIXL is among them."""
+    found: list[_Mismatch] = []
+    imports = state.get("imports") or {}
+    for module in spec.imports:
+        result = imports.get(module)
+        if result == "ok" or (will_install and result != "ok"):
+            continue
+        why = spec.why.get(module, "")
+        found.append(
+            (
+                f"runtime.{module.split('.')[0]}",
+                f"{module} importable in {spec.venv}" + (f" ({why})" if why else ""),
+                result or "not checked",
+            )
+        )
+    needs_ucx = any(m.startswith("nixl") for m in spec.imports)
+    nixl_there = all(imports.get(m) == "ok" for m in spec.imports if m.startswith("nixl"))
+    if needs_ucx and nixl_there and not state.get("ucx"):
+        found.append(
+            ("runtime.ucx", f"UCX (libucp) for NIXL in {spec.venv} or on the system", "none")
+        )
+    return found
+
+
+def cuda_line(  # noqa: PLR0913 - public: roles/runtime.py asks it for one venv the same way
     host: str,
     venv: str,
     torch_version: str | None,

@@ -19,7 +19,7 @@ import os
 import re
 import tarfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from hgxserve.base.errors import Found
 
@@ -56,34 +56,7 @@ def verify_archive(path: str | os.PathLike[str], digest: str) -> str:
     """Check that the OCI archive at `path` holds the image manifest `digest`; return it."""
     if not DIGEST.match(digest):
         raise ImageArchiveError(f"{digest}: not a sha256 digest")
-    hashes: dict[str, tuple[str, int]] = {}
-    index: dict[str, Any] | None = None
-    try:
-        with tarfile.open(path, mode="r|*") as tar:
-            for member in tar:
-                name = member.name.removeprefix("./")
-                if not member.isfile():
-                    continue
-                fh = tar.extractfile(member)
-                if fh is None:
-                    continue
-                if name == "index.json":
-                    index = json.loads(fh.read(1 << 20))
-                    continue
-                if name.startswith("blobs/sha256/"):
-                    h = hashlib.sha256()
-                    size = 0
-                    while chunk := fh.read(CHUNK):
-                        h.update(chunk)
-                        size += len(chunk)
-                    hashes[name] = (h.hexdigest(), size)
-    except (OSError, tarfile.TarError, ValueError) as exc:
-        raise ImageArchiveError(f"{path}: not a readable image archive: {exc}") from None
-    if index is None:
-        raise ImageArchiveError(
-            f"{path}: no index.json: not an OCI archive (save it with "
-            "`podman save --format oci-archive` or `skopeo copy ... oci-archive:`)"
-        )
+    index, hashes = _scan_archive(path)
     listed = [m.get("digest") for m in index.get("manifests", []) if isinstance(m, dict)]
     if digest not in listed:
         raise ImageArchiveError(
@@ -100,6 +73,42 @@ def verify_archive(path: str | os.PathLike[str], digest: str) -> str:
         if got is None or "sha256:" + got[0] != want or (size is not None and got[1] != size):
             raise ImageArchiveError(f"{path}: blob {want} is missing or altered")
     return digest
+
+
+def _scan_archive(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Any], dict[str, tuple[str, int]]]:
+    """The archive's index.json and every blob's (sha256 hex, size), in one pass over the tar."""
+    hashes: dict[str, tuple[str, int]] = {}
+    index: dict[str, Any] | None = None
+    try:
+        with tarfile.open(path, mode="r|*") as tar:
+            for member in tar:
+                name = member.name.removeprefix("./")
+                fh = tar.extractfile(member) if member.isfile() else None
+                if fh is None:
+                    continue
+                if name == "index.json":
+                    index = json.loads(fh.read(1 << 20))
+                elif name.startswith("blobs/sha256/"):
+                    hashes[name] = _hash_stream(fh)
+    except (OSError, tarfile.TarError, ValueError) as exc:
+        raise ImageArchiveError(f"{path}: not a readable image archive: {exc}") from None
+    if index is None:
+        raise ImageArchiveError(
+            f"{path}: no index.json: not an OCI archive (save it with "
+            "`podman save --format oci-archive` or `skopeo copy ... oci-archive:`)"
+        )
+    return index, hashes
+
+
+def _hash_stream(fh: IO[bytes]) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    while chunk := fh.read(CHUNK):
+        h.update(chunk)
+        size += len(chunk)
+    return h.hexdigest(), size
 
 
 def _read_member(tar: tarfile.TarFile, name: str) -> dict[str, Any]:
