@@ -209,6 +209,10 @@ def _file_secret(data: dict[str, Any]) -> None:
         engine.setdefault("secret_env", {})["HF_TOKEN"] = {"file": "/etc/hgxserve/hf-token\\"}
 
 
+def _served_name_backslash(data: dict[str, Any]) -> None:
+    data["model"]["served_name"] += "\\"
+
+
 def _sglang_everywhere(data: dict[str, Any]) -> None:
     data.setdefault("defaults", {})["engine"] = "sglang"
     for engine in _engines(data).values():
@@ -242,6 +246,7 @@ SINGLES: dict[str, Mutation] = {
     "no-runtime": _no_runtime,
     "colliding-secret": _colliding_secret,
     "file-secret-backslash": _file_secret,
+    "served-name-backslash": _served_name_backslash,
     "sglang-everywhere": _sglang_everywhere,
     "multi-line-description": _description,
     "addresses": _addresses,
