@@ -170,6 +170,35 @@ def engine_argv(engine: Engine, source: S3Source, workers: int, retries: int) ->
     return [*argv, "run"]
 
 
+_CREDENTIAL_WORDS = (
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "status code: 403",
+)
+# (words, any of which in the line names the problem; matched ignoring case; the hint)
+_SOURCE_HINTS = (
+    (
+        ("PathStyleDomainForbidden",),
+        False,
+        "this store forbids path-style requests: use --addressing virtual "
+        "(requests go to https://<bucket>.<endpoint-host>/...)",
+    ),
+    (
+        ("x509", "certificate"),
+        True,
+        "add your CA with AWS_CA_BUNDLE=/path/ca.pem (verification stays on)",
+    ),
+    (
+        ("connection refused", "no such host", "timeout"),
+        True,
+        "check the endpoint and the network",
+    ),
+)
+
+
 def _error_for(message: str, dest: str) -> WeightsError:
     """Our error class (and exit code) for an s5cmd error line."""
     text = scrub(message)
@@ -178,32 +207,13 @@ def _error_for(message: str, dest: str) -> WeightsError:
         return io_error(OSError(errno.ENOSPC, "no space left on device"), dest, dest)
     if "read-only file system" in low:
         return LocalIOError(f"{dest}: destination is read-only")
-    if any(
-        code in text
-        for code in (
-            "AccessDenied",
-            "InvalidAccessKeyId",
-            "SignatureDoesNotMatch",
-            "ExpiredToken",
-            "InvalidToken",
-            "status code: 403",
-        )
-    ):
+    if any(code in text for code in _CREDENTIAL_WORDS):
         return CredentialsError(
             text, hint="check the credentials reference (env file / profile) and the bucket policy"
         )
-    if "PathStyleDomainForbidden" in text:
-        return SourceError(
-            text,
-            hint="this store forbids path-style requests: use --addressing virtual "
-            "(requests go to https://<bucket>.<endpoint-host>/...)",
-        )
-    if "x509" in low or "certificate" in low:
-        return SourceError(
-            text, hint="add your CA with AWS_CA_BUNDLE=/path/ca.pem (verification stays on)"
-        )
-    if "connection refused" in low or "no such host" in low or "timeout" in low:
-        return SourceError(text, hint="check the endpoint and the network")
+    for words, ignore_case, hint in _SOURCE_HINTS:
+        if any(word in (low if ignore_case else text) for word in words):
+            return SourceError(text, hint=hint)
     return SourceError(text)
 
 

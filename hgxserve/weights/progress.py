@@ -34,14 +34,13 @@ class Progress:
         total_files: int,
         stream: TextIO | None = None,
         quiet: bool = False,
-        interval: float | None = None,
     ) -> None:
         self.label = label
         self.total_bytes = total_bytes
         self.total_files = total_files
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
-        self.interval = interval or (0.5 if self.tty else 10.0)
+        self.interval = 0.5 if self.tty else 10.0
         self.quiet = quiet
         self.done_bytes = 0
         self.done_files = 0

@@ -66,10 +66,11 @@ def open_parent(dest: str, rel: str, *, create: bool) -> int:
     return fd
 
 
-def open_in(dir_fd: int, name: str, flags: int, dest: str, rel: str, mode: int = 0o644) -> int:
-    """os.open(name, flags | O_NOFOLLOW) in `dir_fd`; a symlink there is a LocalIOError."""
+def open_in(dir_fd: int, name: str, flags: int, dest: str, rel: str) -> int:
+    """os.open(name, flags | O_NOFOLLOW) in `dir_fd` (mode 0644 when it creates the file); a
+    symlink there is a LocalIOError."""
     try:
-        return os.open(name, flags | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
+        return os.open(name, flags | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _link_error(dest, rel) from None

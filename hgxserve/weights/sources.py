@@ -10,14 +10,13 @@ import base64
 import binascii
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from hgxserve.weights.errors import SourceError
 from hgxserve.weights.manifest import MANIFEST_NAME, check_relative_path
 from hgxserve.weights.s3 import S3Client, S3Options, S3Url, make_client
 from hgxserve.weights.state import STATE_DIR_NAME
-from hgxserve.weights.transfer import PARTIAL_SUFFIX, PARTS_SUFFIX, SourceFile
+from hgxserve.weights.transfer import PARTIAL_SUFFIX, PARTS_SUFFIX, OnData, SourceFile
 
 # A consumer that writes parts out gets them in slices of this size (see Source.fetch_into).
 READ_SLICE = 1 << 20
@@ -97,11 +96,7 @@ class S3Source:
             return None, head.version_id, "malformed checksum header"
 
     def fetch_into(
-        self,
-        f: SourceFile,
-        offset: int,
-        buf: memoryview,
-        on_data: Callable[[int, int], None] | None = None,
+        self, f: SourceFile, offset: int, buf: memoryview, on_data: OnData | None = None
     ) -> None:
         self.client.get_range_into(self.key(f.path), offset, buf, f.etag or None, on_data)
 
@@ -158,11 +153,7 @@ class LocalSource:
             return fd
 
     def fetch_into(
-        self,
-        f: SourceFile,
-        offset: int,
-        buf: memoryview,
-        on_data: Callable[[int, int], None] | None = None,
+        self, f: SourceFile, offset: int, buf: memoryview, on_data: OnData | None = None
     ) -> None:
         try:
             fd = self._fd(f.path)

@@ -28,7 +28,7 @@ from hgxserve.weights.hashing import sha256_file
 from hgxserve.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile, write_if_changed
 from hgxserve.weights.progress import Progress, human_bytes
 from hgxserve.weights.s3 import S3Options, S3Url, make_client
-from hgxserve.weights.sources import LocalSource, S3Source, is_s3, open_source
+from hgxserve.weights.sources import Listed, LocalSource, S3Source, is_s3, open_source
 from hgxserve.weights.state import (
     FileState,
     State,
@@ -134,48 +134,68 @@ def _plan_files(
     source: S3Source | LocalSource, opts: SyncOptions, report: SyncReport
 ) -> tuple[list[SourceFile], Manifest | None]:
     listing = source.list()
-    manifest: Manifest | None = None
-    if opts.manifest and opts.manifest != "none":
-        manifest = load_manifest_ref(opts.manifest, opts.s3)
-        report.manifest_origin = opts.manifest
-    elif opts.manifest != "none" and source.has_published_manifest:
-        published = f"{str(source).rstrip('/')}/{MANIFEST_NAME}"
-        manifest = Manifest.loads(source.read_small(MANIFEST_NAME), published)
-        report.manifest_origin = f"published at {published}"
-    files: list[SourceFile] = []
+    manifest = _load_manifest(source, opts, report)
     if manifest is not None:
-        problems = []
-        for entry in manifest.files:
-            listed = listing.get(entry.path)
-            if listed is None:
-                problems.append(f"{entry.path}: in the manifest but not in {source}")
-            elif listed.size != entry.size:
-                problems.append(
-                    f"{entry.path}: {listed.size} bytes in the source, manifest says {entry.size}"
-                )
-            else:
-                files.append(
-                    SourceFile(entry.path, entry.size, listed.etag, entry.sha256, "manifest")
-                )
-        if problems:
-            raise VerifyError(
-                "source does not match the manifest:\n  " + "\n  ".join(problems),
-                hint="the model changed after its manifest was built: rebuild and publish it",
-            )
-        extra = sorted(set(listing) - set(manifest.by_path()))
-        if extra:
-            opts.log(
-                f"warning: {len(extra)} source files not in the manifest, skipped: "
-                + ", ".join(extra[:5])
-                + (" ..." if len(extra) > 5 else "")
-            )
+        files = _manifest_files(source, listing, manifest, opts)
     else:
-        for path in sorted(listing):
-            listed = listing[path]
-            files.append(SourceFile(path, listed.size, listed.etag, None, "none"))
+        files = [
+            SourceFile(path, listing[path].size, listing[path].etag, None, "none")
+            for path in sorted(listing)
+        ]
     if not files:
         raise SourceError(f"{source}: no files found", hint="check the bucket and prefix")
     return files, manifest
+
+
+def _load_manifest(
+    source: S3Source | LocalSource, opts: SyncOptions, report: SyncReport
+) -> Manifest | None:
+    """The manifest given (--manifest), else the one published with the source, else None."""
+    if opts.manifest and opts.manifest != "none":
+        given = load_manifest_ref(opts.manifest, opts.s3)
+        report.manifest_origin = opts.manifest
+        return given
+    if opts.manifest != "none" and source.has_published_manifest:
+        published = f"{str(source).rstrip('/')}/{MANIFEST_NAME}"
+        manifest = Manifest.loads(source.read_small(MANIFEST_NAME), published)
+        report.manifest_origin = f"published at {published}"
+        return manifest
+    return None
+
+
+def _manifest_files(
+    source: S3Source | LocalSource,
+    listing: dict[str, Listed],
+    manifest: Manifest,
+    opts: SyncOptions,
+) -> list[SourceFile]:
+    """The manifest's files as listed in the source; a file missing or of another size there
+    fails the sync, source files the manifest does not list are skipped with a warning."""
+    files: list[SourceFile] = []
+    problems = []
+    for entry in manifest.files:
+        listed = listing.get(entry.path)
+        if listed is None:
+            problems.append(f"{entry.path}: in the manifest but not in {source}")
+        elif listed.size != entry.size:
+            problems.append(
+                f"{entry.path}: {listed.size} bytes in the source, manifest says {entry.size}"
+            )
+        else:
+            files.append(SourceFile(entry.path, entry.size, listed.etag, entry.sha256, "manifest"))
+    if problems:
+        raise VerifyError(
+            "source does not match the manifest:\n  " + "\n  ".join(problems),
+            hint="the model changed after its manifest was built: rebuild and publish it",
+        )
+    extra = sorted(set(listing) - set(manifest.by_path()))
+    if extra:
+        opts.log(
+            f"warning: {len(extra)} source files not in the manifest, skipped: "
+            + ", ".join(extra[:5])
+            + (" ..." if len(extra) > 5 else "")
+        )
+    return files
 
 
 def _resolve_checksums(
@@ -282,9 +302,21 @@ class _Outcome:
         return state
 
 
+@dataclass
+class _Run:
+    """One sync: where from, where to, where its state lives, its options and its report."""
+
+    source: S3Source | LocalSource
+    dest: str
+    directory: str
+    opts: SyncOptions
+    report: SyncReport
+
+
 def _sync_into(
     source: S3Source | LocalSource, dest: str, directory: str, opts: SyncOptions, report: SyncReport
 ) -> None:
+    run = _Run(source, dest, directory, opts, report)
     src = report.source
     files, manifest = _plan_files(source, opts, report)
     state = State.load(directory)
@@ -309,13 +341,13 @@ def _sync_into(
         entry = state.files[f.path]
         out.results[f.path] = (entry.sha256, entry.mtime_ns)
         out.verified_by[f.path] = f.verified_by
-    _rehash_existing(dest, rehash, fetch, out.results, out.verified_by, opts)
+    _rehash_existing(dest, rehash, fetch, out)
     report.rehashed = len(rehash) - sum(1 for f in rehash if f in fetch)
     fetch.sort(key=lambda f: f.path)
     if fetch:
         report.fetched = len(fetch)
         try:
-            _fetch(source, dest, fetch, opts, out.results, out.verified_by, out.failures, report)
+            _fetch(run, fetch, out)
         except WeightsError:
             out.state(src, files).save(directory)
             raise
@@ -329,7 +361,7 @@ def _sync_into(
             f"{len(out.failures)} file(s) failed verification, nothing marked verified:\n  "
             + "\n  ".join(out.failures)
         )
-    _mark_verified(dest, directory, files, manifest, out, opts, report)
+    _mark_verified(run, files, manifest, out)
 
 
 def _check_integrity(fetch: list[SourceFile], opts: SyncOptions) -> None:
@@ -352,15 +384,10 @@ def _check_integrity(fetch: list[SourceFile], opts: SyncOptions) -> None:
 
 
 def _mark_verified(
-    dest: str,
-    directory: str,
-    files: list[SourceFile],
-    manifest: Manifest | None,
-    out: _Outcome,
-    opts: SyncOptions,
-    report: SyncReport,
+    run: _Run, files: list[SourceFile], manifest: Manifest | None, out: _Outcome
 ) -> None:
     """Every file verified: keep the manifest (published or derived), write state and marker."""
+    dest, directory, opts, report = run.dest, run.directory, run.opts, run.report
     src = report.source
     effective = manifest
     if effective is None:
@@ -397,13 +424,9 @@ def _mark_verified(
 
 
 def _rehash_existing(
-    dest: str,
-    rehash: list[SourceFile],
-    fetch: list[SourceFile],
-    results: dict[str, tuple[str, int]],
-    verified_by: dict[str, str],
-    opts: SyncOptions,
+    dest: str, rehash: list[SourceFile], fetch: list[SourceFile], out: _Outcome
 ) -> None:
+    """Hash the files already in dest: a match is verified, the rest joins `fetch`."""
     if not rehash:
         return
 
@@ -411,8 +434,8 @@ def _rehash_existing(
         path = os.path.join(dest, f.path)
         sha = sha256_file(path)
         if sha == f.expected_sha256:
-            results[f.path] = (sha, os.stat(path).st_mtime_ns)
-            verified_by[f.path] = f.verified_by
+            out.results[f.path] = (sha, os.stat(path).st_mtime_ns)
+            out.verified_by[f.path] = f.verified_by
         else:
             fetch.append(f)
 
@@ -461,72 +484,22 @@ def _describe_engines(engine: native.Engine | None, n_native: int, n_python: int
     return " + ".join(parts)
 
 
-def _fetch(
-    source: S3Source | LocalSource,
-    dest: str,
-    fetch: list[SourceFile],
-    opts: SyncOptions,
-    results: dict[str, tuple[str, int]],
-    verified_by: dict[str, str],
-    failures: list[str],
-    report: SyncReport,
-) -> None:
+def _fetch(run: _Run, fetch: list[SourceFile], out: _Outcome) -> None:
+    opts = run.opts
     total = sum(f.size for f in fetch)
     progress = Progress("sync", total, len(fetch), quiet=opts.quiet)
-    lock = threading.Lock()
-
-    def on_file(result: FileResult) -> None:
-        with lock:
-            report.bytes_fetched += result.downloaded
-            report.bytes_resumed += result.resumed
-            if result.error is None and result.sha256 is not None:
-                results[result.file.path] = (result.sha256, result.mtime_ns)
-                verified_by[result.file.path] = result.file.verified_by
-
-    engine, why = _engine_for(source, opts)
-    by_native = [f for f in fetch if engine is not None and _native_fits(f, dest, opts)]
+    engine, why = _engine_for(run.source, opts)
+    by_native = [f for f in fetch if engine is not None and _native_fits(f, run.dest, opts)]
     by_python = [f for f in fetch if f not in by_native]
-    report.engine = _describe_engines(engine, len(by_native), len(by_python), why)
-
-    def run(files: list[SourceFile], use_native: bool) -> list[FileResult]:
-        if use_native and engine is not None and isinstance(source, S3Source):
-            return native.NativeTransfer(
-                engine,
-                source,
-                dest,
-                files,
-                opts.concurrency,
-                opts.part_size,
-                progress,
-                opts.fsync,
-                on_file,
-                opts.log,
-            ).run()
-        return Transfer(
-            source, dest, files, opts.concurrency, opts.part_size, progress, opts.fsync, on_file
-        ).run()
-
-    def run_group(files: list[SourceFile], use_native: bool) -> None:
-        retry: list[SourceFile] = []
-        for result in run(files, use_native):
-            if result.error is None:
-                continue
-            if result.resumed:
-                # The resumed bytes were bad (e.g. written before a crash): fetch afresh once.
-                retry.append(result.file)
-            else:
-                failures.append(str(result.error))
-        if retry:
-            opts.log(f"{len(retry)} resumed file(s) did not verify; fetching them afresh")
-            failures.extend(str(r.error) for r in run(retry, use_native) if r.error)
-
+    run.report.engine = _describe_engines(engine, len(by_native), len(by_python), why)
+    fetcher = _Fetcher(run, out, progress, engine)
     try:
         # Side by side: the small files' requests and fsyncs overlap s5cmd's large transfers.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="native") as side:
-            pending = side.submit(run_group, by_native, True) if by_native else None
+            pending = side.submit(fetcher.group, by_native, True) if by_native else None
             try:
                 if by_python:
-                    run_group(by_python, False)
+                    fetcher.group(by_python, False)
             except BaseException:
                 # this error (or Ctrl-C) is the one to report; the other engine just stops
                 if pending is not None:
@@ -537,6 +510,70 @@ def _fetch(
                 pending.result()
     finally:
         progress.close()
+
+
+class _Fetcher:
+    """Runs a transfer engine over a group of files and records each file's outcome."""
+
+    def __init__(
+        self, run: _Run, out: _Outcome, progress: Progress, engine: native.Engine | None
+    ) -> None:
+        self.run = run
+        self.out = out
+        self.progress = progress
+        self.engine = engine
+        self.lock = threading.Lock()
+
+    def on_file(self, result: FileResult) -> None:
+        with self.lock:
+            self.run.report.bytes_fetched += result.downloaded
+            self.run.report.bytes_resumed += result.resumed
+            if result.error is None and result.sha256 is not None:
+                self.out.results[result.file.path] = (result.sha256, result.mtime_ns)
+                self.out.verified_by[result.file.path] = result.file.verified_by
+
+    def transfer(self, files: list[SourceFile], use_native: bool) -> list[FileResult]:
+        run, opts, source = self.run, self.run.opts, self.run.source
+        if use_native and self.engine is not None and isinstance(source, S3Source):
+            return native.NativeTransfer(
+                self.engine,
+                source,
+                run.dest,
+                files,
+                opts.concurrency,
+                opts.part_size,
+                self.progress,
+                opts.fsync,
+                self.on_file,
+                opts.log,
+            ).run()
+        return Transfer(
+            source,
+            run.dest,
+            files,
+            opts.concurrency,
+            opts.part_size,
+            self.progress,
+            opts.fsync,
+            self.on_file,
+        ).run()
+
+    def group(self, files: list[SourceFile], use_native: bool) -> None:
+        """Fetch the files; a resumed file that does not verify is fetched afresh once."""
+        retry: list[SourceFile] = []
+        for result in self.transfer(files, use_native):
+            if result.error is None:
+                continue
+            if result.resumed:
+                # The resumed bytes were bad (e.g. written before a crash): fetch afresh once.
+                retry.append(result.file)
+            else:
+                self.out.failures.append(str(result.error))
+        if retry:
+            self.run.opts.log(f"{len(retry)} resumed file(s) did not verify; fetching them afresh")
+            self.out.failures.extend(
+                str(r.error) for r in self.transfer(retry, use_native) if r.error
+            )
 
 
 def _warn_extra(dest: str, manifest: Manifest, opts: SyncOptions) -> None:

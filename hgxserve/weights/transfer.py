@@ -59,17 +59,17 @@ class SourceFile:
     version_id: str | None = None
 
 
+# on_data(start, end): bytes [start, end) of the part's buffer have landed
+OnData = Callable[[int, int], None]
+
+
 class Source(Protocol):
     """Where parts come from."""
 
     def describe(self, f: SourceFile) -> str: ...
 
     def fetch_into(
-        self,
-        f: SourceFile,
-        offset: int,
-        buf: memoryview,
-        on_data: Callable[[int, int], None] | None = None,
+        self, f: SourceFile, offset: int, buf: memoryview, on_data: OnData | None = None
     ) -> None:
         """Fill `buf` with bytes [offset, offset+len(buf)) of `f`, calling `on_data(start, end)`
         for each slice as it lands (possibly again for the same range after a retry)."""
@@ -368,14 +368,7 @@ class Transfer:
         for job, offset in _part_order(jobs, self.part_size, self.hash_streams):
             length = min(self.part_size, job.f.size - offset)
             self.queue.put((job, offset, length, False))
-        for job in jobs:
-            if job.f.size == 0:
-                try:
-                    self._ensure_open(job)
-                except WeightsError as exc:
-                    self._set_fatal(exc)
-                    break
-                self._finish(job)
+        self._finish_empty(jobs)
         if self._remaining == 0:
             self._all_done.set()
         workers = [
@@ -389,18 +382,34 @@ class Transfer:
                 if self.fatal is not None and all(not w.is_alive() for w in workers):
                     break
         finally:
-            for _ in workers:
-                self.queue.put(None)
-            if self.fatal is not None or not self._all_done.is_set():
-                self._drain()
-            for w in workers:
-                w.join(timeout=30)
-            for job in jobs:
-                job.close_fds()
+            self._stop(workers, jobs)
         if self.fatal is not None:
             raise self.fatal
         self.results = [job.result for job in jobs]
         return self.results
+
+    def _finish_empty(self, jobs: list[_Job]) -> None:
+        """Empty files have no part to fetch: create and finish them now."""
+        for job in jobs:
+            if job.f.size != 0:
+                continue
+            try:
+                self._ensure_open(job)
+            except WeightsError as exc:
+                self._set_fatal(exc)
+                return
+            self._finish(job)
+
+    def _stop(self, workers: list[threading.Thread], jobs: list[_Job]) -> None:
+        """End the workers (dropping the parts still queued after a failure); close the files."""
+        for _ in workers:
+            self.queue.put(None)
+        if self.fatal is not None or not self._all_done.is_set():
+            self._drain()
+        for w in workers:
+            w.join(timeout=30)
+        for job in jobs:
+            job.close_fds()
 
     def _ensure_open(self, job: _Job) -> bool:
         """Open (or resume) the job's .partial on first use; True once it is open."""
@@ -444,24 +453,7 @@ class Transfer:
                 continue
             view = memoryview(buf)[:length]
             try:
-                local = self._ensure_open(job) and offset in job.done_parts
-                if local:
-                    assert job.fd is not None
-                    _pread_exact(job.fd, view, offset, job.partial)
-                    job.result.resumed += length
-                else:
-                    self.source.fetch_into(
-                        job.f, offset, view, self._slice_writer(job, view, offset)
-                    )
-                    try:
-                        if self.fsync and job.fd is not None:
-                            start_writeback(job.fd, offset, length)
-                        job.record_part(offset)
-                    except OSError as exc:
-                        raise io_error(exc, job.partial, self.dest) from None
-                    job.result.downloaded += length
-                    if self.progress:
-                        self.progress.add(length)
+                self._fill(job, offset, view)
             except WeightsError as exc:
                 self.pool.put(buf)
                 if isinstance(exc, VerifyError):
@@ -475,7 +467,27 @@ class Transfer:
                 continue
             self._deliver(job, offset, view, buf)
 
-    def _slice_writer(self, job: _Job, view: memoryview, offset: int) -> Callable[[int, int], None]:
+    def _fill(self, job: _Job, offset: int, view: memoryview) -> None:
+        """Bring one part into `view`: from the .partial when an earlier run kept it, else from
+        the source (written to the .partial slice by slice as it lands)."""
+        length = len(view)
+        if self._ensure_open(job) and offset in job.done_parts:
+            assert job.fd is not None
+            _pread_exact(job.fd, view, offset, job.partial)
+            job.result.resumed += length
+            return
+        self.source.fetch_into(job.f, offset, view, self._slice_writer(job, view, offset))
+        try:
+            if self.fsync and job.fd is not None:
+                start_writeback(job.fd, offset, length)
+            job.record_part(offset)
+        except OSError as exc:
+            raise io_error(exc, job.partial, self.dest) from None
+        job.result.downloaded += length
+        if self.progress:
+            self.progress.add(length)
+
+    def _slice_writer(self, job: _Job, view: memoryview, offset: int) -> OnData:
         """Write each slice of a part to the .partial as it arrives, still in the CPU cache.
 
         Writing a whole part after it has landed costs several times the kernel time on a VM

@@ -107,47 +107,12 @@ def verify(dest: str, opts: VerifyOptions) -> VerifyReport:
         )
     state = State.load(directory)
     new_state = State(source=state.source, manifest_digest=None)
-    to_hash = _to_hash(dest, manifest, state, new_state, report, opts.full)
+    to_hash, unchanged = _to_hash(dest, manifest, state, report, opts.full)
+    new_state.files.update(unchanged)
     if to_hash:
         # Content is about to be re-judged: a stale marker must not outlive a failed check.
         _safe_remove_marker(directory, dest)
-        total = sum(e.size for e, _ in to_hash)
-        progress = Progress("verify", total, len(to_hash), quiet=opts.quiet)
-        lock = threading.Lock()
-
-        def one(item: tuple) -> None:
-            entry, known = item
-            path = os.path.join(dest, entry.path)
-            try:
-                before = os.stat(path)
-                sha = sha256_file(path, progress.add)
-            except OSError as exc:
-                with lock:
-                    report.errors.append(f"{entry.path}: {exc.strerror}")
-                return
-            progress.file_done()
-            with lock:
-                report.hashed += 1
-                report.bytes_hashed += entry.size
-                if sha != entry.sha256:
-                    report.errors.append(
-                        f"{entry.path}: sha256 {sha} does not match the manifest ({entry.sha256})"
-                    )
-                    return
-                new_state.files[entry.path] = FileState(
-                    entry.size,
-                    before.st_mtime_ns,
-                    sha,
-                    known.etag if known else entry.etag,
-                    known.verified_by if known and known.verified_by != "none" else "manifest",
-                )
-
-        workers = opts.workers or os.cpu_count() or 2
-        try:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                list(pool.map(one, to_hash))
-        finally:
-            progress.close()
+        _hash_all(dest, to_hash, new_state, report, opts)
     report.errors.sort()
     report.seconds = time.monotonic() - started
     try:
@@ -169,17 +134,60 @@ def verify(dest: str, opts: VerifyOptions) -> VerifyReport:
     return report
 
 
-def _to_hash(
+def _hash_all(
     dest: str,
-    manifest: Manifest,
-    state: State,
+    to_hash: list[tuple[ManifestFile, FileState | None]],
     new_state: State,
     report: VerifyReport,
-    full: bool,
-) -> list[tuple[ManifestFile, FileState | None]]:
-    """The files whose content must be hashed; missing and wrong-size files go to the report,
-    files unchanged since their recorded verification straight to the new state."""
+    opts: VerifyOptions,
+) -> None:
+    """Hash the files in parallel: matches go to the new state, the rest to the report."""
+    total = sum(e.size for e, _ in to_hash)
+    progress = Progress("verify", total, len(to_hash), quiet=opts.quiet)
+    lock = threading.Lock()
+
+    def one(item: tuple) -> None:
+        entry, known = item
+        path = os.path.join(dest, entry.path)
+        try:
+            before = os.stat(path)
+            sha = sha256_file(path, progress.add)
+        except OSError as exc:
+            with lock:
+                report.errors.append(f"{entry.path}: {exc.strerror}")
+            return
+        progress.file_done()
+        with lock:
+            report.hashed += 1
+            report.bytes_hashed += entry.size
+            if sha != entry.sha256:
+                report.errors.append(
+                    f"{entry.path}: sha256 {sha} does not match the manifest ({entry.sha256})"
+                )
+                return
+            new_state.files[entry.path] = FileState(
+                entry.size,
+                before.st_mtime_ns,
+                sha,
+                known.etag if known else entry.etag,
+                known.verified_by if known and known.verified_by != "none" else "manifest",
+            )
+
+    workers = opts.workers or os.cpu_count() or 2
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(one, to_hash))
+    finally:
+        progress.close()
+
+
+def _to_hash(
+    dest: str, manifest: Manifest, state: State, report: VerifyReport, full: bool
+) -> tuple[list[tuple[ManifestFile, FileState | None]], dict[str, FileState]]:
+    """(the files whose content must be hashed, the files unchanged since their recorded
+    verification); missing and wrong-size files go to the report."""
     to_hash = []
+    unchanged_files: dict[str, FileState] = {}
     for entry in manifest.files:
         path = os.path.join(dest, entry.path)
         try:
@@ -199,11 +207,11 @@ def _to_hash(
         known = state.files.get(entry.path)
         unchanged = known is not None and known.matches_stat(st) and known.sha256 == entry.sha256
         if not full and known is not None and unchanged:
-            new_state.files[entry.path] = known
+            unchanged_files[entry.path] = known
             report.skipped += 1
             continue
         to_hash.append((entry, known))
-    return to_hash
+    return to_hash, unchanged_files
 
 
 def _safe_remove_marker(directory: str, dest: str) -> None:
