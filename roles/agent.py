@@ -8,10 +8,11 @@ import shlex
 from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.facts.server import Command
-from pyinfra.operations import files, server
+from pyinfra.operations import server
 
 from hgxserve.base.paths import AGENT_PREFIX, AGENT_STAGING
 from hgxserve.deploy.runstate import per_run
+from hgxserve.operations.wheelhouse import push_wheelhouse
 from hgxserve.runtime.agent_build import wheelhouse
 
 AGENT_DIR = AGENT_PREFIX
@@ -36,26 +37,19 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
     if (installed or "").strip() == digest:
         host.noop(f"hgxserve agent {digest} is already installed")
         return
-    staging = f"{AGENT_STAGING}/{digest}"
-    files.put(
-        name=f"Push the agent wheelhouse {digest}",
-        src=str(tarball),
-        dest=f"{staging}.tar",
-        create_remote_dir=True,
-    )
+    pushed = push_wheelhouse("agent", tarball, digest, AGENT_STAGING)
+    wheels, pip = q(pushed.path), q(prefix + "/bin/pip")
     server.shell(
         name=f"Install the hgxserve agent {digest} into {prefix}",
         commands=[
-            f"rm -rf {q(staging)} && mkdir -p {q(staging)} && "
-            f"tar -xf {q(staging + '.tar')} -C {q(staging)}",
-            f"test -x {q(prefix + '/bin/pip')} || {q(python)} -m venv {q(prefix)}",
+            pushed.unpack,
+            f"test -x {pip} || {q(python)} -m venv {q(prefix)}",
             # every wheel of the wheelhouse: a dependency added since the installed agent is
             # installed too (asking for `hgxserve` alone would be satisfied by the old one)
-            f"{q(prefix + '/bin/pip')} install -q --no-index --find-links {q(staging)} "
-            f"{q(staging)}/*.whl",
-            f"{q(prefix + '/bin/pip')} install -q --no-index --find-links {q(staging)} "
-            "--no-deps --force-reinstall hgxserve",
+            f"{pip} install -q --no-index --find-links {wheels} {wheels}/*.whl",
+            f"{pip} install -q --no-index --find-links {wheels} --no-deps --force-reinstall "
+            "hgxserve",
             f"echo {q(digest)} > {q(marker)}",
-            f"rm -rf {q(staging)} {q(staging + '.tar')}",
+            pushed.cleanup,
         ],
     )

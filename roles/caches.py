@@ -20,7 +20,7 @@ from pyinfra.api import DeployError, deploy
 
 from hgxserve.base.cachelayout import DEFAULT_ROOT
 from hgxserve.base.paths import AGENT
-from hgxserve.caches.operations import baked, restored, store_index
+from hgxserve.operations.caches import baked, restored, store_index
 
 
 @deploy("Restore JIT caches")

@@ -32,8 +32,8 @@ from hgxserve.base.paths import (
 )
 from hgxserve.base.paths import REGISTRY_MIRROR_DROPIN as MIRROR_DROPIN
 from hgxserve.facts.runtime import CdiSpecState, ContainerImage, DriverCuda
+from hgxserve.operations.packages import APT_CACHE_SECONDS, pinned_packages
 from hgxserve.runtime.images import archive_name, image_digest
-from roles.nvidia_driver import APT_CACHE_SECONDS, pinned_packages
 
 # NVIDIA Container Toolkit release pinned with the 570 driver default (roles.nvidia_driver)
 TOOLKIT_VERSION = "1.17.8"

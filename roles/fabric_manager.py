@@ -19,7 +19,8 @@ from pyinfra.api import DeployError, deploy
 from pyinfra.operations import systemd
 
 from hgxserve.facts.gpu import NvSwitchPresent
-from roles.nvidia_driver import APT_CACHE_SECONDS, DRIVER_BRANCH, DRIVER_VERSION, pinned_packages
+from hgxserve.operations.packages import APT_CACHE_SECONDS, pinned_packages
+from roles.nvidia_driver import DRIVER_BRANCH, DRIVER_VERSION
 
 FABRIC_MANAGER_SERVICE = "nvidia-fabricmanager.service"
 

@@ -16,11 +16,10 @@ Example:
 
 from __future__ import annotations
 
-import shlex
 from io import StringIO
 
 from pyinfra import host
-from pyinfra.api import FactBase, deploy
+from pyinfra.api import deploy
 from pyinfra.operations import files, server, systemd
 
 from hgxserve.base.paths import (
@@ -32,6 +31,7 @@ from hgxserve.base.paths import (
     PROMETHEUS_DROPIN,
     UNIT_DIR,
 )
+from hgxserve.facts.files import FilesUnder
 from hgxserve.monitoring.host_files import (
     DCGM_UNIT,
     NODE_EXPORTER_DROPIN,
@@ -41,19 +41,7 @@ from hgxserve.monitoring.host_files import (
     PROMETHEUS_UNIT,
     HostMonitoring,
 )
-from roles.nvidia_driver import APT_CACHE_SECONDS, pinned_packages
-
-
-class FilesUnder(FactBase):
-    """Files below a directory (none when it does not exist)."""
-
-    default = list
-
-    def command(self, path: str) -> str:
-        return f"find {shlex.quote(path)} -type f 2>/dev/null || true"
-
-    def process(self, output: list[str]) -> list[str]:
-        return [line for line in output if line]
+from hgxserve.operations.packages import APT_CACHE_SECONDS, pinned_packages
 
 
 def _put(name: str, text: str, dest: str, mode: str = "644"):

@@ -22,25 +22,19 @@ Example:
 
 from __future__ import annotations
 
-import shlex
-from datetime import UTC, datetime
 from io import StringIO
 from pathlib import Path
 
 from pyinfra import host, logger
-from pyinfra.api import DeployError, deploy, operation
-from pyinfra.facts.deb import DebPackages
-from pyinfra.facts.files import File
-from pyinfra.facts.server import Date
+from pyinfra.api import DeployError, deploy
 from pyinfra.operations import apt, files, python, systemd
 
 import hgxserve
-from hgxserve.facts.gpu import NvidiaKernelModule, upstream_version
-from hgxserve.facts.host import HeldPackages, OsRelease
+from hgxserve.facts.gpu import NvidiaKernelModule
+from hgxserve.facts.host import OsRelease
+from hgxserve.operations.packages import APT_CACHE_SECONDS, pinned_packages
 from hgxserve.topology.cuda import DRIVER_BRANCH, DRIVER_VERSION
 
-APT_CACHE_SECONDS = 86400
-APT_UPDATE_STAMP = "/var/lib/apt/periodic/update-success-stamp"
 NVIDIA_SOURCE_FILE = "/etc/apt/sources.list.d/hgxserve-nvidia.list"
 NVIDIA_PIN_FILE = "/etc/apt/preferences.d/hgxserve-nvidia"
 NVIDIA_KEYRING = "/etc/apt/keyrings/nvidia-cuda.asc"
@@ -51,11 +45,6 @@ CUDA_REPO_KEY = CUDA_REPO + "3bf863cc.pub"
 # find no matching version and keep their normal priority.
 PIN_PATTERNS = ("*nvidia*", "libcuda*", "cuda-drivers*", "libxnvctrl*")
 TEMPLATES = Path(hgxserve.__file__).parent / "files" / "provision"
-APT_ENV = "DEBIAN_FRONTEND=noninteractive"
-APT_INSTALL = (
-    "apt-get -y -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "
-    "install --no-install-recommends --allow-downgrades --allow-change-held-packages"
-)
 
 
 def cuda_distro(os_release: dict[str, str]) -> str:
@@ -85,64 +74,6 @@ def driver_packages(os_release: dict[str, str], branch: str = DRIVER_BRANCH) -> 
     if cuda_distro(os_release).startswith("ubuntu"):
         return [f"nvidia-headless-{branch}-open", f"nvidia-utils-{branch}"]
     return ["nvidia-driver-cuda", "nvidia-kernel-open-dkms", "nvidia-persistenced"]
-
-
-@operation()
-def pinned_packages(
-    packages: list[str],
-    version: str | None = None,
-    hold: bool = False,
-    cache_time: int = APT_CACHE_SECONDS,
-):
-    """Install apt packages (at an upstream version, if given) and optionally hold them.
-
-    Refreshes the apt lists only when something must be installed and the lists are older
-    than `cache_time`, so a converged host runs no `apt-get update`.
-
-    + packages: package names
-    + version: upstream version every package must have (`570.158.01`), None for any
-    + hold: `apt-mark hold` the packages so `apt upgrade` leaves them alone
-    + cache_time: seconds the apt lists count as fresh
-
-    **Example:**
-
-    .. code:: python
-
-        pinned_packages(
-            name="Install Fabric Manager 570.158.01",
-            packages=["nvidia-fabricmanager-570"],
-            version="570.158.01",
-            hold=True,
-        )
-    """
-    installed = host.get_fact(DebPackages)
-    missing = [
-        name
-        for name in packages
-        if not any(
-            version is None or upstream_version(have) == version for have in installed.get(name, [])
-        )
-    ]
-    held = set(host.get_fact(HeldPackages)) if hold else set()
-    unheld = [name for name in packages if name not in held] if hold else []
-    if missing:
-        stamp = host.get_fact(File, path=APT_UPDATE_STAMP)
-        fresh = False
-        mtime = stamp.get("mtime") if stamp else None
-        if mtime is not None:
-            # File mtimes are naive UTC; read the host clock the same way (as apt.update does).
-            now = datetime.fromtimestamp(host.get_fact(Date).timestamp(), UTC)
-            age = now.replace(tzinfo=None) - mtime
-            fresh = age.total_seconds() < cache_time
-        if not fresh:
-            yield f"{APT_ENV} apt-get update"
-            yield f"touch {APT_UPDATE_STAMP}"
-        yield f"{APT_ENV} {APT_INSTALL} {shlex.join(missing)}"
-    if unheld:
-        yield f"apt-mark hold {shlex.join(unheld)}"
-    if not missing and not unheld:
-        at = f" at {version}" if version else ""
-        host.noop(f"{', '.join(packages)} already installed{at}{' and held' if hold else ''}")
 
 
 def _warn_reboot(message: str) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from pyinfra.api import deploy
 from pyinfra.operations import files, server
 
-from roles.nvidia_driver import APT_CACHE_SECONDS, TEMPLATES, pinned_packages
+from hgxserve.operations.packages import APT_CACHE_SECONDS, pinned_packages
+from roles.nvidia_driver import TEMPLATES
 
 RDMA_PACKAGES = (
     "rdma-core",

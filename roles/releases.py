@@ -11,10 +11,8 @@ from pyinfra.operations import files, python, systemd
 
 from hgxserve.base.paths import RELEASE_ROOT
 from hgxserve.bench.releasegate import BenchStep, run_bench_gate
-from hgxserve.credfiles import secret_file
-from hgxserve.release import CONFIRM_WITHIN_S
-from hgxserve.release.ops import (
-    Coordination,
+from hgxserve.operations.credentials import secret_file
+from hgxserve.operations.release import (
     arm_deadman,
     read_rdma_counters,
     run_gate,
@@ -22,6 +20,8 @@ from hgxserve.release.ops import (
     start_proxy,
     switched,
 )
+from hgxserve.release import CONFIRM_WITHIN_S
+from hgxserve.release.coordination import Coordination
 from hgxserve.release.plan import HostRelease
 
 RECONCILE_UNIT = (

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
-from pyinfra.operations import files, server
+from pyinfra.operations import server
 
 from hgxserve.base.paths import RUNTIME_STAGING
 from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
+from hgxserve.operations.wheelhouse import push_wheelhouse
 from hgxserve.runtime.checks import cuda_line
 from hgxserve.runtime.spec import VenvRuntime, parse_pin, version_matches
 from hgxserve.runtime.wheelhouse import wheelhouse_torch
@@ -108,19 +109,10 @@ def runtime_venv(
             if line:
                 raise DeployError(f"runtime wheelhouse {key}:\n  {line}")
         source = f"wheelhouse {key}"
-        unpacked = f"{staging}/{key}"
-        files.put(
-            name=f"Push the runtime wheelhouse {key} ({tarball.stat().st_size >> 20} MiB)",
-            src=str(tarball),
-            dest=f"{unpacked}.tar",
-            create_remote_dir=True,
-        )
-        commands.append(
-            f"rm -rf {shlex.quote(unpacked)} && mkdir -p {shlex.quote(unpacked)} && "
-            f"tar -xf {shlex.quote(unpacked + '.tar')} -C {shlex.quote(unpacked)}"
-        )
-        install += ["--no-index", "--find-links", unpacked]
-        cleanup = [f"rm -rf {shlex.quote(unpacked)} {shlex.quote(unpacked + '.tar')}"]
+        pushed = push_wheelhouse("runtime", tarball, key, staging)
+        commands.append(pushed.unpack)
+        install += ["--no-index", "--find-links", pushed.path]
+        cleanup = [pushed.cleanup]
     commands.append(_quote(*install, *spec.requirements))
     if spec.imports:
         check = "; ".join(f"import {m}" for m in spec.imports)

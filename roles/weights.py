@@ -23,10 +23,11 @@ from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
 from hgxserve.base.paths import AGENT, cephfs_secret_file, weights_state_dir
-from hgxserve.credfiles import secret_file
+from hgxserve.operations.credentials import secret_file
+from hgxserve.operations.files import file_content
+from hgxserve.operations.weights import mount_started, synced, verified
 from hgxserve.topology.model import CephfsSource, LocalSource, Model, S3Source
 from hgxserve.weights.cephfs import mount_unit, unit_name
-from hgxserve.weights.operations import file_content, mount_started, synced, verified
 from hgxserve.weights.options import SyncArgs, manifest_ref
 
 
@@ -47,7 +48,7 @@ def weights(*, model: Model, digest: str | None = None, agent: str = AGENT) -> N
                 src=source.url,
                 dest=model.path,
                 concurrency=source.concurrency,
-                part_size=str(source.part_size),
+                part_size=source.part_size,
                 manifest=manifest_ref(source.url, model.manifest),
                 endpoint_url=source.endpoint,
                 region=source.region,

@@ -29,7 +29,7 @@ from pyinfra.api.state import State
 
 from hgxserve.base.defaults import BENCH_RUNS_DIR
 from hgxserve.base.paths import RELEASE_ROOT
-from hgxserve.release.ops import Coordination
+from hgxserve.release.coordination import Coordination
 from hgxserve.remote.inventory import CONNECTION_KEYS
 
 RESULT_DIR = "bench"  # under releases/<id>/ on the gate's host
@@ -276,7 +276,7 @@ def bench_step_for(
     topology: Any, topology_file: str, hosts: list[Host], tokenizer: str | None
 ) -> BenchStep | None:
     """The deploy's bench step for a topology with `gate.bench:` (None without)."""
-    from hgxserve.release.ops import ReleaseState
+    from hgxserve.facts.release import ReleaseState
     from hgxserve.release.plan import gate_spec
 
     gate = topology.gate.bench

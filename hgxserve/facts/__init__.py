@@ -1,10 +1,12 @@
-"""Host facts for preflight and provisioning: pyinfra facts plus pure parsers of real outputs.
+"""pyinfra facts (FactBase classes), one module per concern, as pyinfra lays out its own: `gpu`,
+`host`, `runtime`, `caches`, `weights`, `release`, `files`. What their commands print is parsed
+by pure functions in hgxserve.parsers; the operations that read them are hgxserve.operations.
 
 `HOST_FACTS` maps the short names used in `hgxserve facts` JSON and in preflight checks to the
 pyinfra fact classes, so the controller and the host read the same commands the same way.
 
-The fact classes are imported on first use: `hgxserve.facts.parsers` alone (what host-side
-commands such as `hgxserve inspect` need) does not pay for importing pyinfra (~1 s).
+The fact classes are imported on first use: `hgxserve.facts.preflight` alone (the pure
+comparison of facts with a topology) does not pay for importing pyinfra (~1 s).
 
 Example:
     >>> from hgxserve.facts import HOST_FACTS

@@ -15,8 +15,9 @@ from typing import Any
 import click
 
 from hgxserve.base.errors import ExitCode, UsageError, cli_errors
-from hgxserve.facts import HOST_FACTS, parsers
+from hgxserve.facts import HOST_FACTS
 from hgxserve.facts.local import DEFAULT_MODEL_PATH, collect
+from hgxserve.parsers import outputs as parsers
 
 PARSERS = {
     "smi": parsers.parse_smi_table,

@@ -11,41 +11,21 @@ Example:
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pyinfra.api import FactBase
 
-from hgxserve.facts import parsers
+from hgxserve.parsers.outputs import GPU_QUERY_FIELDS
+from hgxserve.parsers.probes import (
+    gpu_inventory_default,
+    gpu_inventory_from_sections,
+    upstream_version,
+)
+from hgxserve.parsers.sections import split_sections
 
 QUERY_GPU = (
-    "nvidia-smi --query-gpu="
-    + ",".join(parsers.GPU_QUERY_FIELDS)
-    + " --format=csv,noheader,nounits"
+    "nvidia-smi --query-gpu=" + ",".join(GPU_QUERY_FIELDS) + " --format=csv,noheader,nounits"
 )
-
-
-def split_sections(lines: list[str]) -> dict[str, dict[str, Any]]:
-    """Split `##name` ... `##rc N` marked output into {name: {"lines": [...], "rc": N}}.
-
-    `##absent TOOL` lines become {"absent TOOL": {"lines": [], "rc": None}}.
-
-    Example:
-        >>> split_sections(["##query", "a", "##rc 0"])
-        {'query': {'lines': ['a'], 'rc': 0}}
-    """
-    sections: dict[str, dict[str, Any]] = {}
-    current: dict[str, Any] | None = None
-    for line in lines:
-        if line.startswith("##rc ") and current is not None:
-            current["rc"] = int(line[5:].strip() or 0)
-            current = None
-        elif line.startswith("##"):
-            current = {"lines": [], "rc": None}
-            sections[line[2:].strip()] = current
-        elif current is not None:
-            current["lines"].append(line)
-    return sections
 
 
 def _run_section(name: str, command: str) -> str:
@@ -78,64 +58,10 @@ class GpuInventory(FactBase):
 
     @staticmethod
     def default() -> dict[str, Any]:
-        return {"status": "absent", "count": 0, "driver_version": None, "gpus": [], "error": None}
+        return gpu_inventory_default()
 
     def process(self, output: list[str]) -> dict[str, Any]:
         return gpu_inventory_from_sections(split_sections(output))
-
-
-def gpu_inventory_from_sections(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Build the GpuInventory value from split command output (see GpuInventory).
-
-    Example:
-        >>> gpu_inventory_from_sections({"absent nvidia-smi": {"lines": [], "rc": None}})["status"]
-        'absent'
-    """
-    result = GpuInventory.default()
-    if "absent nvidia-smi" in sections:
-        return result
-    query = sections.get("query")
-    if query and query["rc"] == 0:
-        try:
-            gpus = parsers.gpus_from_query("\n".join(query["lines"]))
-        except ValueError:
-            gpus = None
-        if gpus is not None:
-            drivers = {gpu.pop("driver_version") for gpu in gpus}
-            result.update(
-                status="ok",
-                gpus=gpus,
-                count=len(gpus),
-                driver_version=sorted(d for d in drivers if d)[0] if any(drivers) else None,
-            )
-            return result
-    table = sections.get("table")
-    if table is None and query and any("NVIDIA-SMI" in line for line in query["lines"]):
-        # An nvidia-smi that ignores --query-gpu and prints its table anyway.
-        table = query
-    if table and table["rc"] == 0:
-        parsed = parsers.parse_smi_table("\n".join(table["lines"]))
-        listed = sections.get("list") or {"lines": [], "rc": 1}
-        uuids = {gpu["index"]: gpu for gpu in parsers.parse_smi_list("\n".join(listed["lines"]))}
-        gpus = [
-            {
-                "index": gpu["index"],
-                "name": uuids.get(gpu["index"], {}).get("name", gpu["name"]),
-                "uuid": uuids.get(gpu["index"], {}).get("uuid"),
-                "memory_total_mib": gpu["memory_total_mib"],
-                "memory_used_mib": gpu["memory_used_mib"],
-                "persistence_mode": gpu["persistence_mode"],
-                "mig_mode": gpu["mig_mode"],
-            }
-            for gpu in parsed["gpus"]
-        ]
-        result.update(
-            status="ok", gpus=gpus, count=len(gpus), driver_version=parsed["driver_version"]
-        )
-        return result
-    failed = table or query or {"lines": []}
-    result.update(status="error", error="\n".join(failed["lines"]).strip() or "no output")
-    return result
 
 
 class NvSwitchPresent(FactBase):
@@ -172,19 +98,6 @@ class NvSwitchPresent(FactBase):
                 result["pci_bridges"] = int(value)
         result["present"] = bool(result["proc_devices"] or result["pci_bridges"])
         return result
-
-
-def upstream_version(version: str | None) -> str | None:
-    """The driver version inside a Debian package version (`570.158.01-0ubuntu1` -> `570.158.01`).
-
-    Example:
-        >>> upstream_version("1:570.158.01-1")
-        '570.158.01'
-    """
-    if not version:
-        return None
-    match = re.search(r"(?:\d+:)?(\d+\.\d+(?:\.\d+)?)", version)
-    return match.group(1) if match else None
 
 
 class FabricManagerState(FactBase):

@@ -15,8 +15,8 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
-from hgxserve.facts import parsers
-from hgxserve.facts.gpu import split_sections
+from hgxserve.parsers.outputs import parse_ibv_devinfo, parse_os_release
+from hgxserve.parsers.sections import split_sections
 
 # /sys/class/infiniband/<dev>/ports/<n>/state reads e.g. "4: ACTIVE"; ibv_devinfo says
 # PORT_ACTIVE. Facts use ibv_devinfo's words so topology checks have one vocabulary.
@@ -64,7 +64,7 @@ class RdmaDevices(FactBase):
         if ibv is not None:
             result["ibv_devinfo"] = "ok" if ibv["rc"] == 0 else "error"
             if ibv["rc"] == 0:
-                for hca in parsers.parse_ibv_devinfo("\n".join(ibv["lines"])):
+                for hca in parse_ibv_devinfo("\n".join(ibv["lines"])):
                     ports = {
                         str(port["port"]): {
                             "state": port.get("state"),
@@ -225,7 +225,7 @@ class OsRelease(FactBase):
         return {}
 
     def process(self, output: list[str]) -> dict[str, str]:
-        return parsers.parse_os_release("\n".join(output))
+        return parse_os_release("\n".join(output))
 
 
 class HeldPackages(FactBase):

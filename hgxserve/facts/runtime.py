@@ -15,14 +15,17 @@ Example:
 
 from __future__ import annotations
 
-import json
 import shlex
 from typing import Any
 
 from pyinfra.api import FactBase
 
 from hgxserve.base.paths import RUNTIME_MARKER
-from hgxserve.facts import parsers
+from hgxserve.parsers.probes import (
+    driver_cuda_default,
+    driver_cuda_from_lines,
+    venv_state_from_lines,
+)
 
 # Runs inside the venv's Python; prints one JSON line. Standard library only.
 PROBE = r"""
@@ -93,23 +96,6 @@ class VenvRuntimeState(FactBase):
         return venv_state_from_lines(output)
 
 
-def venv_state_from_lines(lines: list[str]) -> dict[str, Any]:
-    """Parse VenvRuntimeState output.
-
-    >>> venv_state_from_lines(["##absent"])
-    {'present': False}
-    >>> venv_state_from_lines(['##json {"engine_version": "0.26.0"}', "##rc 0"])
-    {'present': True, 'engine_version': '0.26.0'}
-    """
-    if any(line.strip() == "##absent" for line in lines):
-        return {"present": False}
-    for line in lines:
-        if line.startswith("##json "):
-            return {"present": True, **json.loads(line[len("##json ") :])}
-    text = "\n".join(line for line in lines if not line.startswith("##rc"))
-    return {"present": True, "error": text.strip()[-500:] or "the venv's python failed"}
-
-
 class DriverCuda(FactBase):
     """The driver version and the highest CUDA version it supports, from nvidia-smi's header.
 
@@ -128,28 +114,10 @@ class DriverCuda(FactBase):
 
     @staticmethod
     def default() -> dict[str, Any]:
-        return {"status": "absent", "driver_version": None, "cuda_version": None}
+        return driver_cuda_default()
 
     def process(self, output: list[str]) -> dict[str, Any]:
         return driver_cuda_from_lines(output)
-
-
-def driver_cuda_from_lines(lines: list[str]) -> dict[str, Any]:
-    """Parse DriverCuda output (nvidia-smi's first lines and its exit status)."""
-    result = DriverCuda.default()
-    if any(line.strip() == "##absent" for line in lines):
-        return result
-    text = "\n".join(line for line in lines if not line.startswith("##rc"))
-    parsed = parsers.parse_smi_table(text) if "NVIDIA-SMI" in text else {}
-    if parsed.get("driver_version"):
-        result.update(
-            status="ok",
-            driver_version=parsed["driver_version"],
-            cuda_version=parsed.get("cuda_version"),
-        )
-    else:
-        result.update(status="error", error=text.strip()[-300:])
-    return result
 
 
 class HostPython(FactBase):

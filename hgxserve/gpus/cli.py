@@ -9,7 +9,7 @@
   of unit files.
 
 Reads `nvidia-smi --query-gpu=index,uuid` and `--query-compute-apps=gpu_uuid,pid,used_memory`
-(both `--format=csv,noheader,nounits`) through the parsers in `hgxserve.facts.parsers`.
+(both `--format=csv,noheader,nounits`) through the parsers in `hgxserve.parsers.outputs`.
 
     $ hgxserve gpus check-free --gpus 4,5,6,7
     GPU 5 (GPU-...0006) is busy: pid 4242 uses 130215 MiB
@@ -26,7 +26,7 @@ from pathlib import Path
 import click
 
 from hgxserve.base.errors import ExitCode, Found, UsageError, cli_errors, fail
-from hgxserve.facts.parsers import parse_compute_apps, parse_smi_csv
+from hgxserve.parsers.outputs import parse_compute_apps, parse_smi_csv
 
 QUERY_GPUS = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
 QUERY_APPS = [

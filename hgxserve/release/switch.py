@@ -18,7 +18,7 @@ from pathlib import Path
 from hgxserve.base.defaults import schema_default
 from hgxserve.base.paths import UNIT_DIR
 from hgxserve.caches.logscan import scan
-from hgxserve.facts.parsers import diagnose_errors
+from hgxserve.parsers.outputs import diagnose_errors
 from hgxserve.release.progress import phase
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
 

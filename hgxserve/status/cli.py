@@ -291,7 +291,7 @@ def logs(
 
 
 def _print_diagnosis(host: str, unit: str, text: str) -> bool:
-    from hgxserve.facts.parsers import diagnose_errors
+    from hgxserve.parsers.outputs import diagnose_errors
 
     found = diagnose_errors(text)
     if not found:

@@ -19,11 +19,21 @@ from hgxserve.base.sizes import parse_size
 from hgxserve.weights.errors import EXIT_VERIFY_FAILED
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a size like 32MiB") from exc
+class _Size(click.ParamType):
+    """A size (`32Mi`, `32MiB`, bytes) read as bytes: the command gets an int."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a size like 32MiB", param, ctx)
+
+
+SIZE = _Size()
 
 
 # `weights sync` keeps what it fetched: say so when it is interrupted
@@ -145,7 +155,9 @@ def manifest(
     show_default=True,
     help="Ranged requests in flight, across and within files.",
 )
-@click.option("--part-size", default=S3_PART_SIZE, show_default=True, help="Bytes per ranged GET.")
+@click.option(
+    "--part-size", type=SIZE, default=S3_PART_SIZE, show_default=True, help="Bytes per ranged GET."
+)
 @click.option(
     "--manifest",
     "manifest_ref",
@@ -187,6 +199,7 @@ def manifest(
 )
 @click.option(
     "--native-min-size",
+    type=SIZE,
     default=NATIVE_MIN_SIZE,
     show_default=True,
     help="Files of several parts below this size stay with the in-process engine, which "
@@ -200,7 +213,7 @@ def sync(
     src: str,
     dest: str,
     concurrency: int,
-    part_size: str,
+    part_size: int,
     manifest_ref: str | None,
     state_dir: str | None,
     require_sha256: bool,
@@ -221,7 +234,7 @@ def sync(
 
     opts = SyncOptions(
         concurrency=concurrency,
-        part_size=_size(part_size),
+        part_size=part_size,
         manifest=manifest_ref,
         state_dir=state_dir,
         s3=_make_s3_options(kwargs),
@@ -231,7 +244,7 @@ def sync(
         quiet=quiet,
         # the transfer engine: taken from kwargs (the command's options are already many)
         engine=kwargs.pop("engine"),
-        native_min_size=_size(kwargs.pop("native_min_size")),
+        native_min_size=kwargs.pop("native_min_size"),
     )
     report = run_sync(src, dest, opts)
     if as_json:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
-from hgxserve.caches.operations import CacheKeyFacts
+from hgxserve.facts.caches import CacheKeyFacts
 from hgxserve.facts.gpu import FabricManagerState, GpuInventory, NvidiaKernelModule, NvSwitchPresent
 from hgxserve.facts.host import (
     DiskFree,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hgxserve.bench import releasegate
-from hgxserve.release.ops import Coordination
+from hgxserve.release.coordination import Coordination
 from hgxserve.remote.inventory import load_inventory
 from hgxserve.topology import load_topology
 

@@ -16,7 +16,7 @@ from pyinfra.api import OperationError
 
 from hgxserve.caches import archive
 from hgxserve.caches.archive import ArchiveError, restore_archive
-from hgxserve.caches.operations import _fetch_baked, store_index
+from hgxserve.operations.caches import _fetch_baked, store_index
 
 
 def _write(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]], manifest: dict) -> None:

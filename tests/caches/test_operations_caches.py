@@ -12,19 +12,15 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from hgxserve.caches.operations import (  # noqa: E402
-    CacheKeyFacts,
-    CacheState,
-    baked,
-    parse_cache_state,
-    restored,
-)
+from hgxserve.facts.caches import CacheKeyFacts, CacheState  # noqa: E402
+from hgxserve.operations.caches import baked, restored  # noqa: E402
+from hgxserve.parsers.probes import parse_cache_state  # noqa: E402
 from roles.caches import caches  # noqa: E402
 from tests.test_operations import run_deploy, run_operation  # noqa: E402
 
 SHA = "ab" * 32
 ROOT = "/var/cache/hgxserve"
-STATE = "hgxserve.caches.operations.CacheState"
+STATE = "hgxserve.facts.caches.CacheState"
 
 
 @pytest.fixture()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pyinfra.api import StringCommand
 
-from hgxserve.caches.operations import _restore_commands, shell_words
+from hgxserve.operations.caches import _restore_commands, shell_words
 
 
 def _run(command: StringCommand, cwd: Path) -> None:

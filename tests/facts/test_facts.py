@@ -14,7 +14,6 @@ from hgxserve.facts.gpu import (
     GpuInventory,
     NvidiaKernelModule,
     NvSwitchPresent,
-    upstream_version,
 )
 from hgxserve.facts.host import (
     DiskFree,
@@ -25,6 +24,7 @@ from hgxserve.facts.host import (
     ShmSize,
     UnitMemlock,
 )
+from hgxserve.parsers.probes import upstream_version
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real"  # copied from shared/
 

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from pyinfra.api import FactBase
 
-from hgxserve.caches.operations import CacheKeyFacts
-from hgxserve.facts import parsers
+from hgxserve.facts.caches import CacheKeyFacts
 from hgxserve.facts.gpu import GpuInventory, NvidiaKernelModule
 from hgxserve.facts.host import RdmaDevices, UnitMemlock
 from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
 from hgxserve.gpus import cli as gpus
+from hgxserve.parsers import outputs as parsers
 from hgxserve.runtime.checks import runtime_problems
 from hgxserve.runtime.spec import VenvRuntime
 

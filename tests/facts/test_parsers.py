@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hgxserve.base import sizes
-from hgxserve.facts import parsers
+from hgxserve.parsers import outputs as parsers
 
 H200_BUS = [
     "00000000:0A:00.0",

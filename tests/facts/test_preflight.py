@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hgxserve.facts import parsers
-from hgxserve.facts.gpu import gpu_inventory_from_sections
 from hgxserve.facts.preflight import HostExpectation, gpu_kind_of, preflight_problems
+from hgxserve.parsers import outputs as parsers
+from hgxserve.parsers.probes import gpu_inventory_from_sections
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 1024**3

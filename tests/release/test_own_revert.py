@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hgxserve.release import ops
+from hgxserve.operations import release as ops
 
 
 @dataclass

@@ -15,9 +15,8 @@ from hgxserve.facts.runtime import (
     DriverCuda,
     HostPython,
     VenvRuntimeState,
-    driver_cuda_from_lines,
-    venv_state_from_lines,
 )
+from hgxserve.parsers.probes import driver_cuda_from_lines, venv_state_from_lines
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "real"
 VENV = str(Path(sys.executable).parent.parent)

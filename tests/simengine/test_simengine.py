@@ -326,7 +326,7 @@ def test_failure_injection(tmp_path: Path, mode: str) -> None:
 
 
 def test_error_injection_prints_a_real_capture_that_the_diagnosis_names(tmp_path: Path) -> None:
-    from hgxserve.facts.parsers import diagnose_errors
+    from hgxserve.parsers.outputs import diagnose_errors
 
     env = {"HGXSERVE_SIM_FAIL": "error:h200_error-802_hf-jobs", "HGXSERVE_SIM_START_SECONDS": "0"}
     proc = subprocess.run(

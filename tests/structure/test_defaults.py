@@ -10,8 +10,7 @@ from click.testing import CliRunner
 from hgxserve.base import defaults, paths
 from hgxserve.topology.model import S3Source, _engine
 from hgxserve.weights.cli import weights as weights_cli
-from hgxserve.weights.operations import sync_command
-from hgxserve.weights.options import SyncArgs
+from hgxserve.weights.options import SyncArgs, sync_command
 from hgxserve.weights.sync import SyncOptions
 from hgxserve.weights.transfer import Transfer
 
@@ -27,7 +26,7 @@ def test_s3_defaults_are_the_schema_defaults():
     assert SyncOptions().concurrency == defaults.S3_CONCURRENCY
     assert SyncOptions().part_size == defaults.S3_PART_SIZE_BYTES
     assert SyncArgs("s3://b/m/", "/m").concurrency == defaults.S3_CONCURRENCY
-    assert SyncArgs("s3://b/m/", "/m").part_size == defaults.S3_PART_SIZE
+    assert SyncArgs("s3://b/m/", "/m").part_size == defaults.S3_PART_SIZE_BYTES
     assert _default(Transfer.__init__, "concurrency") == defaults.S3_CONCURRENCY
     assert _default(Transfer.__init__, "part_size") == defaults.S3_PART_SIZE_BYTES
     assert {f.name for f in S3Source.__dataclass_fields__.values()} >= {"concurrency", "part_size"}
@@ -44,7 +43,7 @@ def test_sync_cli_shows_the_schema_defaults():
 
 def test_sync_command_without_options_uses_the_schema_defaults():
     cmd = sync_command(SyncArgs("s3://b/m/", "/models/m"))
-    assert "--concurrency 32 --part-size 32Mi" in cmd
+    assert "--concurrency 32 --part-size 33554432" in cmd
     assert cmd.startswith(paths.AGENT + " weights sync ")
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hgxserve.facts import parsers
+from hgxserve.parsers import outputs as parsers
 from hgxserve.topology import cuda
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "real"

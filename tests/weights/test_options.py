@@ -16,7 +16,7 @@ CASES = [
         "s3://models/x/",
         "/models/x",
         concurrency=7,
-        part_size="33554432",
+        part_size=64 << 20,
         manifest="s3://models/x/other-manifest.json",
         state_dir="/var/lib/hgxserve/weights/x",
         endpoint_url="https://s3.example.com",
@@ -27,7 +27,7 @@ CASES = [
         require_sha256=False,
     ),
     SyncArgs("/mnt/hgxserve-models", "/nvme/models/x", manifest="/mnt/hgxserve-models/m.json"),
-    SyncArgs("/srv/with space/x", "/models/x y", part_size="8MiB"),
+    SyncArgs("/srv/with space/x", "/models/x y", part_size=8 << 20),
 ]
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from hgxserve.parsers.probes import parse_manifest_state
 from hgxserve.weights.cephfs import mount_unit, unit_name
-from hgxserve.weights.operations import parse_manifest_state, sync_command
-from hgxserve.weights.options import SyncArgs
+from hgxserve.weights.options import SyncArgs, sync_command
 
 
 def test_unit_name_matches_systemd_escape() -> None:
@@ -74,7 +74,7 @@ def test_the_mount_unit_file_is_compared_without_its_escaped_name(tmp_path: Path
     on every run; FileDigest hashes stdin and reads it back."""
     from pyinfra.facts.files import Sha1File
 
-    from hgxserve.weights.operations import FileDigest
+    from hgxserve.facts.files import FileDigest
 
     path = tmp_path / unit_name("/mnt/hgxserve-models")
     path.write_text("[Mount]\n")

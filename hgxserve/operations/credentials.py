@@ -4,7 +4,7 @@
 umask's mode. Here the directory is made 0700 and the file created empty at 0600 first; only then
 is the content uploaded into it (and the mode enforced once more).
 
-    from hgxserve.credfiles import secret_file
+    from hgxserve.operations.credentials import secret_file
     secret_file(name="Install credential", dest="/etc/hgxserve/credentials/api-key", content=k)
 """
 

@@ -1,8 +1,9 @@
-"""Pure parsers for the outputs of nvidia-smi, the RDMA tools and engine error logs.
+"""Parsers of real tool outputs: nvidia-smi, the RDMA tools, os-release, engine error logs.
 
 Every function takes the text a tool printed and returns plain data (dicts, lists, ints), so the
-same code serves pyinfra facts on the controller, `hgxserve facts` on a host and the tests, which
-feed real captures from H20/H200/H100 machines.
+same code serves pyinfra facts on the controller, `hgxserve facts`, `hgxserve gpus` and `inspect`
+on a host, the release switch's diagnosis and the tests, which feed real captures from
+H20/H200/H100 machines.
 
 Example:
     >>> parse_smi_list("GPU 0: NVIDIA H20 (UUID: GPU-1)")[0]["name"]
@@ -202,6 +203,14 @@ _LIST_MIG = re.compile(
 )
 
 
+def _listed_gpu(line: str) -> dict[str, Any] | None:
+    """A `GPU 0: NAME (UUID: GPU-...)` line (`nvidia-smi -L`, `nvlink --status`): its fields."""
+    gpu = _LIST_GPU.match(line)
+    if gpu is None:
+        return None
+    return {"index": int(gpu.group("index")), "name": gpu.group("name"), "uuid": gpu.group("uuid")}
+
+
 @_plain_text
 def parse_smi_list(text: str) -> list[dict[str, Any]]:
     """Parse `nvidia-smi -L`: index, name, UUID per GPU, with its MIG devices (profile, UUID).
@@ -212,16 +221,9 @@ def parse_smi_list(text: str) -> list[dict[str, Any]]:
     """
     gpus: list[dict[str, Any]] = []
     for line in text.splitlines():
-        gpu = _LIST_GPU.match(line)
+        gpu = _listed_gpu(line)
         if gpu:
-            gpus.append(
-                {
-                    "index": int(gpu.group("index")),
-                    "name": gpu.group("name"),
-                    "uuid": gpu.group("uuid"),
-                    "mig_devices": [],
-                }
-            )
+            gpus.append({**gpu, "mig_devices": []})
             continue
         mig = _LIST_MIG.match(line)
         if mig and gpus:
@@ -489,16 +491,9 @@ def parse_nvlink_status(text: str) -> list[dict[str, Any]]:
     """
     gpus: list[dict[str, Any]] = []
     for line in text.splitlines():
-        gpu = _LIST_GPU.match(line)
+        gpu = _listed_gpu(line)
         if gpu:
-            gpus.append(
-                {
-                    "index": int(gpu.group("index")),
-                    "name": gpu.group("name"),
-                    "uuid": gpu.group("uuid"),
-                    "links": {},
-                }
-            )
+            gpus.append({**gpu, "links": {}})
             continue
         link = re.match(r"^\s+Link (\d+): (.+?)\s*$", line)
         if link and gpus:

@@ -1,72 +1,23 @@
-"""pyinfra facts and operations for releases: `ReleaseState`, `release.switched`, and the
-topology-wide gate/settle steps that make all hosts switch together or not at all."""
+"""pyinfra operations for releases: `switched`, and the topology-wide gate/settle steps
+(python.call functions) that make all hosts switch together or not at all.
+
+The run's shared `Coordination` is hgxserve.release.coordination; the host's release store is read
+by the `ReleaseState` fact (hgxserve.facts.release)."""
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from pyinfra.api import FactBase, FunctionCommand, operation
+from pyinfra.api import FunctionCommand, operation
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
 from hgxserve.base.paths import AGENT, RELEASE_ROOT
-from hgxserve.deploy.runstate import per_run
+from hgxserve.facts.release import ReleaseState
 from hgxserve.release import CONFIRM_WITHIN_S, evidence
-
-
-class ReleaseState(FactBase[dict[str, Any]]):
-    """Links and pending switch of the host's release store, read without the agent.
-
-    Returns ``{"current": id, "previous": id, "baseline": id, "pending": {...}}`` (None if unset).
-    """
-
-    def command(self, root: str = RELEASE_ROOT) -> str:
-        r = shlex.quote(root)
-        return (
-            f"for l in current previous baseline; do "
-            f'id="$(basename "$(readlink {r}/$l 2>/dev/null)" 2>/dev/null)"; '
-            f'printf "%s=%s\\n" "$l" "$id"; '
-            f'if [ -n "$id" ] && grep -q \'"gate": {{\' {r}/$l/release.json 2>/dev/null; '
-            f'then echo "gate_$l=yes"; fi; '
-            f"done; printf 'pending='; cat {r}/pending.json 2>/dev/null | tr -d '\\n'; echo; "
-            # units of the current release that are not running (drift: stopped, crashed)
-            f'for u in $(sed -n \'s/^ *"name": "\\(hgxserve-[^"]*\\)",*$/\\1/p\' '
-            f"{r}/current/release.json 2>/dev/null); do "
-            f'systemctl is-active --quiet "$u" || echo "inactive=$u"; done'
-        )
-
-    def process(self, output: list[str]) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "current": None,
-            "previous": None,
-            "baseline": None,
-            "pending": None,
-        }
-        for line in output:
-            key, _, value = line.partition("=")
-            if key in ("current", "previous", "baseline"):
-                data[key] = value.strip() or None
-            elif key.startswith("gate_"):
-                data[key] = value.strip() == "yes"  # the release at that link runs the gate
-            elif key == "pending" and value.strip():
-                data["pending"] = json.loads(value)
-            elif key == "inactive":
-                data.setdefault("inactive", []).append(value.strip())
-        return data
-
-
-def needs_switch(state: dict[str, Any], release_id: str) -> bool:
-    """A host switches when the release is not current, a switch is left pending, or a unit
-    of the current release is not running (the switch then only restarts what stopped)."""
-    return (
-        state.get("current") != release_id
-        or state.get("pending") is not None
-        or bool(state.get("inactive"))
-    )
+from hgxserve.release.coordination import Coordination, final_state, needs_switch
 
 
 def _run_streamed(state: State, host: Host, command: str) -> bool:
@@ -106,28 +57,6 @@ def switched(
         f"--peers-within {int(peers_within)} --defer-proxy --root {shlex.quote(root)}"
     )
     yield FunctionCommand(_run_streamed, (command,), {})
-
-
-@dataclass
-class Coordination:
-    """Shared by every host's deploy in one pyinfra run: who switches, and the gate verdict."""
-
-    targets: dict[str, str] = field(default_factory=dict)  # host -> release id it should run
-    switching: dict[str, str] = field(default_factory=dict)  # hosts that switch in this run
-    verdict: tuple[bool, str] | None = None
-    planned: bool = False
-    reverted_on_own: dict[str, str] = field(default_factory=dict)  # host -> what it said
-    # RDMA evidence: host -> counters that must grow (sent/received), and the readings
-    rdma_roles: dict[str, set[str]] = field(default_factory=dict)
-    rdma_root: str = evidence.RDMA_SYSFS
-    rdma_before: dict[str, dict[str, int]] = field(default_factory=dict)
-    rdma_after: dict[str, dict[str, int]] = field(default_factory=dict)
-    rdma_note: str | None = None
-
-
-def coordination(state: State, key: str) -> Coordination:
-    """The coordination named `key` in this pyinfra run (a new run gets a new one)."""
-    return per_run(state, ("coordination", key), Coordination)
 
 
 def _fail(host: Host, message: str) -> bool:
@@ -239,25 +168,6 @@ def _host_release_state(host: Host, root: str) -> dict[str, Any] | None:
     fact = ReleaseState()
     ok, output = host.run_shell_command(fact.command(root=root))
     return fact.process(output.stdout_lines) if ok else None
-
-
-def final_state(release: dict[str, Any] | None) -> str:
-    """One line for where a host ended: its current release, a pending switch, stopped units.
-
-    >>> final_state({"current": "a1", "pending": None})
-    'final state: current a1, nothing pending, every unit of it running'
-    >>> final_state({"current": "a1", "pending": {"id": "b2"}, "inactive": ["hgxserve-x.service"]})
-    'final state: current a1, switch to b2 still pending, not running: hgxserve-x.service'
-    """
-    if release is None:
-        return "final state: unknown (the host's release store could not be read)"
-    pending = release.get("pending")
-    inactive = release.get("inactive") or []
-    return (
-        f"final state: current {release.get('current') or 'nothing'}, "
-        + (f"switch to {pending.get('id')} still pending" if pending else "nothing pending")
-        + (f", not running: {', '.join(inactive)}" if inactive else ", every unit of it running")
-    )
 
 
 def await_own_revert(host: Host, release_id: str, root: str, within_s: float) -> str:

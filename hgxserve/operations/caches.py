@@ -1,31 +1,30 @@
-"""pyinfra facts and operations for JIT/compile caches: what a host holds, bake, fetch, restore.
+"""pyinfra operations for JIT/compile caches: bake, fetch, restore (facts: hgxserve.facts.caches).
 
 Controller-mediated distribution: one host per (GPU kind, key) bakes and packs; its archive is
 fetched into a store on the controller (`<store>/<full key>/<sha256>.tar.zst` plus
 `<store>/<full key>.json`); every other host of that kind gets it pushed and restored. A host
 whose restore marker already names the same full key and archive changes nothing.
 
-    from hgxserve.caches.operations import restored
+    from hgxserve.operations.caches import restored
     restored(name="Restore JIT cache", key=key, full_key=full_key, store="/srv/caches")
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shlex
+from io import BytesIO
 from typing import Any
 
 from pyinfra import host
-from pyinfra.api import FactBase, FunctionCommand, OperationError, StringCommand, operation
+from pyinfra.api import FunctionCommand, OperationError, StringCommand, operation
 from pyinfra.api.command import FileUploadCommand, QuoteString
 
 from hgxserve.base.cachelayout import DEFAULT_ROOT, RESTORE_MARKER
 from hgxserve.base.paths import AGENT
 from hgxserve.caches.archive import sha256_of
-from hgxserve.caches.hostfacts import normalize_host_facts, probe_command
+from hgxserve.facts.caches import CacheState
 
 
 def shell_words(*words: str) -> StringCommand:
@@ -35,92 +34,6 @@ def shell_words(*words: str) -> StringCommand:
     "mkdir -p '/x;touch /var/p;#'"
     """
     return StringCommand(*(QuoteString(w) for w in words))
-
-
-class CacheState(FactBase):
-    """Cache keys present under a root: {key: restore marker (full_key, archive_sha256, ...)}.
-
-    Example:
-        >>> host.get_fact(CacheState, root="/var/cache/hgxserve")  # doctest: +SKIP
-        {'vllm-0.26.0-h20-8207acaeed1c8efe': {'archive_sha256': 'c0ffee...', ...}}
-    """
-
-    def command(self, root: str = DEFAULT_ROOT) -> str:
-        pattern = shlex.quote(root.rstrip("/")) + "/*/" + RESTORE_MARKER
-        return (
-            f'for f in {pattern}; do [ -f "$f" ] || continue; '
-            'printf "##%s\\n" "$f"; cat "$f"; echo; done; true'
-        )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {}
-
-    def process(self, output: list[str]) -> dict[str, Any]:
-        return parse_cache_state(output)
-
-
-def parse_cache_state(lines: list[str]) -> dict[str, Any]:
-    """Parse CacheState output; unreadable markers count as absent (so they get restored).
-
-    >>> parse_cache_state(["##/r/k1/.hgxserve-cache.json", '{"archive_sha256": "ab"}'])
-    {'k1': {'archive_sha256': 'ab'}}
-    """
-    state: dict[str, Any] = {}
-    current: str | None = None
-    body: list[str] = []
-
-    def flush() -> None:
-        if current is None:
-            return
-        try:
-            value = json.loads("\n".join(body))
-        except ValueError:
-            return
-        if isinstance(value, dict):
-            state[current] = value
-
-    for line in lines:
-        if line.startswith("##"):
-            flush()
-            current = os.path.basename(os.path.dirname(line[2:].strip()))
-            body = []
-        else:
-            body.append(line)
-    flush()
-    return state
-
-
-class CacheKeyFacts(FactBase):
-    """The host facts that go into the full cache key, probed with the engine's own Python.
-
-    Example:
-        >>> host.get_fact(CacheKeyFacts, python="/opt/vllm/bin/python", engine="vllm",
-        ...               manifest="/models/M/hgxserve-manifest.json")  # doctest: +SKIP
-        {'driver_version': '570.158.01', 'engine_version': '0.26.0', ...}
-    """
-
-    def command(self, python: str, engine: str, manifest: str = "") -> str:
-        probe = " ".join(shlex.quote(a) for a in probe_command(python, engine))
-        digest = ""
-        if manifest:
-            m = shlex.quote(manifest)
-            digest = f'; [ -f {m} ] && echo "##manifest $(sha256sum {m} | cut -d" " -f1)"'
-        return f"if [ -x {shlex.quote(python)} ]; then {probe}; else echo '{{}}'; fi{digest}; true"
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {}
-
-    def process(self, output: list[str]) -> dict[str, Any]:
-        facts: dict[str, Any] = {}
-        for line in output:
-            if line.startswith("##manifest "):
-                facts["model_manifest_sha256"] = line.split()[1]
-            elif line.startswith("{"):
-                with contextlib.suppress(ValueError):
-                    facts.update(json.loads(line))
-        return normalize_host_facts(facts)
 
 
 def store_index(store: str, full_key: str) -> dict[str, Any] | None:
@@ -293,8 +206,6 @@ def baked(
     work = f"{root}/.bake"
     remote_topology = f"{work}/{os.path.basename(topology)}"
     remote_facts = f"{work}/{full_key}.facts.json"
-    from io import BytesIO
-
     yield shell_words("mkdir", "-p", work, f"{root}/.archives")
     yield FileUploadCommand(topology, remote_topology)
     yield FileUploadCommand(BytesIO(json.dumps(facts, sort_keys=True).encode()), remote_facts)
