@@ -18,6 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -337,6 +338,15 @@ def proxy_part(url: str) -> dict[str, Any]:
     return {"url": _base(url), **parse_proxy_metrics(text)}
 
 
+# an engine's proxy metric -> (its key in the instance entry, its value from labels and value)
+_INSTANCE_FIELDS: dict[str, tuple[str, Callable[[dict[str, str], float], Any]]] = {
+    "instance_healthy": ("in_rotation", lambda labels, value: value == 1),
+    "instance_out_of_rotation": ("reason", lambda labels, value: labels.get("reason", "")),
+    "instance_state_since_seconds": ("since", lambda labels, value: value),
+    "outstanding_requests": ("outstanding", lambda labels, value: int(value)),
+}
+
+
 def parse_proxy_metrics(text: str) -> dict[str, Any]:
     """The proxy's /metrics text -> instances (in rotation, why not, since, outstanding,
     upstream errors), KV hand-offs by result, start time."""
@@ -349,17 +359,11 @@ def parse_proxy_metrics(text: str) -> dict[str, Any]:
             continue
         metric = name[len(PROXY_PREFIX) :]
         inst = labels.get("instance")
-        entry = None
         if inst is not None and metric.startswith(("instance_", "outstanding")):
             entry = instances.setdefault(inst, {"url": inst, "role": labels.get("role")})
-        if entry is not None and metric == "instance_healthy":
-            entry["in_rotation"] = value == 1
-        elif entry is not None and metric == "instance_out_of_rotation":
-            entry["reason"] = labels.get("reason", "")
-        elif entry is not None and metric == "instance_state_since_seconds":
-            entry["since"] = value
-        elif entry is not None and metric == "outstanding_requests":
-            entry["outstanding"] = int(value)
+            if metric in _INSTANCE_FIELDS:
+                key, read = _INSTANCE_FIELDS[metric]
+                entry[key] = read(labels, value)
         elif metric == "kv_handoffs_total":
             handoffs[labels.get("result", "")] = value
         elif metric == "upstream_errors_total" and inst:

@@ -184,36 +184,7 @@ def _check_units(view: HostView, snap: dict[str, Any]) -> list[Problem]:
     host = view.name
     problems = []
     for unit in snap.get("units") or []:
-        name = unit["name"]
-        if unit.get("active") != "active":
-            detail = f"{unit.get('active')} ({unit.get('sub')})"
-            if unit.get("result") not in (None, "", "success"):
-                detail += f", result {unit['result']}"
-            if unit.get("exit_status"):
-                detail += f", exit status {unit['exit_status']}"
-            if unit.get("restarts"):
-                detail += f", restarted {unit['restarts']} times"
-            problems.append(Problem("degraded", host, name, f"{name} is {detail}"))
-        elif unit.get("health") == "failing":
-            problems.append(
-                Problem(
-                    "degraded",
-                    host,
-                    name,
-                    f"{name} is active but its health check fails: {unit.get('health_detail')}",
-                )
-            )
-        if unit.get("need_reload"):
-            problems.append(
-                Problem(
-                    "degraded",
-                    host,
-                    "drift",
-                    f"{name}: unit file changed on disk since systemd loaded it (drift)",
-                )
-            )
-        if unit.get("error"):
-            problems.append(Problem("degraded", host, name, f"{name}: {unit['error']}"))
+        problems += _unit_problems(host, unit)
     drift = snap.get("drift") or {}
     for path in drift.get("modified") or []:
         problems.append(
@@ -228,6 +199,46 @@ def _check_units(view: HostView, snap: dict[str, Any]) -> list[Problem]:
             Problem("degraded", host, "drift", f"{unit} runs but is not in the release (drift)")
         )
     return problems
+
+
+def _unit_problems(host: str, unit: dict[str, Any]) -> list[Problem]:
+    """One unit: not active (and how it ended), failing health, changed on disk, unreadable."""
+    name = unit["name"]
+    problems = []
+    if unit.get("active") != "active":
+        problems.append(Problem("degraded", host, name, f"{name} is {_inactive_detail(unit)}"))
+    elif unit.get("health") == "failing":
+        problems.append(
+            Problem(
+                "degraded",
+                host,
+                name,
+                f"{name} is active but its health check fails: {unit.get('health_detail')}",
+            )
+        )
+    if unit.get("need_reload"):
+        problems.append(
+            Problem(
+                "degraded",
+                host,
+                "drift",
+                f"{name}: unit file changed on disk since systemd loaded it (drift)",
+            )
+        )
+    if unit.get("error"):
+        problems.append(Problem("degraded", host, name, f"{name}: {unit['error']}"))
+    return problems
+
+
+def _inactive_detail(unit: dict[str, Any]) -> str:
+    detail = f"{unit.get('active')} ({unit.get('sub')})"
+    if unit.get("result") not in (None, "", "success"):
+        detail += f", result {unit['result']}"
+    if unit.get("exit_status"):
+        detail += f", exit status {unit['exit_status']}"
+    if unit.get("restarts"):
+        detail += f", restarted {unit['restarts']} times"
+    return detail
 
 
 def _containerised(topo: Topology, unit: str) -> bool:
@@ -437,7 +448,7 @@ def parse_answer(result: Any) -> tuple[dict[str, Any] | None, str | None]:
     return (data, None) if isinstance(data, dict) else (None, "unexpected answer")
 
 
-def build_report(
+def build_report(  # noqa: PLR0913 - the status command's one call: three keyword-only options
     topo: Topology,
     topology_file: str,
     results: dict[str, Any],

@@ -188,6 +188,15 @@ def _proxy_lines(report: Report, topo: Topology) -> list[str]:
     lines = ["", head, *_grid(rows)]
     handoffs = proxy.get("kv_handoffs") or {}
     kv = [f"{k} {v}" for k, v in handoffs.items()]
+    pulled = _decode_transfers(report, topo)
+    if kv or pulled:
+        parts = ["hand-offs " + (", ".join(kv) or "none"), *pulled]
+        lines.append("KV since start: " + "; ".join(parts))
+    return lines
+
+
+def _decode_transfers(report: Report, topo: Topology) -> list[str]:
+    """`<decode> transfers N, failed M` for each decode engine whose unit reports KV counters."""
     pulled = []
     for name, engine in topo.engines.items():
         if engine.role != "decode":
@@ -200,7 +209,4 @@ def _proxy_lines(report: Report, topo: Topology) -> list[str]:
                     f"{name} transfers {metrics['kv_transfers']:.0f}, "
                     f"failed {metrics.get('kv_failed', 0):.0f}"
                 )
-    if kv or pulled:
-        parts = ["hand-offs " + (", ".join(kv) or "none"), *pulled]
-        lines.append("KV since start: " + "; ".join(parts))
-    return lines
+    return pulled
