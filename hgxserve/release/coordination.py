@@ -8,12 +8,13 @@ the RDMA evidence. `needs_switch` and `final_state` read the value of the `Relea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-from pyinfra.api.state import State
+from typing import TYPE_CHECKING, Any
 
 from hgxserve.deploy.runstate import per_run
 from hgxserve.release import evidence
+
+if TYPE_CHECKING:
+    from pyinfra.api.state import State
 
 
 def needs_switch(state: dict[str, Any], release_id: str) -> bool:
