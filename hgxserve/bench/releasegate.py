@@ -81,13 +81,14 @@ def _inventory_file(directory: Path, connections: dict[str, dict[str, Any]]) -> 
 
 
 def bench_argv(
-    step: BenchStep, *, inventory: Path, from_host: str, release_id: str, out: Path,
+    step: BenchStep, *, inventory: Path, from_host: str, release_id: str,
     api_key_file: Path | None,
 ) -> list[str]:  # fmt: skip
+    """The bench child's command line: its results go under the step's out_root."""
     argv = [
         str(Path(sys.executable).with_name("hgxserve")), "bench", "run", step.topology_file,
         "--scenario", step.scenario, "--inventory", str(inventory), "--from", from_host,
-        "--release-id", release_id, "--out", str(out),
+        "--release-id", release_id, "--out", str(Path(step.out_root)),
         "--round-timeout", str(max(1, step.timeout_s - MARGIN_S)),
     ]  # fmt: skip
     if api_key_file is not None:
@@ -168,7 +169,7 @@ def _failure(code: int, lines: list[str]) -> str:
     return f"the bench could not run (exit {code}): {errors[-1] if errors else 'no output'}"
 
 
-def run_bench_gate(
+def run_bench_gate(  # noqa: PLR0913 - pyinfra's python.call: state and host, then its keywords
     state: State, host: Host, coord: Coordination, release_id: str, step: BenchStep,
     root: str = RELEASE_ROOT,
 ) -> bool:  # fmt: skip
@@ -192,8 +193,7 @@ def run_bench_gate(
         hosts_ids = " ".join(f"{h}={i}" for h, i in sorted(coord.targets.items()))
         earlier = _runs(Path(step.out_root))
         argv = bench_argv(step, inventory=inventory, from_host=host.name,
-                          release_id=hosts_ids or release_id, out=Path(step.out_root),
-                          api_key_file=key_file)  # fmt: skip
+                          release_id=hosts_ids or release_id, api_key_file=key_file)  # fmt: skip
         host.log_styled(
             f"bench gate: scenario {step.scenario} through the proxy from {host.name} "
             f"(up to {step.timeout_s} s)",
@@ -211,7 +211,7 @@ def run_bench_gate(
             host.log_styled(coord.verdict[1], fg="red")
             return True
         if step.max_regression_pct is not None and run_dir is not None:
-            _regression(state, host, coord, step, root, work, run_dir)
+            _regression(_Gate(state, host, coord, step, root, work), run_dir)
         if coord.verdict and coord.verdict[0]:
             coord.verdict = (True, f"{coord.verdict[1]}; bench {step.scenario} met its SLA")
     return True
@@ -230,11 +230,24 @@ def _shared_points(old: Path, new: Path) -> set[tuple[str, str]]:
     return points(old) & points(new)
 
 
-def _regression(
-    state: State, host: Host, coord: Coordination, step: BenchStep, root: str, work: Path,
-    run_dir: Path,
-) -> None:  # fmt: skip
-    previous = _previous_run(state, step, root, work)
+@dataclass
+class _Gate:
+    """One bench gate on the gate's host: pyinfra's state and host, the release's coordination,
+    the bench step, the release root and the gate's scratch directory."""
+
+    state: State
+    host: Host
+    coord: Coordination
+    step: BenchStep
+    root: str
+    work: Path
+
+
+def _regression(gate: _Gate, run_dir: Path) -> None:
+    """Compare the run with the last confirmed release's kept one; a regression past the step's
+    margin fails the gate's verdict."""
+    host, coord, step = gate.host, gate.coord, gate.step
+    previous = _previous_run(gate.state, step, gate.root, gate.work)
     if previous is None:
         where = f"{step.previous[0]} release {step.previous[1]}" if step.previous else "none"
         host.log_styled(

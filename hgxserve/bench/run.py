@@ -181,15 +181,10 @@ def run_bench(
     )
     try:
         with RoundRelay(t.proxy_url, run_id, opts.api_key) as relay:
+            bench = _Bench(t, relay, run_dir, opts, drain, progress, result)
             for scenario in scenarios:
                 for point in scenario.load_points():
-                    rounds = []
-                    for seed in scenario.seeds:
-                        label = f"{scenario.name}-{point.label}-s{seed}"
-                        rounds.append(
-                            _round(t, relay, scenario, point, seed, label, run_dir, opts, drain,
-                                   progress, result)
-                        )  # fmt: skip
+                    rounds = [_round(bench, scenario, point, seed) for seed in scenario.seeds]
                     result["points"].append(_point(scenario, point, rounds, gpus))
                     _write(run_dir, result)
     except (RoundRefused, generator.GeneratorError, metrics.MetricsError) as exc:
@@ -209,22 +204,26 @@ def run_bench(
     return run_dir, result
 
 
-def _round(
-    t: metrics.Targets,
-    relay: RoundRelay,
-    scenario: Scenario,
-    point: LoadPoint,
-    seed: int,
-    label: str,
-    run_dir: Path,
-    opts: RunOptions,
-    drain: float,
-    progress: Callable[[str], None],
-    result: dict[str, Any],
-) -> dict[str, Any]:
+@dataclass
+class _Bench:
+    """What every round of one bench run works with: the targets, the relay, the run directory,
+    the options, the drain timeout, the progress sink and the result so far."""
+
+    t: metrics.Targets
+    relay: RoundRelay
+    run_dir: Path
+    opts: RunOptions
+    drain: float
+    progress: Callable[[str], None]
+    result: dict[str, Any]
+
+
+def _round(bench: _Bench, scenario: Scenario, point: LoadPoint, seed: int) -> dict[str, Any]:
+    t, relay, progress, result = bench.t, bench.relay, bench.progress, bench.result
+    label = f"{scenario.name}-{point.label}-s{seed}"
     prefix = f"{result['run_id']}-{label}"
     progress(f"  round {label}: checking the proxy and engines are idle")
-    before = wait_idle(t, drain, progress, label)
+    before = wait_idle(t, bench.drain, progress, label)
     relay.new_round(prefix)
     progress(f"  round {label}: {point.label}, ISL {scenario.input} / OSL {scenario.output}")
     t0 = time.monotonic()
@@ -235,11 +234,11 @@ def _round(
             scenario=scenario,
             point=point,
             seed=seed,
-            out_dir=run_dir / "rounds" / label,
-            tokenizer=opts.tokenizer,
+            out_dir=bench.run_dir / "rounds" / label,
+            tokenizer=bench.opts.tokenizer,
         ),
         progress=progress,
-        timeout_s=opts.round_timeout_s,
+        timeout_s=bench.opts.round_timeout_s,
     )
     elapsed = time.monotonic() - t0
     after = wait_idle(t, SETTLE_TIMEOUT_S, progress, label + " (after)")

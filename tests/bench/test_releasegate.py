@@ -83,7 +83,7 @@ def test_the_bench_process_gets_the_hosts_ssh_settings(tmp_path: Path) -> None:
     assert {n: h.data for n, h in inv.hosts.items()} == connections
     step = releasegate.BenchStep("topologies/demo/demo-pd.yml", "tight", 300, tokenizer="/tok")
     argv = releasegate.bench_argv(step, inventory=path, from_host="hgx-c", release_id="hgx-c=ccc",
-                                out=tmp_path / "runs", api_key_file=None)  # fmt: skip
+                                api_key_file=None)  # fmt: skip
     assert argv[1:5] == ["bench", "run", "topologies/demo/demo-pd.yml", "--scenario"]
     joined = shlex.join(argv)
     assert "--from hgx-c" in joined and "--round-timeout 240" in joined
@@ -109,6 +109,13 @@ def _kept(root: Path, release_id: str, run: dict) -> Path:
     return where
 
 
+def _gate(
+    hosts: dict, coord: Coordination, step: releasegate.BenchStep, root: Path, work: Path
+) -> releasegate._Gate:
+    """The gate's host is hgx-c."""
+    return releasegate._Gate(_State(hosts), hosts["hgx-c"], coord, step, str(root), work)  # type: ignore[arg-type]
+
+
 def test_a_regression_past_the_margin_fails_the_gate(tmp_path: Path) -> None:
     root = tmp_path / "store"
     _kept(root, "old111", _fake_run("old", ttft=20.0, tput=2.0))
@@ -121,7 +128,7 @@ def test_a_regression_past_the_margin_fails_the_gate(tmp_path: Path) -> None:
     coord = Coordination(verdict=(True, "GATE-OK"))
     work = tmp_path / "work"
     work.mkdir()
-    releasegate._regression(_State(hosts), hosts["hgx-c"], coord, step, str(root), work, new)  # type: ignore[arg-type]
+    releasegate._regression(_gate(hosts, coord, step, root, work), new)
     assert coord.verdict is not None and coord.verdict[0] is False
     assert coord.verdict[1].startswith(
         "gate failed: bench regressed more than 10% against release old111: new long c1: "
@@ -130,7 +137,7 @@ def test_a_regression_past_the_margin_fails_the_gate(tmp_path: Path) -> None:
     # within the margin: the verdict stands
     coord = Coordination(verdict=(True, "GATE-OK"))
     step.max_regression_pct = 60
-    releasegate._regression(_State(hosts), hosts["hgx-c"], coord, step, str(root), work / "b", new)  # type: ignore[arg-type]
+    releasegate._regression(_gate(hosts, coord, step, root, work / "b"), new)
     assert coord.verdict == (True, "GATE-OK")
     # a kept result of another scenario: nothing to compare, said, not failed
     other = _fake_run("other", ttft=20.0, tput=2.0)
@@ -139,13 +146,13 @@ def test_a_regression_past_the_margin_fails_the_gate(tmp_path: Path) -> None:
     _kept(root, "other444", other)
     coord = Coordination(verdict=(True, "GATE-OK"))
     step.max_regression_pct, step.previous = 10, ("hgx-c", "other444")
-    releasegate._regression(_State(hosts), hosts["hgx-c"], coord, step, str(root), work / "d", new)  # type: ignore[arg-type]
+    releasegate._regression(_gate(hosts, coord, step, root, work / "d"), new)
     assert coord.verdict == (True, "GATE-OK")
     assert "has no point of scenario long at this run's loads" in hosts["hgx-c"].said[-1]
     # no kept result of the last confirmed release: said, not failed
     coord = Coordination(verdict=(True, "GATE-OK"))
     step.previous = ("hgx-c", "gone222")
-    releasegate._regression(_State(hosts), hosts["hgx-c"], coord, step, str(root), work / "c", new)  # type: ignore[arg-type]
+    releasegate._regression(_gate(hosts, coord, step, root, work / "c"), new)
     assert coord.verdict == (True, "GATE-OK")
     assert "no kept result of the last confirmed release (hgx-c release gone222)" in \
         hosts["hgx-c"].said[-1]  # fmt: skip
