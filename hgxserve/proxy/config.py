@@ -21,15 +21,33 @@ the JSON path of every problem found.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast, get_type_hints
 from urllib.parse import urlsplit
 
-from hgxserve.base.defaults import SGLANG_BOOTSTRAP_PORT
+from hgxserve.base.defaults import SGLANG_BOOTSTRAP_PORT, schema_default
 from hgxserve.base.errors import Found
+from hgxserve.base.sizes import parse_size
 
 PROTOCOLS = ("vllm-nixl", "sglang")
+T = TypeVar("T")
+
+# What the topology schema states for the proxy ($defs.proxy), so a proxy.json that leaves them
+# out behaves as a topology that does (the renderer writes them from the topology).
+_LISTEN_HOST, _, _LISTEN_PORT = schema_default("proxy", "listen").rpartition(":")
+LISTEN_HOST = _LISTEN_HOST.strip("[]")
+LISTEN_PORT = int(_LISTEN_PORT)
+PD_MIN_PROMPT_TOKENS: int = schema_default("proxy", "pd_min_prompt_tokens")
+MAX_BODY_BYTES = parse_size(schema_default("proxy", "max_body"))
+# the topology's one upstream timeout: the whole prefill call, and the silence between two
+# bytes of a decode/combined answer
+UPSTREAM_TIMEOUT_S = float(schema_default("proxy", "timeout_s"))
+
+
+def at_least(minimum: float, default: T) -> T:
+    """A setting's default, with the least value `parse_proxy_config` accepts for it."""
+    return cast(T, field(default=default, metadata={"min": minimum}))
 
 
 class ProxyConfigError(Found):
@@ -59,13 +77,13 @@ class Routing:
     """How requests are split between P/D groups and combined engines."""
 
     # prompts of at least this many (estimated) tokens go to P/D; shorter ones to combined
-    pd_min_prompt_tokens: int = 0
+    pd_min_prompt_tokens: int = at_least(0, PD_MIN_PROMPT_TOKENS)
     # token estimate: UTF-8 bytes of the prompt text divided by this
-    bytes_per_token: float = 4.0
+    bytes_per_token: float = at_least(0.1, 4.0)
     # long prompts go to combined engines when no healthy P/D pair exists
     fallback_to_combined: bool = True
     # extra attempts on another instance, only before any byte reached the client
-    max_retries: int = 1
+    max_retries: int = at_least(0, 1)
 
 
 @dataclass(frozen=True)
@@ -75,35 +93,35 @@ class Limits:
     Defaults and where they come from are in docs/proxy.md ("Front door").
     """
 
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = at_least(1024, MAX_BODY_BYTES)
     # a request head must be complete this long after the connection opened or the previous
     # answer ended (an idle keep-alive connection is closed after it too)
-    header_timeout_s: float = 30.0
+    header_timeout_s: float = at_least(0.01, 30.0)
     # the whole request body must arrive within this
-    body_timeout_s: float = 60.0
+    body_timeout_s: float = at_least(0.01, 60.0)
     # open client connections; one more gets 503 and is closed
-    max_connections: int = 4096
+    max_connections: int = at_least(1, 4096)
     # generation and /v1/models requests being handled; one more gets 429
-    max_in_flight: int = 2048
+    max_in_flight: int = at_least(1, 2048)
     # bytes of request bodies held by requests in flight; one that would pass it gets 503
-    max_buffered_body_bytes: int = 512 * 1024 * 1024
-    connect_timeout_s: float = 5.0
-    prefill_timeout_s: float = 600.0
+    max_buffered_body_bytes: int = at_least(1024, 512 * 1024 * 1024)
+    connect_timeout_s: float = at_least(0.01, 5.0)
+    prefill_timeout_s: float = at_least(0.01, UPSTREAM_TIMEOUT_S)
     # longest silence between two bytes of a decode/combined answer
-    read_timeout_s: float = 600.0
+    read_timeout_s: float = at_least(0.01, UPSTREAM_TIMEOUT_S)
     # idle keep-alive connections to one engine, and how long one may stay idle
-    upstream_max_idle: int = 1024
-    upstream_idle_timeout_s: float = 4.0
+    upstream_max_idle: int = at_least(0, 1024)
+    upstream_idle_timeout_s: float = at_least(0.01, 4.0)
 
 
 @dataclass(frozen=True)
 class Health:
     """Active health checks: GET <path> (non-generating), eject and readmit thresholds."""
 
-    interval_s: float = 2.0
-    timeout_s: float = 2.0
-    unhealthy_after: int = 2
-    healthy_after: int = 1
+    interval_s: float = at_least(0.01, 2.0)
+    timeout_s: float = at_least(0.01, 2.0)
+    unhealthy_after: int = at_least(1, 2)
+    healthy_after: int = at_least(1, 1)
     path: str = "/health"
 
 
@@ -113,8 +131,8 @@ class ProxyConfig:
 
     protocol: str
     served_model_name: str
-    host: str = "0.0.0.0"
-    port: int = 8000
+    host: str = LISTEN_HOST
+    port: int = LISTEN_PORT
     pd_groups: tuple[PDGroup, ...] = ()
     combined: tuple[Endpoint, ...] = ()
     routing: Routing = field(default_factory=Routing)
@@ -176,143 +194,96 @@ def _endpoint(chk: _Checker, raw: Any, path: str, sglang_prefill: bool) -> Endpo
     return Endpoint(url=url, bootstrap_host=host, bootstrap_port=port)
 
 
-def _section(chk: _Checker, raw: dict[str, Any], key: str, cls: type, types: dict[str, Any]) -> Any:
-    data = chk.obj(raw.get(key, {}), f"$.{key}", set(types))
-    values: dict[str, Any] = {}
-    for name, (kind, minimum) in types.items():
-        if name not in data:
-            continue
-        if kind is bool:
-            if not isinstance(data[name], bool):
-                chk.fail(f"$.{key}.{name}", f"must be true or false, not {data[name]!r}")
-            values[name] = data[name]
-        elif kind is str:
-            if not isinstance(data[name], str) or not data[name].startswith("/"):
-                chk.fail(f"$.{key}.{name}", f"must be a path starting with /, not {data[name]!r}")
-            values[name] = data[name]
-        else:
-            values[name] = chk.number(data[name], f"$.{key}.{name}", minimum, kind is int)
+# The sections of the file, each a dataclass: its fields are the keys, with their types,
+# defaults and least values (`at_least`); a path (str) must start with /.
+SECTIONS: dict[str, type] = {"routing": Routing, "limits": Limits, "health": Health}
+TOP_KEYS = {"listen", "protocol", "served_model_name", "pd_groups", "combined", "auth", *SECTIONS}
+AUTH_KEYS = ("api_key_file", "upstream_api_key_file")
+
+
+def _value(chk: _Checker, value: Any, path: str, kind: type, minimum: Any) -> Any:
+    """One section value, checked against its type; a number that fails is None."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            chk.fail(path, f"must be true or false, not {value!r}")
+        return value
+    if kind is str:
+        if not isinstance(value, str) or not value.startswith("/"):
+            chk.fail(path, f"must be a path starting with /, not {value!r}")
+        return value
+    return chk.number(value, path, minimum, kind is int)
+
+
+def _section(chk: _Checker, top: dict[str, Any], key: str) -> Any:
+    cls = SECTIONS[key]
+    kinds = get_type_hints(cls)
+    minimums = {f.name: f.metadata.get("min") for f in fields(cls)}
+    data = chk.obj(top.get(key, {}), f"$.{key}", set(kinds))
+    values = {
+        name: _value(chk, data[name], f"$.{key}.{name}", kind, minimums[name])
+        for name, kind in kinds.items()
+        if name in data
+    }
     # an invalid value was reported above; keep the default so later checks can still run
     return cls(**{k: v for k, v in values.items() if v is not None})
 
 
-def parse_proxy_config(raw: Any) -> ProxyConfig:
-    """Validate a decoded JSON document and build the typed configuration.
+def _list(chk: _Checker, top: dict[str, Any], key: str, what: str) -> list[Any]:
+    items = top.get(key, [])
+    if isinstance(items, list):
+        return items
+    chk.fail(f"$.{key}", f"must be a list of {what}")
+    return []
 
-    Example: parse_proxy_config({"protocol": "vllm-nixl", "served_model_name": "m",
-                                 "combined": ["http://127.0.0.1:8100"]})
-    """
-    chk = _Checker()
-    top = chk.obj(
-        raw,
-        "$",
-        {
-            "listen",
-            "protocol",
-            "served_model_name",
-            "pd_groups",
-            "combined",
-            "routing",
-            "limits",
-            "health",
-            "auth",
-        },
-    )
-    protocol = top.get("protocol")
-    if protocol not in PROTOCOLS:
-        chk.fail("$.protocol", f"must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
-    name = top.get("served_model_name")
-    if not isinstance(name, str) or not name:
-        chk.fail("$.served_model_name", "must be a non-empty string (the model name clients use)")
+
+def _listen(chk: _Checker, top: dict[str, Any]) -> tuple[Any, Any]:
     listen = chk.obj(top.get("listen", {}), "$.listen", {"host", "port"})
-    host = listen.get("host", "0.0.0.0")
+    host = listen.get("host", LISTEN_HOST)
     if not isinstance(host, str) or not host:
         chk.fail("$.listen.host", f"must be an address string, not {host!r}")
-    port = chk.number(listen.get("port", 8000), "$.listen.port", 1, True)
-    groups: list[PDGroup] = []
-    raw_groups = top.get("pd_groups", [])
-    if not isinstance(raw_groups, list):
-        chk.fail("$.pd_groups", "must be a list of {name, prefill: [...], decode: [...]}")
-        raw_groups = []
+    return host, chk.number(listen.get("port", LISTEN_PORT), "$.listen.port", 1, True)
+
+
+def _group(chk: _Checker, raw: Any, i: int, protocol: Any, seen: set[str]) -> PDGroup:
+    path = f"$.pd_groups[{i}]"
+    g = chk.obj(raw, path, {"name", "prefill", "decode"})
+    name = g.get("name", f"pd-{i}")
+    if not isinstance(name, str) or name in seen:
+        chk.fail(f"{path}.name", f"must be a unique string, not {name!r}")
+    seen.add(str(name))
+    sides: dict[str, tuple[Endpoint, ...]] = {}
+    for side in ("prefill", "decode"):
+        items = g.get(side)
+        if not isinstance(items, list) or not items:
+            chk.fail(f"{path}.{side}", f"must list at least one {side} engine URL")
+            items = []
+        bootstrap = protocol == "sglang" and side == "prefill"
+        sides[side] = tuple(
+            _endpoint(chk, e, f"{path}.{side}[{j}]", bootstrap) for j, e in enumerate(items)
+        )
+    return PDGroup(name=str(name), prefill=sides["prefill"], decode=sides["decode"])
+
+
+def _groups(chk: _Checker, top: dict[str, Any], protocol: Any) -> list[PDGroup]:
     seen: set[str] = set()
-    for i, graw in enumerate(raw_groups):
-        gpath = f"$.pd_groups[{i}]"
-        g = chk.obj(graw, gpath, {"name", "prefill", "decode"})
-        gname = g.get("name", f"pd-{i}")
-        if not isinstance(gname, str) or gname in seen:
-            chk.fail(f"{gpath}.name", f"must be a unique string, not {gname!r}")
-        seen.add(str(gname))
-        sides: dict[str, tuple[Endpoint, ...]] = {}
-        for side in ("prefill", "decode"):
-            items = g.get(side)
-            if not isinstance(items, list) or not items:
-                chk.fail(f"{gpath}.{side}", f"must list at least one {side} engine URL")
-                items = []
-            sides[side] = tuple(
-                _endpoint(
-                    chk, e, f"{gpath}.{side}[{j}]", protocol == "sglang" and side == "prefill"
-                )
-                for j, e in enumerate(items)
-            )
-        groups.append(PDGroup(name=str(gname), prefill=sides["prefill"], decode=sides["decode"]))
-    raw_combined = top.get("combined", [])
-    if not isinstance(raw_combined, list):
-        chk.fail("$.combined", "must be a list of engine URLs")
-        raw_combined = []
-    combined = tuple(
-        _endpoint(chk, e, f"$.combined[{j}]", False) for j, e in enumerate(raw_combined)
-    )
-    if not groups and not combined:
-        chk.fail("$", "needs at least one of pd_groups or combined: there is nowhere to route")
-    routing = _section(
-        chk,
-        top,
-        "routing",
-        Routing,
-        {
-            "pd_min_prompt_tokens": (int, 0),
-            "bytes_per_token": (float, 0.1),
-            "fallback_to_combined": (bool, None),
-            "max_retries": (int, 0),
-        },
-    )
-    limits = _section(
-        chk,
-        top,
-        "limits",
-        Limits,
-        {
-            "max_body_bytes": (int, 1024),
-            "header_timeout_s": (float, 0.01),
-            "body_timeout_s": (float, 0.01),
-            "max_connections": (int, 1),
-            "max_in_flight": (int, 1),
-            "max_buffered_body_bytes": (int, 1024),
-            "connect_timeout_s": (float, 0.01),
-            "prefill_timeout_s": (float, 0.01),
-            "read_timeout_s": (float, 0.01),
-            "upstream_max_idle": (int, 0),
-            "upstream_idle_timeout_s": (float, 0.01),
-        },
-    )
-    health = _section(
-        chk,
-        top,
-        "health",
-        Health,
-        {
-            "interval_s": (float, 0.01),
-            "timeout_s": (float, 0.01),
-            "unhealthy_after": (int, 1),
-            "healthy_after": (int, 1),
-            "path": (str, None),
-        },
-    )
-    auth = chk.obj(top.get("auth", {}) or {}, "$.auth", {"api_key_file", "upstream_api_key_file"})
-    for key in ("api_key_file", "upstream_api_key_file"):
+    raw_groups = _list(chk, top, "pd_groups", "{name, prefill: [...], decode: [...]}")
+    return [_group(chk, raw, i, protocol, seen) for i, raw in enumerate(raw_groups)]
+
+
+def _auth(chk: _Checker, top: dict[str, Any]) -> dict[str, Any]:
+    auth = chk.obj(top.get("auth", {}) or {}, "$.auth", set(AUTH_KEYS))
+    for key in AUTH_KEYS:
         value = auth.get(key)
         if value is not None and (not isinstance(value, str) or not value.startswith("/")):
             chk.fail(f"$.auth.{key}", f"must be an absolute path, not {value!r}")
+    return auth
+
+
+def _check_together(
+    chk: _Checker, routing: Routing, limits: Limits, groups: list[PDGroup], combined: Any
+) -> None:
+    """What no one setting shows: limits that rule each other out, short prompts with nowhere
+    to go."""
     if limits.max_buffered_body_bytes < limits.max_body_bytes:
         chk.fail(
             "$.limits.max_buffered_body_bytes",
@@ -324,6 +295,33 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
             "$.routing.pd_min_prompt_tokens",
             "short prompts need combined engines: add $.combined or set it to 0",
         )
+
+
+def parse_proxy_config(raw: Any) -> ProxyConfig:
+    """Validate a decoded JSON document and build the typed configuration.
+
+    Example: parse_proxy_config({"protocol": "vllm-nixl", "served_model_name": "m",
+                                 "combined": ["http://127.0.0.1:8100"]})
+    """
+    chk = _Checker()
+    top = chk.obj(raw, "$", TOP_KEYS)
+    protocol = top.get("protocol")
+    if protocol not in PROTOCOLS:
+        chk.fail("$.protocol", f"must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
+    name = top.get("served_model_name")
+    if not isinstance(name, str) or not name:
+        chk.fail("$.served_model_name", "must be a non-empty string (the model name clients use)")
+    host, port = _listen(chk, top)
+    groups = _groups(chk, top, protocol)
+    combined = tuple(
+        _endpoint(chk, e, f"$.combined[{j}]", False)
+        for j, e in enumerate(_list(chk, top, "combined", "engine URLs"))
+    )
+    if not groups and not combined:
+        chk.fail("$", "needs at least one of pd_groups or combined: there is nowhere to route")
+    routing, limits, health = (_section(chk, top, key) for key in SECTIONS)
+    auth = _auth(chk, top)
+    _check_together(chk, routing, limits, groups, combined)
     if chk.errors:
         raise ProxyConfigError("\n".join(chk.errors))
     return ProxyConfig(

@@ -99,38 +99,48 @@ class Response:
         if self._timer is not None:
             self._last = self.conn.loop.time()
         if not self.head_ready.done():
-            self._head += data
-            end = self._head.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._head) > MAX_HEAD_BYTES:
-                    self.fail(UpstreamError("ClientResponseError", "answer headers too large"))
-                return
-            try:
-                self._parse_head(bytes(self._head[:end]))
-            except (ValueError, UnicodeDecodeError) as exc:
-                self.fail(UpstreamError("ClientResponseError", f"bad answer head: {exc}"))
-                return
-            data = bytes(self._head[end + 4 :])
-            self._head = bytearray()
-            self.head_ready.set_result(None)
-            if self._mode == "length" and self._left == 0:
-                self._finish()
-            if not data or self.done:
-                if data:
-                    self.keep_alive = False  # bytes after a complete answer: do not reuse
+            data = self._feed_head(data)
+            if not data:
                 return
         if self._mode == "length":
-            if len(data) > self._left:
-                self.keep_alive = False
-                data = data[: self._left]
-            self._left -= len(data)
-            self._push(data)
-            if self._left == 0:
-                self._finish()
+            self._feed_length(data)
         elif self._mode == "chunked":
             self._feed_chunked(data)
         else:
             self._push(data)
+
+    def _feed_head(self, data: bytes) -> bytes:
+        """Collect the answer's head; once it is complete, the body bytes that came with it
+        (b"" while it is not, or when the answer is already over)."""
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) > MAX_HEAD_BYTES:
+                self.fail(UpstreamError("ClientResponseError", "answer headers too large"))
+            return b""
+        try:
+            self._parse_head(bytes(self._head[:end]))
+        except (ValueError, UnicodeDecodeError) as exc:
+            self.fail(UpstreamError("ClientResponseError", f"bad answer head: {exc}"))
+            return b""
+        data = bytes(self._head[end + 4 :])
+        self._head = bytearray()
+        self.head_ready.set_result(None)
+        if self._mode == "length" and self._left == 0:
+            self._finish()
+        if data and self.done:
+            self.keep_alive = False  # bytes after a complete answer: do not reuse
+            return b""
+        return data
+
+    def _feed_length(self, data: bytes) -> None:
+        if len(data) > self._left:
+            self.keep_alive = False
+            data = data[: self._left]
+        self._left -= len(data)
+        self._push(data)
+        if self._left == 0:
+            self._finish()
 
     def _parse_head(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")
@@ -183,27 +193,29 @@ class Response:
                 if eol < 0:
                     if n - pos > 4096:
                         self.fail(UpstreamError("ClientPayloadError", "bad chunk framing"))
-                        return
                     break
-                line = bytes(buf[pos:eol])
+                self._chunk_line(bytes(buf[pos:eol]))
                 pos = eol + 2
-                if state == "trailer":
-                    if not line:
-                        self._finish()
-                    continue
-                try:
-                    size = int(line.split(b";", 1)[0], 16)
-                except ValueError:
-                    self.fail(UpstreamError("ClientPayloadError", f"bad chunk size {line[:20]!r}"))
-                    return
-                if size == 0:
-                    self._chunk_state = "trailer"
-                else:
-                    self._left = size
-                    self._chunk_state = "data"
         del buf[:pos]
         if self.done and buf:
             self.keep_alive = False
+
+    def _chunk_line(self, line: bytes) -> None:
+        """A chunk-size line, or a trailer line (the empty one ends the answer)."""
+        if self._chunk_state == "trailer":
+            if not line:
+                self._finish()
+            return
+        try:
+            size = int(line.split(b";", 1)[0], 16)
+        except ValueError:
+            self.fail(UpstreamError("ClientPayloadError", f"bad chunk size {line[:20]!r}"))
+            return
+        if size == 0:
+            self._chunk_state = "trailer"
+        else:
+            self._left = size
+            self._chunk_state = "data"
 
     def _push(self, data: bytes) -> None:
         if not data:

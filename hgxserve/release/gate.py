@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hgxserve.base.errors import Found
+from hgxserve.base.promtext import parse_samples
 
 # vLLM's NIXL connector metrics (KV transfer evidence on the decode side).
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
@@ -98,49 +99,6 @@ def _request(
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise GateError(f"{url}: cannot connect ({reason})") from None
-
-
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-
-
-def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample of Prometheus text as (name, labels, value); label values unescaped.
-
-    >>> parse_samples('up{job="a",why="down"} 1')
-    [('up', {'job': 'a', 'why': 'down'}, 1.0)]
-    """
-    samples = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name_end = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line)
-        if not name_end:
-            continue
-        name, rest = name_end.group(0), line[name_end.end() :]
-        labels: dict[str, str] = {}
-        if rest.startswith("{"):
-            pos = 1
-            while pos < len(rest) and rest[pos] != "}":
-                label = _LABEL.match(rest, pos)
-                if not label:
-                    break
-                labels[label.group(1)] = re.sub(
-                    r'\\[\\"n]', lambda m: _UNESCAPE[m.group(0)], label.group(2)
-                )
-                pos = label.end()
-            if pos >= len(rest) or rest[pos] != "}":
-                continue  # not a sample line we understand
-            rest = rest[pos + 1 :]
-        parts = rest.split()
-        if not parts:
-            continue
-        try:
-            samples.append((name, labels, float(parts[0])))
-        except ValueError:
-            continue
-    return samples
 
 
 def metric_sum(text: str, name: str) -> float:

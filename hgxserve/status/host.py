@@ -27,8 +27,8 @@ import click
 from hgxserve import __version__
 from hgxserve.base.cachelayout import BAKE_RECORD, read_marker, valid_key
 from hgxserve.base.paths import CACHE_ROOT, RELEASE_ROOT
+from hgxserve.base.promtext import parse_samples
 from hgxserve.parsers import outputs as parsers
-from hgxserve.release.gate import parse_samples
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store
 from hgxserve.release.switch import DEADMAN_UNIT
 

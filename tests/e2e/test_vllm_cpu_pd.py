@@ -36,8 +36,8 @@ from unittest import mock
 import pytest
 import test_vllm_cpu as single  # the single-engine suite's S3, deploy and host helpers
 
-from hgxserve.proxy.server import PREFILL_KV_PARAMS
-from hgxserve.release.gate import parse_samples
+from hgxserve.base.promtext import parse_samples
+from hgxserve.proxy.pd import PREFILL_KV_PARAMS
 from hgxserve.runtime.spec import NIXL
 from testbed import demo, tiny_llama
 from testbed import hosts as testbed_hosts

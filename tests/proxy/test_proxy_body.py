@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hgxserve.proxy.server import new_request_id, with_fields
+from hgxserve.proxy.body import new_request_id, with_fields
 
 
 def test_with_fields_appends_to_the_clients_bytes() -> None:

@@ -9,10 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from hgxserve.proxy.config import ProxyConfigError, load_proxy_config, parse_proxy_config
-from hgxserve.proxy.server import estimate_prompt_tokens
+from hgxserve.base.sizes import parse_size
+from hgxserve.proxy.body import estimate_prompt_tokens
+from hgxserve.proxy.config import (
+    ProxyConfig,
+    ProxyConfigError,
+    load_proxy_config,
+    parse_proxy_config,
+)
 
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
+SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "topology.schema.json"
 
 
 def test_full_config_parses() -> None:
@@ -140,3 +147,21 @@ def test_front_door_limits_and_keys_are_checked(tmp_path: Path) -> None:
     )
     assert out.returncode == 0 and "engines: keyed" in out.stdout and "engine-k3y" not in out.stdout
     assert "2048 requests in flight" in out.stdout
+
+
+def test_defaults_are_the_topology_schema_defaults() -> None:
+    """Each setting the topology schema gives a default for has that default here too, in the
+    dataclasses and in a parsed file that leaves it out."""
+    props = json.loads(SCHEMA.read_text())["$defs"]["proxy"]["properties"]
+    defaults = {key: prop["default"] for key, prop in props.items() if "default" in prop}
+    # `kind` picks the proxy implementation: not a setting of this one
+    assert set(defaults) == {"listen", "kind", "pd_min_prompt_tokens", "max_body", "timeout_s"}
+    parsed = parse_proxy_config(
+        {"protocol": "vllm-nixl", "served_model_name": "m", "combined": ["http://127.0.0.1:1"]}
+    )
+    for cfg in (ProxyConfig("vllm-nixl", "m"), parsed):
+        assert f"{cfg.host}:{cfg.port}" == defaults["listen"]
+        assert cfg.routing.pd_min_prompt_tokens == defaults["pd_min_prompt_tokens"]
+        assert cfg.limits.max_body_bytes == parse_size(defaults["max_body"]) == 16 << 20
+        assert cfg.limits.prefill_timeout_s == defaults["timeout_s"]
+        assert cfg.limits.read_timeout_s == defaults["timeout_s"]

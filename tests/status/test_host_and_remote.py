@@ -12,7 +12,7 @@ import pytest
 
 from hgxserve.proxy.balancer import Pool
 from hgxserve.proxy.config import parse_proxy_config
-from hgxserve.proxy.server import Metrics
+from hgxserve.proxy.metrics import Metrics
 from hgxserve.release.store import ReleaseSpec, Store, UnitSpec
 from hgxserve.remote.inventory import InventoryError, load_inventory
 from hgxserve.remote.ssh import quote_argv

@@ -1,0 +1,218 @@
+"""One call to one engine: send a request, wait within its time limits, and pass the answer to
+the client byte for byte (SSE chunks as they arrive, JSON bodies untouched).
+
+    relay = Relay(upstream, metrics, config.limits)
+    resp = await relay.relay(call, decode, payload, waited=0.0)    # the client's answer
+    status, data = await relay.prefill(call, prefill, payload)     # a prefill, read whole
+
+A failure before any byte reached the client raises `UpstreamUnavailable`, so the caller may
+try another engine; after that the stream ends with an SSE error event. Cancelling a call (the
+client went away) closes its engine connections, so the engine aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from hgxserve.proxy.balancer import Instance
+from hgxserve.proxy.config import Limits
+from hgxserve.proxy.frontdoor import Call, error_response
+from hgxserve.proxy.metrics import Metrics
+from hgxserve.proxy.upstream import Response, Upstream, UpstreamError
+
+log = logging.getLogger("hgxserve.proxy")
+
+RETRYABLE_STATUS = (502, 503, 504)
+
+
+class UpstreamUnavailable(Exception):
+    """An instance failed before any byte reached the client: safe to try another one.
+
+    `engine_down`: no connection could be made, so the instance leaves rotation for everyone
+    (the health checks readmit it). A timeout or a dropped request only concerns this request.
+    """
+
+    def __init__(self, inst: Instance, why: str, cause: BaseException | None = None) -> None:
+        super().__init__(why)
+        self.inst = inst
+        self.engine_down = isinstance(cause, UpstreamError) and cause.connect_failed
+        self.timed_out = isinstance(cause, TimeoutError)
+
+
+def error_kind(exc: BaseException) -> str:
+    return exc.kind if isinstance(exc, UpstreamError) else type(exc).__name__
+
+
+class Relay:
+    """Calls to engines over the pooled `Upstream` client, counted in `Metrics`."""
+
+    def __init__(self, upstream: Upstream, metrics: Metrics, limits: Limits) -> None:
+        self.upstream = upstream
+        self.metrics = metrics
+        self.limits = limits
+
+    def unavailable(
+        self, inst: Instance, what: str, exc: TimeoutError | UpstreamError
+    ) -> UpstreamUnavailable:
+        """Count a failed call to `inst` and say so: `what: <the error>`."""
+        self.metrics.upstream_error(inst, error_kind(exc))
+        return UpstreamUnavailable(inst, f"{what}: {exc!r}", exc)
+
+    def refused_key(self, inst: Instance) -> web.Response:
+        """An engine answered 401 to the proxy: a deployment fault, not the client's."""
+        self.metrics.upstream_error(inst, "http_401")
+        log.warning(
+            "%s %s refused the proxy's engine key (auth.upstream_api_key_file)", inst.role, inst.url
+        )
+        return error_response(
+            502, f"The {inst.role} engine refused the proxy's credentials.", "bad_gateway"
+        )
+
+    async def prefill(self, call: Call, inst: Instance, payload: bytes) -> tuple[int, bytes]:
+        """POST `payload` to a prefill engine and read its whole answer within
+        `prefill_timeout_s`: (status, body). A prefill that cannot be reached, times out or
+        breaks off counts as a failed KV hand-off and raises UpstreamUnavailable.
+        """
+        inst.outstanding += 1
+        inst.picked += 1
+        try:
+            up = await self.upstream.post(
+                inst.url,
+                call.path,
+                payload,
+                call.req_id,
+                total_timeout=self.limits.prefill_timeout_s,
+            )
+            try:
+                data = await up.read()
+            finally:
+                up.release()
+        except (TimeoutError, UpstreamError) as exc:
+            self.metrics.kv_handoff("failed")
+            raise self.unavailable(inst, "prefill unreachable", exc) from exc
+        finally:
+            inst.outstanding -= 1
+        return up.status, data
+
+    async def relay(
+        self,
+        call: Call,
+        inst: Instance,
+        payload: bytes,
+        waited: float,
+        watch: asyncio.Task[int] | None = None,
+    ) -> web.StreamResponse:
+        """Send `payload` (JSON) to the engine whose answer the client gets; pass the answer on.
+        `waited`: seconds already spent on a prefill before this engine was asked; `watch`: a
+        prefill running beside it, whose failure ends the wait for this engine's headers.
+
+        Raises UpstreamUnavailable only while nothing has been sent to the client.
+        """
+        inst.outstanding += 1
+        inst.picked += 1
+        t_send = time.perf_counter()
+        # the proxy's own share of the time to first byte: all but the engines' time
+        added = max(0.0, t_send - waited - call.started)
+        send = self.upstream.post(
+            inst.url, call.path, payload, call.req_id, read_timeout=self.limits.read_timeout_s
+        )
+        try:
+            try:
+                up = await self._headers(send, watch)
+            except (TimeoutError, UpstreamError) as exc:
+                raise self.unavailable(inst, "unreachable", exc) from exc
+            try:
+                return await self._answer(call, inst, up, added)
+            finally:
+                up.release()
+        finally:
+            inst.outstanding -= 1
+
+    async def _answer(
+        self, call: Call, inst: Instance, up: Response, added: float
+    ) -> web.StreamResponse:
+        """The client's answer from the engine's: streamed, or read whole and passed on."""
+        if up.status in RETRYABLE_STATUS:
+            self.metrics.upstream_error(inst, f"http_{up.status}")
+            raise UpstreamUnavailable(inst, f"answered HTTP {up.status}")
+        if up.status == 401:
+            return self.refused_key(inst)
+        ctype = up.headers.get("content-type", "application/json")
+        if call.stream and up.status == 200:
+            return await self._stream(call, inst, up, ctype, added)
+        try:
+            data = await up.read()
+        except (TimeoutError, UpstreamError) as exc:
+            raise self.unavailable(inst, "answer cut off", exc) from exc
+        self.metrics.observe_added_ttft(added)
+        return web.Response(
+            body=data,
+            status=up.status,
+            headers={"Content-Type": ctype, "X-Request-Id": call.req_id},
+        )
+
+    async def _headers(
+        self, post: Coroutine[Any, Any, Response], watch: asyncio.Task[int] | None
+    ) -> Response:
+        """Wait for the upstream's response headers; give up early if the watched prefill fails."""
+        if watch is None:
+            return await post
+        send = asyncio.ensure_future(post)
+        try:
+            done, _ = await asyncio.wait({send, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if send not in done and watch.exception() is not None:
+                exc = watch.exception()
+                assert isinstance(exc, UpstreamUnavailable)
+                raise exc
+            return await send
+        finally:
+            if not send.done():
+                send.cancel()
+                with contextlib.suppress(BaseException):
+                    (await send).release()
+
+    async def _stream(
+        self, call: Call, inst: Instance, up: Response, ctype: str, added: float
+    ) -> web.StreamResponse:
+        request, req_id = call.request, call.req_id
+        out = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": req_id},
+        )
+        first = True
+        try:
+            async for chunk in up.chunks():
+                if first:
+                    await out.prepare(request)
+                    self.metrics.observe_added_ttft(added)
+                    first = False
+                await out.write(chunk)
+        except (TimeoutError, UpstreamError) as exc:
+            # (a client that went away while we wrote to it raises ConnectionError: not here)
+            if first:
+                raise self.unavailable(inst, "stream failed before a byte", exc) from exc
+            self.metrics.upstream_error(inst, error_kind(exc))
+            # bytes already reached the client: never retried; say so in the stream
+            log.warning("request %s: %s %s broke mid-stream: %r", req_id, inst.role, inst.url, exc)
+            err = {
+                "error": {
+                    "message": f"upstream {inst.role} failed mid-stream",
+                    "type": "upstream_error",
+                    "code": 502,
+                }
+            }
+            with contextlib.suppress(ConnectionError):
+                await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        if first:
+            await out.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        return out
