@@ -9,6 +9,7 @@ to the topology (`topology="<name>"`), so several topologies can share one Prome
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from hgxserve.monitoring import metrics as m
@@ -312,25 +313,28 @@ def alert_sla(topo: Topology) -> MonitoringSla:
     )
 
 
-def _alert(
-    name: str,
-    expr: str,
-    for_s: int,
-    severity: str,
-    summary: str,
-    description: str,
-    runbook: str,
-) -> dict[str, Any]:
-    rule: dict[str, Any] = {"alert": f"Hgxserve{name}", "expr": expr}
-    if for_s:
-        rule["for"] = f"{for_s}s"
-    rule["labels"] = {"severity": severity}
-    rule["annotations"] = {
-        "summary": summary,
-        "description": description,
-        "runbook": RUNBOOK[runbook],
-    }
-    return rule
+@dataclass(frozen=True)
+class _Alert:
+    """One alerting rule; its runbook entry is the one named like it."""
+
+    name: str
+    expr: str
+    for_s: int
+    severity: str
+    summary: str
+    description: str
+
+    def rule(self) -> dict[str, Any]:
+        rule: dict[str, Any] = {"alert": f"Hgxserve{self.name}", "expr": self.expr}
+        if self.for_s:
+            rule["for"] = f"{self.for_s}s"
+        rule["labels"] = {"severity": self.severity}
+        rule["annotations"] = {
+            "summary": self.summary,
+            "description": self.description,
+            "runbook": RUNBOOK[self.name],
+        }
+        return rule
 
 
 def alert_rules(topo: Topology) -> list[dict[str, Any]]:
@@ -348,28 +352,26 @@ def alert_rules(topo: Topology) -> list[dict[str, Any]]:
             f'"$1", "name", "{m.UNIT_ENGINE}")'
         )
     rules = [
-        _alert(
+        _Alert(
             "EngineDown",
             down,
             f,
             "critical",
             "{{ $labels.role }} engine {{ $labels.engine }} on {{ $labels.host }} is down",
             "Prometheus cannot scrape {{ $labels.instance }} (GPUs {{ $labels.gpus }}).",
-            "EngineDown",
-        )
+        ).rule()
     ]
     if topo.proxy is not None:
         rules += [
-            _alert(
+            _Alert(
                 "ProxyDown",
                 f'up{{job="{JOB_PROXY}",{t}}} == 0',
                 f,
                 "critical",
                 "The proxy of {{ $labels.topology }} on {{ $labels.host }} is down",
                 "Prometheus cannot scrape {{ $labels.instance }}.",
-                "ProxyDown",
-            ),
-            _alert(
+            ).rule(),
+            _Alert(
                 "EngineOutOfRotation",
                 f"{_sel(topo, m.PROXY_INSTANCE_HEALTHY)} == 0",
                 f,
@@ -377,48 +379,44 @@ def alert_rules(topo: Topology) -> list[dict[str, Any]]:
                 "The proxy has {{ $labels.exported_role }} {{ $labels.exported_instance }} "
                 "out of rotation",
                 f"Out of rotation for {f} s or longer.",
-                "EngineOutOfRotation",
-            ),
-            _alert(
+            ).rule(),
+            _Alert(
                 "Proxy5xxRate",
                 f"topology:hgxserve_proxy_5xx:ratio{{{t}}} > {mon.sla.error_rate:g}",
                 f,
                 "critical",
                 "{{ $value | humanizePercentage }} of proxy answers are 5xx",
                 f"More than {mon.sla.error_rate:g} of answers failed over {w}.",
-                "Proxy5xxRate",
-            ),
+            ).rule(),
         ]
     exporters = [
         j for j, on in ((JOB_NODE, mon.node_exporter), (JOB_DCGM, mon.dcgm_exporter)) if on
     ]
     if exporters:
         rules.append(
-            _alert(
+            _Alert(
                 "ExporterDown",
                 f'up{{job=~"{"|".join(exporters)}",{t}}} == 0',
                 f,
                 "warning",
                 "{{ $labels.job }} on {{ $labels.host }} is down",
                 "Prometheus cannot scrape {{ $labels.instance }}.",
-                "ExporterDown",
-            )
+            ).rule()
         )
     rules += _kv_alerts(topo, f)
     rules.append(
-        _alert(
+        _Alert(
             "KVCacheNearFull",
             f"engine:hgxserve_kv_cache_usage:ratio{{{t}}} > {mon.kv_cache_full:g}",
             f,
             "warning",
             "KV cache of {{ $labels.engine }} is {{ $value | humanizePercentage }} full",
             f"Above {mon.kv_cache_full:g} for {f} s.",
-            "KVCacheNearFull",
-        )
+        ).rule()
     )
     if mon.dcgm_exporter and gpu_hosts(topo):
         rules.append(
-            _alert(
+            _Alert(
                 "RequestsWaitingGPUsIdle",
                 f"engine:hgxserve_requests_waiting:sum{{{t}}} > 0 and on (topology, engine) "
                 f"engine:hgxserve_gpu_util:avg{{{t}}} < {mon.gpu_idle_util:g}",
@@ -426,8 +424,7 @@ def alert_rules(topo: Topology) -> list[dict[str, Any]]:
                 "critical",
                 "Requests wait on {{ $labels.engine }} while its GPUs are idle",
                 f"Waiting requests and GPU utilisation below {mon.gpu_idle_util:g}% for {f} s.",
-                "RequestsWaitingGPUsIdle",
-            )
+            ).rule()
         )
         rules += _gpu_alerts(topo, mon, w)
     rules += _sla_alerts(topo, f)
@@ -439,46 +436,43 @@ def _kv_alerts(topo: Topology, f: int) -> list[dict[str, Any]]:
     out = []
     if any(e.kv is not None for e in topo.engines.values()):
         out.append(
-            _alert(
+            _Alert(
                 "KVTransferFailures",
                 f"engine:hgxserve_kv_transfer_failures:increase{{{t}}} > 0",
                 0,
                 "critical",
                 "KV transfers fail on {{ $labels.engine }}",
                 "{{ $value }} failed KV transfers in the last window.",
-                "KVTransferFailures",
-            )
+            ).rule()
         )
     if any(
         e.kv is not None and e.engine == "vllm" and e.role == "decode"
         for e in topo.engines.values()
     ):
         out.append(
-            _alert(
+            _Alert(
                 "DecodeRecomputesPrompts",
                 f"engine:hgxserve_decode_recomputed_prompt_tokens:rate{{{t}}} > 0",
                 f,
                 "warning",
                 "Decode {{ $labels.engine }} computes prompts itself ({{ $value }} tok/s)",
                 "Prompt tokens of source local_compute on a decode engine.",
-                "DecodeRecomputesPrompts",
-            )
+            ).rule()
         )
     return out
 
 
 def _gpu_alerts(topo: Topology, mon: Monitoring, w: str) -> list[dict[str, Any]]:
     return [
-        _alert(
+        _Alert(
             "GPUXidError",
             f"{_sel(topo, m.GPU_XID)} > 0",
             0,
             "critical",
             "GPU {{ $labels.gpu }} on {{ $labels.host }} reported XID {{ $value }}",
             "DCGM_FI_DEV_XID_ERRORS holds the last XID the GPU reported.",
-            "GPUXidError",
-        ),
-        _alert(
+        ).rule(),
+        _Alert(
             "GPUEccUncorrectable",
             f"increase({_sel(topo, m.GPU_ECC_DBE)}[{w}]) > 0 "
             f"or {_sel(topo, m.GPU_ROW_REMAP_FAILURE)} > 0",
@@ -486,9 +480,8 @@ def _gpu_alerts(topo: Topology, mon: Monitoring, w: str) -> list[dict[str, Any]]
             "critical",
             "GPU {{ $labels.gpu }} on {{ $labels.host }} has uncorrectable memory errors",
             "Double-bit volatile ECC errors grew or a row remap failed.",
-            "GPUEccUncorrectable",
-        ),
-        _alert(
+        ).rule(),
+        _Alert(
             "GPUThermal",
             f"{_sel(topo, m.GPU_TEMP)} > {mon.gpu_temp_c} "
             f"or increase({_sel(topo, m.GPU_THERMAL_VIOLATION)}[{w}]) > 0",
@@ -496,8 +489,7 @@ def _gpu_alerts(topo: Topology, mon: Monitoring, w: str) -> list[dict[str, Any]]
             "warning",
             "GPU {{ $labels.gpu }} on {{ $labels.host }} is hot or thermally throttled",
             f"Above {mon.gpu_temp_c} C or throttled for temperature.",
-            "GPUThermal",
-        ),
+        ).rule(),
     ]
 
 
@@ -510,19 +502,18 @@ def _sla_alerts(topo: Topology, f: int) -> list[dict[str, Any]]:
     if sla.ttft_s is not None:
         # the prompt's compute is the TTFT: on prefill engines in P/D, on combined ones
         out.append(
-            _alert(
+            _Alert(
                 "TTFTAboveSLA",
                 f'role:hgxserve_ttft_seconds:p{q}{{{t},role=~"prefill|combined"}} > {sla.ttft_s:g}',
                 f,
                 "critical",
                 f"P{q} TTFT of {{{{ $labels.role }}}} is {{{{ $value | humanizeDuration }}}}",
                 f"Above the SLA of {sla.ttft_s:g} s (P{p}).",
-                "TTFTAboveSLA",
-            )
+            ).rule()
         )
     if sla.tpot_ms is not None:
         out.append(
-            _alert(
+            _Alert(
                 "TPOTAboveSLA",
                 f'role:hgxserve_tpot_seconds:p{q}{{{t},role=~"decode|combined"}} > '
                 f"{sla.tpot_ms / 1000:g}",
@@ -530,8 +521,7 @@ def _sla_alerts(topo: Topology, f: int) -> list[dict[str, Any]]:
                 "critical",
                 f"P{q} TPOT of {{{{ $labels.role }}}} is {{{{ $value | humanizeDuration }}}}",
                 f"Above the SLA of {sla.tpot_ms:g} ms (P{p}).",
-                "TPOTAboveSLA",
-            )
+            ).rule()
         )
     return out
 
