@@ -107,7 +107,7 @@ def bench() -> None:
     help="Seconds one round (one AIPerf run) may take.",
 )
 @cli_errors
-def run_cmd(
+def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     topology: str,
     names: tuple[str, ...],
     out_root: str,

@@ -231,7 +231,7 @@ def scan_command(log: Any) -> None:
 @click.option("--no-deep-gemm", is_flag=True, help="SGLang: skip sglang.compile_deep_gemm.")
 @click.option("--pack-to", default=None, help="Then pack the cache into this directory.")
 @cli_errors
-def bake_command(
+def bake_command(  # noqa: PLR0913 - a click command: one parameter per option
     topology: str,
     engine: str,
     host: str | None,

@@ -96,7 +96,7 @@ def status(root: str) -> None:
 @click.option("--gpu-timeout", type=float, default=GPU_TIMEOUT_S, show_default=True)
 @root_option
 @cli_errors
-def switch_cmd(
+def switch_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     release_id: str,
     confirm_within: int,
     peers_within: int,

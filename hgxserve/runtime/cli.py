@@ -54,7 +54,7 @@ def check_files(pairs: tuple[str, ...]) -> None:
 @click.option("--region", help="S3 region (default: the AWS settings).")
 @click.option("--addressing", default="auto", type=click.Choice(["auto", "path", "virtual"]))
 @cli_errors
-def fetch_image(
+def fetch_image(  # noqa: PLR0913 - a click command: one parameter per option
     url: str,
     digest: str,
     out: str,

@@ -106,7 +106,7 @@ def gather(topo: Any, sessions: Any, agent: str, topology_file: str, digest: str
 )
 @click.option("--agent", default=AGENT, show_default=True, help="hgxserve on the hosts.")
 @connect_timeout_option
-def status(
+def status(  # noqa: PLR0913 - a click command: one parameter per option
     topology: str,
     inventory: str,
     as_json: bool,
@@ -230,7 +230,7 @@ def journal_argv(unit: str, lines: int | None, since: str | None, follow: bool) 
     f"{DIAGNOSE_LOG_LINES} lines per host) instead of the lines; exit 1 if any.",
 )
 @connect_timeout_option
-def logs(
+def logs(  # noqa: PLR0913 - a click command: one parameter per option
     topology: str,
     target: str,
     inventory: str,

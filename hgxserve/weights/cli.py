@@ -209,7 +209,7 @@ def manifest(
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @_s3_options
 @_handle_errors
-def sync(
+def sync(  # noqa: PLR0913 - a click command: one parameter per option
     src: str,
     dest: str,
     concurrency: int,
@@ -283,7 +283,7 @@ def sync(
 @click.option("--quiet", "-q", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 @_handle_errors
-def verify(
+def verify(  # noqa: PLR0913 - a click command: one parameter per option
     dest: str,
     full: bool,
     manifest_path: str | None,
