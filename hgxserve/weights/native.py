@@ -23,7 +23,7 @@ verification stays on (no --no-verify-ssl; AWS_CA_BUNDLE is passed on); 5xx / Sl
 connections are retried by s5cmd with backoff (`--retry-count`), and its retry notes are
 relayed, scrubbed, to our log.
 
-    engine = NativeTransfer(s5, source, "/models/x", files, 32, 32 << 20, None, True, cb, print)
+    engine = NativeTransfer(s5, source, "/models/x", files, TransferOptions(32, on_file=cb))
     results = engine.run()
 """
 
@@ -41,7 +41,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -55,7 +54,6 @@ from hgxserve.weights.errors import (
     WeightsError,
 )
 from hgxserve.weights.hashing import sha256_mapped
-from hgxserve.weights.progress import Progress
 from hgxserve.weights.safefs import DIR_FLAGS, READ, open_parent, sync_filesystem
 from hgxserve.weights.sources import S3Source
 from hgxserve.weights.transfer import (
@@ -63,6 +61,7 @@ from hgxserve.weights.transfer import (
     PARTS_SUFFIX,
     FileResult,
     SourceFile,
+    TransferOptions,
     io_error,
 )
 
@@ -226,25 +225,21 @@ class NativeTransfer:
         source: S3Source,
         dest: str,
         files: list[SourceFile],
-        concurrency: int,
-        part_size: int,
-        progress: Progress | None,
-        fsync: bool,
-        on_file: Callable[[FileResult], None],
-        log: Callable[[str], None],
+        options: TransferOptions,
     ) -> None:
         self.engine = engine
         self.source = source
         self.dest = dest
         self.files = sorted(files, key=lambda f: (-f.size, f.path))
         # Files fetched side by side and ranged GETs per file: `concurrency` requests in flight.
+        concurrency = options.concurrency
         self.workers = max(1, min(4, concurrency // 4, len(files)))
         self.per_file = max(1, concurrency // self.workers)
-        self.part_size = part_size
-        self.progress = progress
-        self.fsync = fsync
-        self.on_file = on_file
-        self.log = log
+        self.part_size = options.part_size
+        self.progress = options.progress
+        self.fsync = options.fsync
+        self.on_file = options.on_file
+        self.log = options.log
         self.staging = os.path.join(dest, STAGING_DIR)
         self._staging_fd: int | None = None
         self._lock = threading.Lock()
@@ -324,7 +319,8 @@ class NativeTransfer:
                     "again before they are trusted",
                 ) from None
         for result in self._done:
-            self.on_file(result)
+            if self.on_file:
+                self.on_file(result)
 
     def _run(self) -> list[FileResult]:
         by_name = {staged_name(f): f for f in self.files}

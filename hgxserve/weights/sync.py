@@ -38,7 +38,14 @@ from hgxserve.weights.state import (
     state_dir_for,
     write_marker,
 )
-from hgxserve.weights.transfer import PARTS_SUFFIX, FileResult, SourceFile, Transfer, io_error
+from hgxserve.weights.transfer import (
+    PARTS_SUFFIX,
+    FileResult,
+    SourceFile,
+    Transfer,
+    TransferOptions,
+    io_error,
+)
 
 DEFAULT_CONCURRENCY = S3_CONCURRENCY
 DEFAULT_PART_SIZE = S3_PART_SIZE_BYTES
@@ -523,6 +530,10 @@ class _Fetcher:
         self.progress = progress
         self.engine = engine
         self.lock = threading.Lock()
+        opts = run.opts
+        self.options = TransferOptions(
+            opts.concurrency, opts.part_size, progress, opts.fsync, self.on_file, opts.log
+        )
 
     def on_file(self, result: FileResult) -> None:
         with self.lock:
@@ -533,30 +544,10 @@ class _Fetcher:
                 self.out.verified_by[result.file.path] = result.file.verified_by
 
     def transfer(self, files: list[SourceFile], use_native: bool) -> list[FileResult]:
-        run, opts, source = self.run, self.run.opts, self.run.source
+        source, dest = self.run.source, self.run.dest
         if use_native and self.engine is not None and isinstance(source, S3Source):
-            return native.NativeTransfer(
-                self.engine,
-                source,
-                run.dest,
-                files,
-                opts.concurrency,
-                opts.part_size,
-                self.progress,
-                opts.fsync,
-                self.on_file,
-                opts.log,
-            ).run()
-        return Transfer(
-            source,
-            run.dest,
-            files,
-            opts.concurrency,
-            opts.part_size,
-            self.progress,
-            opts.fsync,
-            self.on_file,
-        ).run()
+            return native.NativeTransfer(self.engine, source, dest, files, self.options).run()
+        return Transfer(source, dest, files, self.options).run()
 
     def group(self, files: list[SourceFile], use_native: bool) -> None:
         """Fetch the files; a resumed file that does not verify is fetched afresh once."""

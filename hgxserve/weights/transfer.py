@@ -13,7 +13,7 @@ in flight, so the bounded pool cannot deadlock. A file is renamed into place onl
 matches; a resumed file re-reads its recorded parts from the .partial instead of downloading
 them again.
 
-    engine = Transfer(source, "/models/x", files, concurrency=16, part_size=32 << 20)
+    engine = Transfer(source, "/models/x", files, TransferOptions(concurrency=16))
     results = engine.run()
 """
 
@@ -26,9 +26,10 @@ import hashlib
 import json
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from hgxserve.base.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
@@ -328,6 +329,24 @@ def _part_order(jobs: list[_Job], part_size: int, streams: int) -> list[tuple[_J
     return order
 
 
+def _log_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class TransferOptions:
+    """How an engine fetches: requests in flight, bytes per ranged request, the progress meter,
+    whether parts and files are pushed to disk, who hears of each finished file, where notes
+    go."""
+
+    concurrency: int = S3_CONCURRENCY
+    part_size: int = S3_PART_SIZE_BYTES
+    progress: Progress | None = None
+    fsync: bool = True
+    on_file: Callable[[FileResult], None] | None = None
+    log: Callable[[str], None] = field(default=_log_line)
+
+
 class Transfer:
     """Fetch `files` from `source` into `dest` with inline sha256 and resumable .partial files."""
 
@@ -336,20 +355,17 @@ class Transfer:
         source: Source,
         dest: str,
         files: list[SourceFile],
-        concurrency: int = S3_CONCURRENCY,
-        part_size: int = S3_PART_SIZE_BYTES,
-        progress: Progress | None = None,
-        fsync: bool = True,
-        on_file: Callable[[FileResult], None] | None = None,
+        options: TransferOptions | None = None,
     ) -> None:
+        options = options or TransferOptions()
         self.source = source
         self.dest = dest
         self.files = files
-        self.concurrency = max(1, concurrency)
-        self.part_size = part_size
-        self.progress = progress
-        self.fsync = fsync
-        self.on_file = on_file
+        self.concurrency = max(1, options.concurrency)
+        self.part_size = part_size = options.part_size
+        self.progress = options.progress
+        self.fsync = options.fsync
+        self.on_file = options.on_file
         # Files hashed side by side: enough to keep both cores of a small host hashing, few
         # enough that each file has several parts in flight and its hash rarely waits.
         self.hash_streams = max(1, min(4, self.concurrency // 4))

