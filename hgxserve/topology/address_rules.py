@@ -5,11 +5,11 @@ listener a peer on another host dials bound where that peer can reach it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hgxserve.topology.addresses import address_problem, canonical, hostport_problem, url_problem
-from hgxserve.topology.model import CephfsSource, S3Source, Topology, is_loopback
+from hgxserve.topology.model import CephfsSource, Engine, S3Source, Topology, is_loopback
 from hgxserve.topology.ports import engine_bind, proxy_targets, setting_path
 from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.registry import Finding, rule
@@ -88,6 +88,20 @@ def _binds(engine_name: str, bind: str, written: str | None, host: str) -> str:
     return f"{engine_name} binds {bind} on {host}{default}"
 
 
+def _loopback_binds(
+    topo: Topology, names: Iterable[str], dialer: str
+) -> Iterator[tuple[str, Engine, str]]:
+    """(name, engine, bind) of each engine in `names` whose head is a known host other than
+    `dialer` and that binds to loopback there."""
+    for name in names:
+        engine = topo.engines.get(name)
+        if engine is None or engine.head == dialer or engine.head not in topo.hosts:
+            continue
+        bind = engine_bind(topo, engine)
+        if is_loopback(bind):
+            yield name, engine, bind
+
+
 @rule(
     "reachable",
     "error",
@@ -98,18 +112,13 @@ def reachable(topo: Topology) -> Iterator[Finding]:
     proxy = topo.proxy
     if proxy is None:
         return
-    for name in sorted(proxy_targets(topo)):
-        engine = topo.engines.get(name)
-        if engine is None or engine.head == proxy.host or engine.head not in topo.hosts:
-            continue
-        bind = engine_bind(topo, engine)
-        if is_loopback(bind):
-            yield (
-                setting_path(topo, name, "bind"),
-                f"{_binds(name, bind, engine.bind, engine.head)}, but the proxy on {proxy.host} "
-                f"must reach it; bind 0.0.0.0 (or {topo.hosts[engine.head].address}), or run the "
-                f"proxy on {engine.head}",
-            )
+    for name, engine, bind in _loopback_binds(topo, sorted(proxy_targets(topo)), proxy.host):
+        yield (
+            setting_path(topo, name, "bind"),
+            f"{_binds(name, bind, engine.bind, engine.head)}, but the proxy on {proxy.host} "
+            f"must reach it; bind 0.0.0.0 (or {topo.hosts[engine.head].address}), or run the "
+            f"proxy on {engine.head}",
+        )
     gate = topo.gate.from_host
     if gate is None or gate == proxy.host or gate not in topo.hosts:
         return
@@ -121,15 +130,11 @@ def reachable(topo: Topology) -> Iterator[Finding]:
             f"{topo.hosts[proxy.host].address}, or drop gate.from",
         )
     for route in proxy.routes:
-        for name in dict.fromkeys((*route.prefill, *route.decode)):
-            engine = topo.engines.get(name)
-            if engine is None or engine.head == gate:
-                continue
-            bind = engine_bind(topo, engine)
-            if is_loopback(bind):
-                yield (
-                    setting_path(topo, name, "bind"),
-                    f"{_binds(name, bind, engine.bind, engine.head)}, but the gate on {gate} "
-                    "(gate.from) reads its /metrics for the KV evidence; bind 0.0.0.0 (or "
-                    f"{topo.hosts[engine.head].address}), or drop gate.from",
-                )
+        routed = dict.fromkeys((*route.prefill, *route.decode))
+        for name, engine, bind in _loopback_binds(topo, routed, gate):
+            yield (
+                setting_path(topo, name, "bind"),
+                f"{_binds(name, bind, engine.bind, engine.head)}, but the gate on {gate} "
+                "(gate.from) reads its /metrics for the KV evidence; bind 0.0.0.0 (or "
+                f"{topo.hosts[engine.head].address}), or drop gate.from",
+            )

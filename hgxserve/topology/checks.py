@@ -16,7 +16,7 @@ from typing import Any
 from hgxserve.base.cachelayout import ENV_SUBDIRS
 from hgxserve.base.paths import CONFIG_DIR, TOPOLOGY_FILES_DIR
 from hgxserve.topology.engine_args import arg_of_flag
-from hgxserve.topology.model import Engine, Topology, is_loopback
+from hgxserve.topology.model import Engine, Proxy, Topology, is_loopback
 from hgxserve.topology.ports import (
     UNSPECIFIED,
     listeners_by_host,
@@ -26,7 +26,7 @@ from hgxserve.topology.ports import (
     warmup_targets,
 )
 from hgxserve.topology.problems import JsonPath
-from hgxserve.topology.registry import Finding, rule
+from hgxserve.topology.registry import ROUTERS, Finding, engine_rule, proxy_rule, rule
 
 HOPPER = ("H20", "H20-3e", "H100", "H800", "H200")
 BLACKWELL = ("B200",)
@@ -64,6 +64,11 @@ def _fmt(value: Any) -> str:
     if isinstance(value, dict):
         return json.dumps(value, sort_keys=True)
     return str(value)
+
+
+def _gpu_kinds(topo: Topology, engine: Engine) -> list[str]:
+    """The GPU kinds of the (known) hosts an engine runs on, sorted."""
+    return sorted({topo.hosts[h].gpu for h in engine.hosts if h in topo.hosts})
 
 
 def _pd_engines(topo: Topology) -> list[Engine]:
@@ -146,20 +151,19 @@ def host_known(topo: Topology) -> Iterator[Finding]:
         )
 
 
-@rule("gpu-index-range", "error", "GPU indices exist on the host (index < host gpus).")
-def gpu_index_range(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        for host_name, gpus in engine.place.items():
-            host = topo.hosts.get(host_name)
-            if host is None:
-                continue
-            for i, gpu in enumerate(gpus):
-                if gpu >= host.gpus:
-                    yield (
-                        ("engines", engine.name, "place", host_name, i),
-                        f"GPU {gpu} does not exist on {host_name}: it has {host.gpus} GPUs "
-                        f"(indices 0-{host.gpus - 1})",
-                    )
+@engine_rule("gpu-index-range", "error", "GPU indices exist on the host (index < host gpus).")
+def gpu_index_range(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    for host_name, gpus in engine.place.items():
+        host = topo.hosts.get(host_name)
+        if host is None:
+            continue
+        for i, gpu in enumerate(gpus):
+            if gpu >= host.gpus:
+                yield (
+                    ("engines", engine.name, "place", host_name, i),
+                    f"GPU {gpu} does not exist on {host_name}: it has {host.gpus} GPUs "
+                    f"(indices 0-{host.gpus - 1})",
+                )
 
 
 @rule("gpu-overlap", "error", "No GPU is used by two engines on one host.")
@@ -177,51 +181,51 @@ def gpu_overlap(topo: Topology) -> Iterator[Finding]:
                     )
 
 
-@rule("gpu-count", "error", "tp x dp x pp equals the GPUs placed; each host holds whole DP ranks.")
-def gpu_count(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.dp_attention and engine.tp % engine.dp:
-            continue  # sglang-dp-attention reports it
-        product = engine.world_size
-        placed = engine.gpu_count
-        if engine.dp_attention:
-            formula = f"tp {engine.tp} (DP attention inside tp) x pp {engine.pp}"
-        else:
-            formula = f"tp {engine.tp} x dp {engine.dp} x pp {engine.pp}"
-        if product != placed:
+@engine_rule(
+    "gpu-count", "error", "tp x dp x pp equals the GPUs placed; each host holds whole DP ranks."
+)
+def gpu_count(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.dp_attention and engine.tp % engine.dp:
+        return  # sglang-dp-attention reports it
+    product = engine.world_size
+    placed = engine.gpu_count
+    if engine.dp_attention:
+        formula = f"tp {engine.tp} (DP attention inside tp) x pp {engine.pp}"
+    else:
+        formula = f"tp {engine.tp} x dp {engine.dp} x pp {engine.pp}"
+    if product != placed:
+        yield (
+            setting_path(topo, engine.name, "place"),
+            f"{formula} = {product} GPUs, but {placed} are placed; place {product} GPUs "
+            f"or change tp/dp/pp so that the product is {placed}",
+        )
+        return
+    if not engine.is_multi_node:
+        return
+    per_rank = engine.gpus_per_dp_rank
+    for host_name, gpus in engine.place.items():
+        if len(gpus) % per_rank:
             yield (
-                setting_path(topo, engine.name, "place"),
-                f"{formula} = {product} GPUs, but {placed} are placed; place {product} GPUs "
-                f"or change tp/dp/pp so that the product is {placed}",
+                ("engines", engine.name, "place", host_name),
+                f"{host_name} holds {len(gpus)} GPUs of {engine.name}, not a whole number of "
+                f"DP ranks of {per_rank} GPUs (tp {engine.tp} x pp {engine.pp}); a "
+                f"multi-host engine places a multiple of {per_rank} GPUs on each host "
+                "(tensor parallelism stays inside one host; DP ranks spread over hosts)",
             )
-            continue
-        if not engine.is_multi_node:
-            continue
-        per_rank = engine.gpus_per_dp_rank
-        for host_name, gpus in engine.place.items():
-            if len(gpus) % per_rank:
+
+
+@engine_rule("multi-host-gpu-kind", "error", "A multi-host engine uses one GPU kind on every host.")
+def multi_host_gpu_kind(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    kinds = {h: topo.hosts[h].gpu for h in engine.hosts if h in topo.hosts}
+    if len(set(kinds.values())) > 1:
+        head_kind = kinds.get(engine.head)
+        for host_name, kind in kinds.items():
+            if kind != head_kind:
                 yield (
                     ("engines", engine.name, "place", host_name),
-                    f"{host_name} holds {len(gpus)} GPUs of {engine.name}, not a whole number of "
-                    f"DP ranks of {per_rank} GPUs (tp {engine.tp} x pp {engine.pp}); a "
-                    f"multi-host engine places a multiple of {per_rank} GPUs on each host "
-                    "(tensor parallelism stays inside one host; DP ranks spread over hosts)",
+                    f"{host_name} has {kind} GPUs but the head {engine.head} has "
+                    f"{head_kind}; a multi-host engine needs the same GPU kind on every host",
                 )
-
-
-@rule("multi-host-gpu-kind", "error", "A multi-host engine uses one GPU kind on every host.")
-def multi_host_gpu_kind(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        kinds = {h: topo.hosts[h].gpu for h in engine.hosts if h in topo.hosts}
-        if len(set(kinds.values())) > 1:
-            head_kind = kinds.get(engine.head)
-            for host_name, kind in kinds.items():
-                if kind != head_kind:
-                    yield (
-                        ("engines", engine.name, "place", host_name),
-                        f"{host_name} has {kind} GPUs but the head {engine.head} has "
-                        f"{head_kind}; a multi-host engine needs the same GPU kind on every host",
-                    )
 
 
 # -- 2. Ports ------------------------------------------------------------------------------------
@@ -307,42 +311,63 @@ def env_owned(topo: Topology) -> Iterator[Finding]:
                     )
 
 
-@rule(
+@engine_rule(
     "remote-code-integrity",
     "error",
     "trust_remote_code runs Python from the model tree: only with sha256-verified weights.",
 )
-def remote_code_integrity(topo: Topology) -> Iterator[Finding]:
+def remote_code_integrity(topo: Topology, engine: Engine) -> Iterator[Finding]:
     if topo.model.integrity == "sha256":
         return
-    for engine in topo.engines.values():
-        if engine.args.get("trust_remote_code"):
-            yield (
-                setting_path(topo, engine.name, "args", "trust_remote_code"),
-                "trust_remote_code runs Python from the model tree inside the engine; "
-                "with model.integrity: size-etag nothing proves those files are the published "
-                "ones: publish a manifest and drop the opt-out, or turn trust_remote_code off",
-            )
+    if engine.args.get("trust_remote_code"):
+        yield (
+            setting_path(topo, engine.name, "args", "trust_remote_code"),
+            "trust_remote_code runs Python from the model tree inside the engine; "
+            "with model.integrity: size-etag nothing proves those files are the published "
+            "ones: publish a manifest and drop the opt-out, or turn trust_remote_code off",
+        )
 
 
 # -- 3. P/D --------------------------------------------------------------------------------------
 
 
-@rule("pd-kv-required", "error", "Prefill and decode engines have kv; combined engines do not.")
-def pd_kv_required(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.role in ("prefill", "decode") and engine.kv is None:
-            yield (
-                ("engines", engine.name, "role"),
-                f"a {engine.role} engine needs kv (e.g. kv: {{connector: nixl}}) to hand the KV "
-                "cache over; without it decode recomputes every prompt",
-            )
-        elif engine.role == "combined" and engine.kv is not None:
-            yield (
-                setting_path(topo, engine.name, "kv"),
-                "a combined engine serves whole requests and takes no kv; remove kv or make it "
-                "a prefill or decode engine",
-            )
+@engine_rule(
+    "pd-kv-required", "error", "Prefill and decode engines have kv; combined engines do not."
+)
+def pd_kv_required(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.role in ("prefill", "decode") and engine.kv is None:
+        yield (
+            ("engines", engine.name, "role"),
+            f"a {engine.role} engine needs kv (e.g. kv: {{connector: nixl}}) to hand the KV "
+            "cache over; without it decode recomputes every prompt",
+        )
+    elif engine.role == "combined" and engine.kv is not None:
+        yield (
+            setting_path(topo, engine.name, "kv"),
+            "a combined engine serves whole requests and takes no kv; remove kv or make it "
+            "a prefill or decode engine",
+        )
+
+
+def _listed(topo: Topology, at: JsonPath, name: str, role: str, only: str) -> Iterator[Finding]:
+    """An engine the proxy lists at `at` exists and has the role the list is for."""
+    target = topo.engines.get(name)
+    if target is None:
+        yield (at, f"unknown engine '{name}'; engines are: {', '.join(topo.engines)}")
+    elif target.role != role:
+        yield (at, f"{name} is a {target.role} engine; {only}")
+
+
+def _proxy_members(topo: Topology, proxy: Proxy) -> Iterator[Finding]:
+    for index, route in enumerate(proxy.routes):
+        for side in ("prefill", "decode"):
+            for j, name in enumerate(getattr(route, side)):
+                at: JsonPath = ("proxy", "routes", index, side, j)
+                only = f"routes[{index}].{side} lists {side} engines only"
+                yield from _listed(topo, at, name, side, only)
+    for j, name in enumerate(proxy.combined):
+        only = "proxy.combined lists combined engines only (put P/D engines in proxy.routes)"
+        yield from _listed(topo, ("proxy", "combined", j), name, "combined", only)
 
 
 @rule(
@@ -369,31 +394,7 @@ def pd_route(topo: Topology) -> Iterator[Finding]:
             )
     if proxy is None:
         return
-    known = ", ".join(topo.engines)
-    for index, route in enumerate(proxy.routes):
-        for side in ("prefill", "decode"):
-            for j, name in enumerate(getattr(route, side)):
-                target = topo.engines.get(name)
-                at: JsonPath = ("proxy", "routes", index, side, j)
-                if target is None:
-                    yield (at, f"unknown engine '{name}'; engines are: {known}")
-                elif target.role != side:
-                    yield (
-                        at,
-                        f"{name} is a {target.role} engine; routes[{index}].{side} lists "
-                        f"{side} engines only",
-                    )
-    for j, name in enumerate(proxy.combined):
-        target = topo.engines.get(name)
-        at = ("proxy", "combined", j)
-        if target is None:
-            yield (at, f"unknown engine '{name}'; engines are: {known}")
-        elif target.role != "combined":
-            yield (
-                at,
-                f"{name} is a {target.role} engine; proxy.combined lists combined engines "
-                "only (put P/D engines in proxy.routes)",
-            )
+    yield from _proxy_members(topo, proxy)
     routed = {n for r in proxy.routes for n in (*r.prefill, *r.decode)}
     for engine in pd:
         if engine.name not in routed:
@@ -404,11 +405,10 @@ def pd_route(topo: Topology) -> Iterator[Finding]:
             )
 
 
-@rule("proxy-targets", "error", "The proxy routes somewhere; a prompt-length split has both sides.")
-def proxy_targets_rule(topo: Topology) -> Iterator[Finding]:
-    proxy = topo.proxy
-    if proxy is None:
-        return
+@proxy_rule(
+    "proxy-targets", "error", "The proxy routes somewhere; a prompt-length split has both sides."
+)
+def proxy_targets_rule(topo: Topology, proxy: Proxy) -> Iterator[Finding]:
     if not proxy.routes and not proxy.combined:
         yield (
             ("proxy",),
@@ -423,24 +423,24 @@ def proxy_targets_rule(topo: Topology) -> Iterator[Finding]:
         )
 
 
-@rule("proxy-combined-unlisted", "warning", "Combined engines are reachable through the proxy.")
-def proxy_combined_unlisted(topo: Topology) -> Iterator[Finding]:
+@engine_rule(
+    "proxy-combined-unlisted", "warning", "Combined engines are reachable through the proxy."
+)
+def proxy_combined_unlisted(topo: Topology, engine: Engine) -> Iterator[Finding]:
     if topo.proxy is None:
         return
-    for engine in topo.engines.values():
-        if engine.role == "combined" and engine.name not in topo.proxy.combined:
-            yield (
-                ("engines", engine.name, "role"),
-                f"combined engine {engine.name} is not in proxy.combined, so the proxy never "
-                "sends it requests; add it there",
-            )
+    if engine.role == "combined" and engine.name not in topo.proxy.combined:
+        yield (
+            ("engines", engine.name, "role"),
+            f"combined engine {engine.name} is not in proxy.combined, so the proxy never "
+            "sends it requests; add it there",
+        )
 
 
-@rule("proxy-kind", "error", "The router kind matches the engines' P/D protocol.")
-def proxy_kind(topo: Topology) -> Iterator[Finding]:
-    proxy = topo.proxy
-    if proxy is None or proxy.kind == "hgxserve":
-        return
+@proxy_rule(
+    "proxy-kind", "error", "The router kind matches the engines' P/D protocol.", kinds=ROUTERS
+)
+def proxy_kind(topo: Topology, proxy: Proxy) -> Iterator[Finding]:
     want = "vllm" if proxy.kind == "vllm-router" else "sglang"
     for name in sorted(proxy_targets(topo)):
         engine = topo.engines.get(name)
@@ -648,62 +648,60 @@ def pd_side_channel_unspecified(topo: Topology) -> Iterator[Finding]:
             )
 
 
-@rule(
+@engine_rule(
     "side-channel-multi-host",
     "error",
     "A multi-host engine's side channel host is 'auto' (one address per host).",
 )
-def side_channel_multi_host(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if not engine.is_multi_node or not uses_nixl_side_channel(engine):
-            continue
-        written = engine.kv.side_channel_host if engine.kv else None
-        if written in (None, "auto", *UNSPECIFIED):
-            continue
-        yield (
-            setting_path(topo, engine.name, "kv", "side_channel", "host"),
-            f"{engine.name} runs DP ranks on {', '.join(engine.hosts)}, each advertising its "
-            f"own host's side channel, but host {written} names one address; use 'auto' (each "
-            "host's side_channel_address)",
-        )
+def side_channel_multi_host(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if not engine.is_multi_node or not uses_nixl_side_channel(engine):
+        return
+    written = engine.kv.side_channel_host if engine.kv else None
+    if written in (None, "auto", *UNSPECIFIED):
+        return
+    yield (
+        setting_path(topo, engine.name, "kv", "side_channel", "host"),
+        f"{engine.name} runs DP ranks on {', '.join(engine.hosts)}, each advertising its "
+        f"own host's side channel, but host {written} names one address; use 'auto' (each "
+        "host's side_channel_address)",
+    )
 
 
 # -- 4. Attention heads --------------------------------------------------------------------------
 
 
-@rule(
+@engine_rule(
     "heads-per-rank",
     "warning",
     "DSA (FlashMLA-sparse): heads per TP rank a multiple of 64 on Hopper, 128 on Blackwell.",
 )
-def heads_per_rank(topo: Topology) -> Iterator[Finding]:
+def heads_per_rank(topo: Topology, engine: Engine) -> Iterator[Finding]:
     arch = topo.model.architecture
     heads = arch.attention_heads
     if arch.attention != "dsa" or not heads:
         return
-    for engine in topo.engines.values():
-        kinds = sorted({topo.hosts[h].gpu for h in engine.hosts if h in topo.hosts})
-        if not kinds:
-            continue
-        granule = 128 if any(k in BLACKWELL for k in kinds) else 64
-        if not any(k in HOPPER + BLACKWELL for k in kinds):
-            continue
-        attention_tp = engine.tp
-        note = ""
-        if engine.engine == "sglang" and engine.args.get("enable_dp_attention") and engine.dp > 1:
-            attention_tp = max(1, engine.tp // engine.dp)
-            note = f" (DP attention: tp {engine.tp} / dp {engine.dp})"
-        per_rank = heads // attention_tp
-        if heads % attention_tp == 0 and per_rank % granule == 0:
-            continue
-        yield (
-            setting_path(topo, engine.name, "tp"),
-            f"{heads} attention heads / tp {attention_tp}{note} = {per_rank} heads per rank; "
-            f"FlashMLA-sparse (DSA) on {'/'.join(kinds)} computes heads per rank in multiples of "
-            f"{granule}, so each rank pads to {granule} and wastes work (seed 000 §4.4.2: "
-            f"DeepSeek V3.2 128 heads -> TP in {{1, 2}} on Hopper); "
-            + _heads_advice(topo, engine, heads, granule),
-        )
+    kinds = _gpu_kinds(topo, engine)
+    if not kinds:
+        return
+    granule = 128 if any(k in BLACKWELL for k in kinds) else 64
+    if not any(k in HOPPER + BLACKWELL for k in kinds):
+        return
+    attention_tp = engine.tp
+    note = ""
+    if engine.engine == "sglang" and engine.args.get("enable_dp_attention") and engine.dp > 1:
+        attention_tp = max(1, engine.tp // engine.dp)
+        note = f" (DP attention: tp {engine.tp} / dp {engine.dp})"
+    per_rank = heads // attention_tp
+    if heads % attention_tp == 0 and per_rank % granule == 0:
+        return
+    yield (
+        setting_path(topo, engine.name, "tp"),
+        f"{heads} attention heads / tp {attention_tp}{note} = {per_rank} heads per rank; "
+        f"FlashMLA-sparse (DSA) on {'/'.join(kinds)} computes heads per rank in multiples of "
+        f"{granule}, so each rank pads to {granule} and wastes work (seed 000 §4.4.2: "
+        f"DeepSeek V3.2 128 heads -> TP in {{1, 2}} on Hopper); "
+        + _heads_advice(topo, engine, heads, granule),
+    )
 
 
 def _heads_advice(topo: Topology, engine: Engine, heads: int, granule: int) -> str:
@@ -774,130 +772,135 @@ def _heads_advice_by_size(topo: Topology, engine: Engine, sizes: list[int]) -> s
 # -- 5. Known-bad combinations -------------------------------------------------------------------
 
 
-@rule("eplb-log-balancedness", "warning", "EPLB log_balancedness is off where decode runs.")
-def eplb_log_balancedness(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        eplb = engine.args.get("eplb_config") or {}
-        if engine.role in ("decode", "combined") and eplb.get("log_balancedness") is True:
-            yield (
-                setting_path(topo, engine.name, "args", "eplb_config", "log_balancedness"),
-                "EPLB log_balancedness copies expert load from GPU to host every step (24 ms "
-                "eplb-step): seed 000 §5.3.2 measured decode output 4969.65 tok/s without EPLB "
-                "and 1618.92 tok/s with it, 5339.16 after the fix; set log_balancedness: false",
-            )
+@engine_rule("eplb-log-balancedness", "warning", "EPLB log_balancedness is off where decode runs.")
+def eplb_log_balancedness(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    eplb = engine.args.get("eplb_config") or {}
+    if engine.role in ("decode", "combined") and eplb.get("log_balancedness") is True:
+        yield (
+            setting_path(topo, engine.name, "args", "eplb_config", "log_balancedness"),
+            "EPLB log_balancedness copies expert load from GPU to host every step (24 ms "
+            "eplb-step): seed 000 §5.3.2 measured decode output 4969.65 tok/s without EPLB "
+            "and 1618.92 tok/s with it, 5339.16 after the fix; set log_balancedness: false",
+        )
 
 
-@rule(
+@engine_rule(
     "async-scheduling-dp",
     "warning",
     "Keep async scheduling with DP; use disable_nccl_for_dp_synchronization: false instead.",
+    engine="vllm",
 )
-def async_scheduling_dp(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.engine != "vllm" or engine.dp < 2:
-            continue
-        if engine.args.get("async_scheduling") is not False:
-            continue
-        version = _version(engine.version)
-        if version is not None and version < VLLM_NCCL_DP_SYNC:
-            continue
+def async_scheduling_dp(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.dp < 2:
+        return
+    if engine.args.get("async_scheduling") is not False:
+        return
+    version = _version(engine.version)
+    if version is not None and version < VLLM_NCCL_DP_SYNC:
+        return
+    yield (
+        setting_path(topo, engine.name, "args", "async_scheduling"),
+        "async_scheduling: false (--no-async-scheduling) drops the async scheduler; on vLLM "
+        f">= {_show_version(VLLM_NCCL_DP_SYNC)} (PR 32197) keep it and set "
+        "disable_nccl_for_dp_synchronization: false (--no-disable-nccl-for-dp-"
+        "synchronization) so DP padding syncs over NCCL (seed 000 §4.4.1: 9 ms -> 1 ms in "
+        "coordinate_batch_across_dp)",
+    )
+
+
+@engine_rule(
+    "mtp-pd-version",
+    "warning",
+    "Speculative decoding with P/D needs vLLM with PR 32175.",
+    engine="vllm",
+)
+def mtp_pd_version(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.role not in ("prefill", "decode"):
+        return
+    if not engine.args.get("speculative_config"):
+        return
+    version = _version(engine.version)
+    if version is not None and version >= VLLM_MTP_PD_FIX:
+        return
+    shown = f"version {engine.version}" if engine.version else "an unstated version"
+    yield (
+        setting_path(topo, engine.name, "args", "speculative_config"),
+        f"MTP/speculative decoding with P/D on vLLM {shown}: before PR 32175 requests "
+        "without draft results broke padding (seed 000 §5.3.3: 'Invalid reshape for "
+        "topk_indices', fp8_paged_mqa_logits batch size assertion); use vLLM >= "
+        f"{_show_version(VLLM_MTP_PD_FIX)} and set version",
+    )
+
+
+@engine_rule(
+    "ray-single-node",
+    "warning",
+    "Single-host vLLM engines use the mp executor, not ray.",
+    engine="vllm",
+)
+def ray_single_node(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.is_multi_node:
+        return
+    if engine.args.get("distributed_executor_backend") == "ray":
         yield (
-            setting_path(topo, engine.name, "args", "async_scheduling"),
-            "async_scheduling: false (--no-async-scheduling) drops the async scheduler; on vLLM "
-            f">= {_show_version(VLLM_NCCL_DP_SYNC)} (PR 32197) keep it and set "
-            "disable_nccl_for_dp_synchronization: false (--no-disable-nccl-for-dp-"
-            "synchronization) so DP padding syncs over NCCL (seed 000 §4.4.1: 9 ms -> 1 ms in "
-            "coordinate_batch_across_dp)",
+            setting_path(topo, engine.name, "args", "distributed_executor_backend"),
+            "the ray executor on a single-host engine produced garbage tokens (random "
+            "Chinese/English and symbols) with /health 200 in seed 003 §11.3; use "
+            "distributed_executor_backend: mp when the engine fits on one host",
         )
 
 
-@rule("mtp-pd-version", "warning", "Speculative decoding with P/D needs vLLM with PR 32175.")
-def mtp_pd_version(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.engine != "vllm" or engine.role not in ("prefill", "decode"):
-            continue
-        if not engine.args.get("speculative_config"):
-            continue
-        version = _version(engine.version)
-        if version is not None and version >= VLLM_MTP_PD_FIX:
-            continue
-        shown = f"version {engine.version}" if engine.version else "an unstated version"
-        yield (
-            setting_path(topo, engine.name, "args", "speculative_config"),
-            f"MTP/speculative decoding with P/D on vLLM {shown}: before PR 32175 requests "
-            "without draft results broke padding (seed 000 §5.3.3: 'Invalid reshape for "
-            "topk_indices', fp8_paged_mqa_logits batch size assertion); use vLLM >= "
-            f"{_show_version(VLLM_MTP_PD_FIX)} and set version",
-        )
-
-
-@rule("ray-single-node", "warning", "Single-host vLLM engines use the mp executor, not ray.")
-def ray_single_node(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.engine != "vllm" or engine.is_multi_node:
-            continue
-        if engine.args.get("distributed_executor_backend") == "ray":
-            yield (
-                setting_path(topo, engine.name, "args", "distributed_executor_backend"),
-                "the ray executor on a single-host engine produced garbage tokens (random "
-                "Chinese/English and symbols) with /health 200 in seed 003 §11.3; use "
-                "distributed_executor_backend: mp when the engine fits on one host",
-            )
-
-
-@rule("max-num-seqs-unset", "warning", "max_num_seqs is set (bounds CUDA-graph capture).")
-def max_num_seqs_unset(topo: Topology) -> Iterator[Finding]:
+@engine_rule("max-num-seqs-unset", "warning", "max_num_seqs is set (bounds CUDA-graph capture).")
+def max_num_seqs_unset(topo: Topology, engine: Engine) -> Iterator[Finding]:
     peak = max((w.concurrency for w in topo.warmup), default=None)
     hint = f" (the largest warmup concurrency is {peak})" if peak else ""
-    for engine in topo.engines.values():
-        if "max_num_seqs" in engine.args or engine.args.get("enforce_eager"):
-            continue
-        yield (
-            setting_path(topo, engine.name, "args"),
-            "max_num_seqs is not set: the engine default captures CUDA graphs for batch shapes "
-            "never used and lengthens every cold start (seed 003 §5, §12.2: 51 shapes in 394 s); "
-            f"set args.max_num_seqs to the concurrency you serve{hint}",
-        )
+    if "max_num_seqs" in engine.args or engine.args.get("enforce_eager"):
+        return
+    yield (
+        setting_path(topo, engine.name, "args"),
+        "max_num_seqs is not set: the engine default captures CUDA graphs for batch shapes "
+        "never used and lengthens every cold start (seed 003 §5, §12.2: 51 shapes in 394 s); "
+        f"set args.max_num_seqs to the concurrency you serve{hint}",
+    )
 
 
-@rule(
+@engine_rule(
     "sglang-health-generation",
     "warning",
     "SGLang /health does not generate (it pollutes load tests and P/D).",
+    engine="sglang",
 )
-def sglang_health_generation(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.engine != "sglang":
-            continue
-        value = engine.env.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
-        if value is None or value.lower() in ("0", "false", "no", "off", ""):
-            continue
-        extra = (
-            "; on a P/D engine a generating probe also needs its peer and can hang"
-            if engine.role != "combined"
-            else ""
-        )
-        yield (
-            setting_path(topo, engine.name, "env", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"),
-            "a generative /health runs a real prefill on every probe (seed 003 §12.4: a "
-            f"256-token prefill every 10 s polluted TTFT and throughput){extra}; set it to 0 "
-            "(the hgxserve default)",
-        )
+def sglang_health_generation(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    value = engine.env.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+    if value is None or value.lower() in ("0", "false", "no", "off", ""):
+        return
+    extra = (
+        "; on a P/D engine a generating probe also needs its peer and can hang"
+        if engine.role != "combined"
+        else ""
+    )
+    yield (
+        setting_path(topo, engine.name, "env", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"),
+        "a generative /health runs a real prefill on every probe (seed 003 §12.4: a "
+        f"256-token prefill every 10 s polluted TTFT and throughput){extra}; set it to 0 "
+        "(the hgxserve default)",
+    )
 
 
-@rule("served-name", "error", "Every engine the proxy routes to serves the model's served_name.")
-def served_name(topo: Topology) -> Iterator[Finding]:
+@engine_rule(
+    "served-name", "error", "Every engine the proxy routes to serves the model's served_name."
+)
+def served_name(topo: Topology, engine: Engine) -> Iterator[Finding]:
     targets = proxy_targets(topo)
-    for engine in topo.engines.values():
-        name = _override(engine, "--served-model-name")
-        if name is None or name == topo.model.served_name:
-            continue
-        routed = " the proxy routes it requests for" if engine.name in targets else " clients ask"
-        yield (
-            setting_path(topo, engine.name, "extra_args"),
-            f"{engine.name} serves '{name}' (--served-model-name in extra_args) but{routed} "
-            f"'{topo.model.served_name}' (model.served_name); remove the flag",
-        )
+    name = _override(engine, "--served-model-name")
+    if name is None or name == topo.model.served_name:
+        return
+    routed = " the proxy routes it requests for" if engine.name in targets else " clients ask"
+    yield (
+        setting_path(topo, engine.name, "extra_args"),
+        f"{engine.name} serves '{name}' (--served-model-name in extra_args) but{routed} "
+        f"'{topo.model.served_name}' (model.served_name); remove the flag",
+    )
 
 
 # flags the renderer writes from typed fields; repeating them in extra_args bypasses the rules
@@ -1053,18 +1056,19 @@ def secret_env(topo: Topology) -> Iterator[Finding]:
                 )
 
 
-@rule("sglang-dp-attention", "error", "SGLang DP attention needs dp > 1 dividing tp.")
-def sglang_dp_attention(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.engine != "sglang" or not engine.args.get("enable_dp_attention"):
-            continue
-        if engine.dp < 2 or engine.tp % engine.dp:
-            yield (
-                setting_path(topo, engine.name, "dp"),
-                f"enable_dp_attention splits tp {engine.tp} into dp attention groups: dp must be "
-                f"> 1 and divide tp, got dp {engine.dp} (seed 002: --tp-size 8 --dp-size 8 "
-                "--enable-dp-attention)",
-            )
+@engine_rule(
+    "sglang-dp-attention", "error", "SGLang DP attention needs dp > 1 dividing tp.", engine="sglang"
+)
+def sglang_dp_attention(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if not engine.args.get("enable_dp_attention"):
+        return
+    if engine.dp < 2 or engine.tp % engine.dp:
+        yield (
+            setting_path(topo, engine.name, "dp"),
+            f"enable_dp_attention splits tp {engine.tp} into dp attention groups: dp must be "
+            f"> 1 and divide tp, got dp {engine.dp} (seed 002: --tp-size 8 --dp-size 8 "
+            "--enable-dp-attention)",
+        )
 
 
 @rule("file-source", "error", "Every file under files: exists on the controller with its sha256.")
@@ -1106,28 +1110,27 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root + "/")
 
 
-@rule(
+@engine_rule(
     "engine-path-provided",
     "error",
     "A host path an engine arg names is provided: a topology file, the model, the runtime.",
 )
-def engine_path_provided(topo: Topology) -> Iterator[Finding]:
+def engine_path_provided(topo: Topology, engine: Engine) -> Iterator[Finding]:
     shipped = {spec.host_path: name for name, spec in topo.files.items()}
-    for engine in topo.engines.values():
-        roots = [topo.model.path, topo.cache.root]
-        if engine.runtime is not None and engine.runtime.venv:
-            roots.append(engine.runtime.venv)
-        for keys, flag, path in engine.host_paths():
-            if path in shipped or any(_under(path, root) for root in roots):
-                continue
-            name = path.rsplit("/", 1)[-1] or "file"
-            yield (
-                _setting_or_arg_path(topo, engine, keys),
-                f"{flag} points at {path}, which nothing provides on the hosts: add it under "
-                f"files: (e.g. files: {{{name}: {{source: ..., sha256: ...}}}}) and point at "
-                f"{TOPOLOGY_FILES_DIR}/{name}, or use a path inside the model "
-                f"({topo.model.path}) or the runtime",
-            )
+    roots = [topo.model.path, topo.cache.root]
+    if engine.runtime is not None and engine.runtime.venv:
+        roots.append(engine.runtime.venv)
+    for keys, flag, path in engine.host_paths():
+        if path in shipped or any(_under(path, root) for root in roots):
+            continue
+        name = path.rsplit("/", 1)[-1] or "file"
+        yield (
+            _setting_or_arg_path(topo, engine, keys),
+            f"{flag} points at {path}, which nothing provides on the hosts: add it under "
+            f"files: (e.g. files: {{{name}: {{source: ..., sha256: ...}}}}) and point at "
+            f"{TOPOLOGY_FILES_DIR}/{name}, or use a path inside the model "
+            f"({topo.model.path}) or the runtime",
+        )
 
 
 @rule(

@@ -14,13 +14,14 @@ from hgxserve.topology import cuda, fit
 from hgxserve.topology.checks import (
     HOPPER,
     VLLM_NCCL_DP_SYNC,
+    _gpu_kinds,
     _override,
     _show_version,
     _version,
 )
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import setting_path
-from hgxserve.topology.registry import Finding, rule
+from hgxserve.topology.registry import Finding, engine_rule, rule
 
 # vLLM removed the VLLM_ATTENTION_BACKEND variable after deprecating it (PR 26315, "will be
 # removed in v0.14.0"); vLLM 0.26.0 has no reader of it left (vllm-project/vllm#50292).
@@ -37,10 +38,6 @@ _FALSE = ("0", "false", "no", "off")
 
 def _falsy(value: str | None) -> bool:
     return value is not None and value.strip().lower() in _FALSE
-
-
-def _gpu_kinds(topo: Topology, engine: Engine) -> list[str]:
-    return sorted({topo.hosts[h].gpu for h in engine.hosts if h in topo.hosts})
 
 
 # -- attention -----------------------------------------------------------------------------------
@@ -66,176 +63,169 @@ def _backend_problem(attention: str, backend: str, kinds: list[str]) -> str | No
     )
 
 
-@rule(
+@engine_rule(
     "attention-backend",
     "error",
     "vLLM's attention backend can run the model's attention (MLA needs an MLA backend, DSA a "
     "sparse one).",
+    engine="vllm",
 )
-def attention_backend(topo: Topology) -> Iterator[Finding]:
+def attention_backend(topo: Topology, engine: Engine) -> Iterator[Finding]:
     attention = topo.model.architecture.attention
     if attention is None:
         return
-    for engine in topo.engines.values():
-        if engine.engine != "vllm":
+    kinds = _gpu_kinds(topo, engine)
+    for backend, path in (
+        (engine.args.get("attention_backend"), ("args", "attention_backend")),
+        (engine.env.get("VLLM_ATTENTION_BACKEND"), ("env", "VLLM_ATTENTION_BACKEND")),
+    ):
+        if not backend:
             continue
-        kinds = _gpu_kinds(topo, engine)
-        for backend, path in (
-            (engine.args.get("attention_backend"), ("args", "attention_backend")),
-            (engine.env.get("VLLM_ATTENTION_BACKEND"), ("env", "VLLM_ATTENTION_BACKEND")),
-        ):
-            if not backend:
-                continue
-            why = _backend_problem(attention, str(backend), kinds)
-            if why is None:
-                continue
-            fix = {
-                "dsa": f"use {SPARSE_BACKEND} (or leave the backend unset)",
-                "mla": "use an MLA backend such as FLASHMLA or TRITON_MLA (or leave it unset)",
-            }.get(attention, "use a non-MLA backend such as FLASH_ATTN (or leave it unset)")
-            yield (
-                setting_path(topo, engine.name, *path),
-                f"the model's attention is {attention} and vLLM refuses {backend} at start-up: "
-                f"'{why}' (seed 002: CUTLASS_MLA, FLASHMLA and TRITON_MLA all refused with "
-                f"'sparse not supported' for DeepSeek-V3.2); {fix}",
-            )
+        why = _backend_problem(attention, str(backend), kinds)
+        if why is None:
+            continue
+        fix = {
+            "dsa": f"use {SPARSE_BACKEND} (or leave the backend unset)",
+            "mla": "use an MLA backend such as FLASHMLA or TRITON_MLA (or leave it unset)",
+        }.get(attention, "use a non-MLA backend such as FLASH_ATTN (or leave it unset)")
+        yield (
+            setting_path(topo, engine.name, *path),
+            f"the model's attention is {attention} and vLLM refuses {backend} at start-up: "
+            f"'{why}' (seed 002: CUTLASS_MLA, FLASHMLA and TRITON_MLA all refused with "
+            f"'sparse not supported' for DeepSeek-V3.2); {fix}",
+        )
 
 
 _DCP_FLAGS = ("-dcp", "--decode-context-parallel-size")
 
 
-@rule(
+@engine_rule(
     "dcp-sparse",
     "error",
     "No decode context parallel with DSA (FlashMLA-sparse returns no softmax LSE).",
+    engine="vllm",
 )
-def dcp_sparse(topo: Topology) -> Iterator[Finding]:
+def dcp_sparse(topo: Topology, engine: Engine) -> Iterator[Finding]:
     if topo.model.architecture.attention != "dsa":
         return
-    for engine in topo.engines.values():
-        if engine.engine != "vllm":
-            continue
-        value = _override(engine, *_DCP_FLAGS)
-        if value is None or value.strip() == "1":
-            continue
-        yield (
-            setting_path(topo, engine.name, "extra_args"),
-            f"decode context parallel ({value}) needs the softmax log-sum-exp of each rank's "
-            "attention to merge them, and the FlashMLA-sparse backend that DSA models use does "
-            "not return it in decode: the engine fails (seed 002: DeepSeek-V3.2 -tp 8 -dcp 8; "
-            "vLLM issue 27544); remove the decode-context-parallel flag",
-        )
+    value = _override(engine, *_DCP_FLAGS)
+    if value is None or value.strip() == "1":
+        return
+    yield (
+        setting_path(topo, engine.name, "extra_args"),
+        f"decode context parallel ({value}) needs the softmax log-sum-exp of each rank's "
+        "attention to merge them, and the FlashMLA-sparse backend that DSA models use does "
+        "not return it in decode: the engine fails (seed 002: DeepSeek-V3.2 -tp 8 -dcp 8; "
+        "vLLM issue 27544); remove the decode-context-parallel flag",
+    )
 
 
-@rule(
+@engine_rule(
     "sglang-jit-deepgemm",
     "error",
     "SGLang keeps DeepGEMM on for DSA models (SGLANG_ENABLE_JIT_DEEPGEMM=0 stops the server).",
+    engine="sglang",
 )
-def sglang_jit_deepgemm(topo: Topology) -> Iterator[Finding]:
+def sglang_jit_deepgemm(topo: Topology, engine: Engine) -> Iterator[Finding]:
     if topo.model.architecture.attention != "dsa":
         return
-    for engine in topo.engines.values():
-        if engine.engine != "sglang":
-            continue
-        value = engine.env.get("SGLANG_ENABLE_JIT_DEEPGEMM")
-        if not _falsy(value):
-            continue
-        yield (
-            setting_path(topo, engine.name, "env", "SGLANG_ENABLE_JIT_DEEPGEMM"),
-            f"SGLANG_ENABLE_JIT_DEEPGEMM={value} turns DeepGEMM off, and SGLang could not start "
-            "DeepSeek-V3.2 without it (seed 002: 'disabling DeepGEMM, the server cannot "
-            "start'); remove the variable",
-        )
+    value = engine.env.get("SGLANG_ENABLE_JIT_DEEPGEMM")
+    if not _falsy(value):
+        return
+    yield (
+        setting_path(topo, engine.name, "env", "SGLANG_ENABLE_JIT_DEEPGEMM"),
+        f"SGLANG_ENABLE_JIT_DEEPGEMM={value} turns DeepGEMM off, and SGLang could not start "
+        "DeepSeek-V3.2 without it (seed 002: 'disabling DeepGEMM, the server cannot "
+        "start'); remove the variable",
+    )
 
 
-@rule(
+@engine_rule(
     "vllm-attention-backend-env",
     "error",
     "No VLLM_ATTENTION_BACKEND env on vLLM >= 0.14 (ignored); use args.attention_backend.",
+    engine="vllm",
 )
-def vllm_attention_backend_env(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.engine != "vllm" or "VLLM_ATTENTION_BACKEND" not in engine.env:
-            continue
-        version = _version(engine.version)
-        if version is not None and version < VLLM_ATTENTION_ENV_REMOVED:
-            continue
-        shown = f"vLLM {engine.version}" if engine.version else "vLLM of an unstated version"
-        value = engine.env["VLLM_ATTENTION_BACKEND"]
-        yield (
-            setting_path(topo, engine.name, "env", "VLLM_ATTENTION_BACKEND"),
-            f"{shown} no longer reads VLLM_ATTENTION_BACKEND (deprecated by vLLM PR 26315, gone "
-            f"from {_show_version(VLLM_ATTENTION_ENV_REMOVED)}; 0.26.0 ignores it silently, vLLM "
-            f"issue 50292), so the engine picks its own backend; set args.attention_backend: "
-            f"{value} instead (seed 002 still used the variable, on vLLM 0.13.0)",
-        )
+def vllm_attention_backend_env(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if "VLLM_ATTENTION_BACKEND" not in engine.env:
+        return
+    version = _version(engine.version)
+    if version is not None and version < VLLM_ATTENTION_ENV_REMOVED:
+        return
+    shown = f"vLLM {engine.version}" if engine.version else "vLLM of an unstated version"
+    value = engine.env["VLLM_ATTENTION_BACKEND"]
+    yield (
+        setting_path(topo, engine.name, "env", "VLLM_ATTENTION_BACKEND"),
+        f"{shown} no longer reads VLLM_ATTENTION_BACKEND (deprecated by vLLM PR 26315, gone "
+        f"from {_show_version(VLLM_ATTENTION_ENV_REMOVED)}; 0.26.0 ignores it silently, vLLM "
+        f"issue 50292), so the engine picks its own backend; set args.attention_backend: "
+        f"{value} instead (seed 002 still used the variable, on vLLM 0.13.0)",
+    )
 
 
 # -- data parallel and experts -------------------------------------------------------------------
 
 
-@rule(
+@engine_rule(
     "dp-nccl-sync",
     "warning",
     "vLLM DP with async scheduling syncs DP padding over NCCL, not the CPU.",
+    engine="vllm",
 )
-def dp_nccl_sync(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.engine != "vllm" or engine.dp < 2:
-            continue
-        async_on = engine.args.get("async_scheduling")
-        if async_on is False:
-            continue  # async-scheduling-dp covers dropping the async scheduler
-        version = _version(engine.version)
-        if async_on is None and version is not None and version < VLLM_ASYNC_DEFAULT:
-            continue  # async scheduling is off by default there
-        if engine.args.get("disable_nccl_for_dp_synchronization") is False:
-            continue
-        if "--no-disable-nccl-for-dp-synchronization" in engine.extra_args:
-            continue
-        evidence = (
-            "'DP Using CPU all reduce to synchronize DP padding between ranks' is logged and "
-            "coordinate_batch_across_dp takes 9 ms instead of 1 ms per step (seeds 000/001 "
-            "§4.4.1)"
-        )
-        if version is not None and version < VLLM_NCCL_DP_SYNC:
-            yield (
-                setting_path(topo, engine.name, "args", "async_scheduling"),
-                f"dp {engine.dp} with async scheduling on vLLM {engine.version}: {evidence}; "
-                f"this version lacks --no-disable-nccl-for-dp-synchronization (vLLM >= "
-                f"{_show_version(VLLM_NCCL_DP_SYNC)}, PR 32197), so set async_scheduling: false "
-                "or upgrade",
-            )
-            continue
+def dp_nccl_sync(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.dp < 2:
+        return
+    async_on = engine.args.get("async_scheduling")
+    if async_on is False:
+        return  # async-scheduling-dp covers dropping the async scheduler
+    version = _version(engine.version)
+    if async_on is None and version is not None and version < VLLM_ASYNC_DEFAULT:
+        return  # async scheduling is off by default there
+    if engine.args.get("disable_nccl_for_dp_synchronization") is False:
+        return
+    if "--no-disable-nccl-for-dp-synchronization" in engine.extra_args:
+        return
+    evidence = (
+        "'DP Using CPU all reduce to synchronize DP padding between ranks' is logged and "
+        "coordinate_batch_across_dp takes 9 ms instead of 1 ms per step (seeds 000/001 "
+        "§4.4.1)"
+    )
+    if version is not None and version < VLLM_NCCL_DP_SYNC:
         yield (
-            setting_path(topo, engine.name, "args", "disable_nccl_for_dp_synchronization"),
-            f"dp {engine.dp} with async scheduling: {evidence}; set "
-            "disable_nccl_for_dp_synchronization: false (--no-disable-nccl-for-dp-"
-            "synchronization) to keep async scheduling and sync over NCCL",
+            setting_path(topo, engine.name, "args", "async_scheduling"),
+            f"dp {engine.dp} with async scheduling on vLLM {engine.version}: {evidence}; "
+            f"this version lacks --no-disable-nccl-for-dp-synchronization (vLLM >= "
+            f"{_show_version(VLLM_NCCL_DP_SYNC)}, PR 32197), so set async_scheduling: false "
+            "or upgrade",
         )
+        return
+    yield (
+        setting_path(topo, engine.name, "args", "disable_nccl_for_dp_synchronization"),
+        f"dp {engine.dp} with async scheduling: {evidence}; set "
+        "disable_nccl_for_dp_synchronization: false (--no-disable-nccl-for-dp-"
+        "synchronization) to keep async scheduling and sync over NCCL",
+    )
 
 
-@rule(
+@engine_rule(
     "eplb-redundant-experts",
     "warning",
     "Multi-host EPLB has redundant experts (about one per GPU).",
 )
-def eplb_redundant_experts(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if not engine.args.get("enable_eplb") or not engine.is_multi_node:
-            continue
-        eplb = engine.args.get("eplb_config") or {}
-        if eplb.get("num_redundant_experts"):
-            continue
-        gpus = engine.gpu_count
-        yield (
-            setting_path(topo, engine.name, "args", "eplb_config"),
-            f"EPLB across {len(engine.place)} hosts without redundant experts can only move "
-            "experts, not replicate the hot ones; seed 001 §3.1 step 3: about one redundant "
-            f"expert per GPU is best (more take HBM from the KV cache); set "
-            f"eplb_config.num_redundant_experts: {gpus} ({gpus} GPUs)",
-        )
+def eplb_redundant_experts(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if not engine.args.get("enable_eplb") or not engine.is_multi_node:
+        return
+    eplb = engine.args.get("eplb_config") or {}
+    if eplb.get("num_redundant_experts"):
+        return
+    gpus = engine.gpu_count
+    yield (
+        setting_path(topo, engine.name, "args", "eplb_config"),
+        f"EPLB across {len(engine.place)} hosts without redundant experts can only move "
+        "experts, not replicate the hot ones; seed 001 §3.1 step 3: about one redundant "
+        f"expert per GPU is best (more take HBM from the KV cache); set "
+        f"eplb_config.num_redundant_experts: {gpus} ({gpus} GPUs)",
+    )
 
 
 # -- memory fit (hgxserve.topology.fit) ----------------------------------------------------------
@@ -374,25 +364,24 @@ def fit_concurrency(topo: Topology) -> Iterator[Finding]:
 # -- runtime CUDA <-> driver ---------------------------------------------------------------------
 
 
-@rule(
+@engine_rule(
     "runtime-driver",
     "warning",
     "A runtime's CUDA runs on the driver branch hgxserve installs (newer majors need newer).",
 )
-def runtime_driver(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        runtime = engine.runtime
-        if runtime is None or not runtime.cuda:
-            continue
-        why = cuda.cuda_driver_problem(runtime.cuda, driver_version=cuda.DRIVER_VERSION)
-        if why is None:
-            continue
-        branch = cuda.driver_branch_for(runtime.cuda)
-        yield (
-            setting_path(topo, engine.name, "runtime", "cuda"),
-            f"{engine.name}'s runtime is built for CUDA {runtime.cuda}, and the driver hgxserve "
-            f"installs by default is {cuda.DRIVER_VERSION}: {why}; the engine would fail at CUDA "
-            f"init (seed 003 §12: SGLang v0.5.17 ran from a CUDA 13.0 image); provision the "
-            f"hosts with --data driver_version=<a {branch} driver> (preflight checks the "
-            "installed one), or use a runtime built for the installed CUDA",
-        )
+def runtime_driver(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    runtime = engine.runtime
+    if runtime is None or not runtime.cuda:
+        return
+    why = cuda.cuda_driver_problem(runtime.cuda, driver_version=cuda.DRIVER_VERSION)
+    if why is None:
+        return
+    branch = cuda.driver_branch_for(runtime.cuda)
+    yield (
+        setting_path(topo, engine.name, "runtime", "cuda"),
+        f"{engine.name}'s runtime is built for CUDA {runtime.cuda}, and the driver hgxserve "
+        f"installs by default is {cuda.DRIVER_VERSION}: {why}; the engine would fail at CUDA "
+        f"init (seed 003 §12: SGLang v0.5.17 ran from a CUDA 13.0 image); provision the "
+        f"hosts with --data driver_version=<a {branch} driver> (preflight checks the "
+        "installed one), or use a runtime built for the installed CUDA",
+    )

@@ -1,18 +1,28 @@
 """The rule registry: a rule is a small function registered with an id and a severity; it yields
 findings as (json path, message) pairs. hgxserve.topology.checks registers the rules;
 hgxserve.topology.rules runs them.
+
+Most rules look at one engine, or at the proxy, at a time: `engine_rule` and `proxy_rule`
+register those, handing the function each engine (of one kind, when given) or the proxy (of the
+kinds given) in turn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from functools import wraps
 
-from hgxserve.topology.model import Topology
+from hgxserve.topology.model import Engine, Proxy, Topology
 from hgxserve.topology.problems import JsonPath, Severity
 
 Finding = tuple[JsonPath, str]
 RuleFunc = Callable[[Topology], Iterator[Finding]]
+EngineCheck = Callable[[Topology, Engine], Iterator[Finding]]
+ProxyCheck = Callable[[Topology, Proxy], Iterator[Finding]]
+
+# the proxy kinds that are routers of an engine project, not hgxserve's own proxy
+ROUTERS = ("vllm-router", "sglang-router")
 
 
 @dataclass(frozen=True)
@@ -38,5 +48,40 @@ def rule(rule_id: str, severity: Severity, summary: str) -> Callable[[RuleFunc],
             raise ValueError(f"rule {rule_id} registered twice")
         RULES[rule_id] = Rule(rule_id, severity, summary, func)
         return func
+
+    return register
+
+
+def engine_rule(
+    rule_id: str, severity: Severity, summary: str, *, engine: str | None = None
+) -> Callable[[EngineCheck], RuleFunc]:
+    """Register a rule that looks at each engine in turn: every engine, or only those of the
+    `engine` kind (vllm, sglang)."""
+
+    def register(func: EngineCheck) -> RuleFunc:
+        @wraps(func)
+        def check(topo: Topology) -> Iterator[Finding]:
+            for each in topo.engines.values():
+                if engine is None or each.engine == engine:
+                    yield from func(topo, each)
+
+        return rule(rule_id, severity, summary)(check)
+
+    return register
+
+
+def proxy_rule(
+    rule_id: str, severity: Severity, summary: str, *, kinds: Collection[str] | None = None
+) -> Callable[[ProxyCheck], RuleFunc]:
+    """Register a rule on the proxy: it runs where the topology has one (of `kinds`, if given)."""
+
+    def register(func: ProxyCheck) -> RuleFunc:
+        @wraps(func)
+        def check(topo: Topology) -> Iterator[Finding]:
+            proxy = topo.proxy
+            if proxy is not None and (kinds is None or proxy.kind in kinds):
+                yield from func(topo, proxy)
+
+        return rule(rule_id, severity, summary)(check)
 
     return register

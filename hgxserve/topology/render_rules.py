@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hgxserve.topology.model import Topology
+from hgxserve.topology.model import Engine, Proxy, Topology
 from hgxserve.topology.ports import setting_path
-from hgxserve.topology.registry import Finding, rule
+from hgxserve.topology.registry import ROUTERS, Finding, engine_rule, proxy_rule, rule
 from hgxserve.topology.wiring import (
     ENGINE_KEY_VAR,
     LoadedCredential,
@@ -29,26 +29,23 @@ PROXY_MAX_BODY = 512 * 1024 * 1024
 PROXY_MIN_TIMEOUT_S = 0.01
 
 
-@rule("engine-runtime", "error", "Every engine names its runtime (a venv or an image).")
-def engine_runtime(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if engine.runtime is None:
-            yield (
-                ("engines", engine.name),
-                f"{engine.name} has no runtime: nothing says which {engine.engine} to run; set "
-                "runtime: {venv: /opt/...} or {image: ...@sha256:...} here or in defaults",
-            )
+@engine_rule("engine-runtime", "error", "Every engine names its runtime (a venv or an image).")
+def engine_runtime(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.runtime is None:
+        yield (
+            ("engines", engine.name),
+            f"{engine.name} has no runtime: nothing says which {engine.engine} to run; set "
+            "runtime: {venv: /opt/...} or {image: ...@sha256:...} here or in defaults",
+        )
 
 
-@rule(
+@proxy_rule(
     "proxy-protocol",
     "error",
     "The hgxserve proxy's P/D routes are all vLLM or all SGLang (one P/D protocol per proxy).",
+    kinds=("hgxserve",),
 )
-def proxy_protocol(topo: Topology) -> Iterator[Finding]:
-    proxy = topo.proxy
-    if proxy is None or proxy.kind != "hgxserve":
-        return
+def proxy_protocol(topo: Topology, proxy: Proxy) -> Iterator[Finding]:
     kinds: dict[str, str] = {}
     for name in route_engines(topo):
         engine = topo.engines.get(name)
@@ -63,11 +60,10 @@ def proxy_protocol(topo: Topology) -> Iterator[Finding]:
         )
 
 
-@rule("proxy-router-auth", "error", "vllm-router and sglang-router take no proxy.auth.")
-def proxy_router_auth(topo: Topology) -> Iterator[Finding]:
-    proxy = topo.proxy
-    if proxy is None or proxy.kind == "hgxserve":
-        return
+@proxy_rule(
+    "proxy-router-auth", "error", "vllm-router and sglang-router take no proxy.auth.", kinds=ROUTERS
+)
+def proxy_router_auth(topo: Topology, proxy: Proxy) -> Iterator[Finding]:
     if proxy.api_key is not None or proxy.engine_api_key is not None:
         yield (
             ("proxy", "auth"),
@@ -76,15 +72,13 @@ def proxy_router_auth(topo: Topology) -> Iterator[Finding]:
         )
 
 
-@rule(
+@proxy_rule(
     "proxy-router-mix",
     "error",
     "vllm-router and sglang-router serve P/D routes or combined engines, not both.",
+    kinds=ROUTERS,
 )
-def proxy_router_mix(topo: Topology) -> Iterator[Finding]:
-    proxy = topo.proxy
-    if proxy is None or proxy.kind == "hgxserve":
-        return
+def proxy_router_mix(topo: Topology, proxy: Proxy) -> Iterator[Finding]:
     if proxy.routes and proxy.combined:
         yield (
             ("proxy", "combined"),
@@ -94,15 +88,13 @@ def proxy_router_mix(topo: Topology) -> Iterator[Finding]:
         )
 
 
-@rule(
+@proxy_rule(
     "proxy-limits",
     "error",
     "The hgxserve proxy's max_body is 1Ki..512Mi and its timeout_s at least 0.01 s.",
+    kinds=("hgxserve",),
 )
-def proxy_limits(topo: Topology) -> Iterator[Finding]:
-    proxy = topo.proxy
-    if proxy is None or proxy.kind != "hgxserve":
-        return
+def proxy_limits(topo: Topology, proxy: Proxy) -> Iterator[Finding]:
     if not PROXY_MIN_BODY <= proxy.max_body <= PROXY_MAX_BODY:
         yield (
             ("proxy", "max_body"),
@@ -116,31 +108,30 @@ def proxy_limits(topo: Topology) -> Iterator[Finding]:
         )
 
 
-@rule(
+@engine_rule(
     "engine-api-key",
     "error",
     "proxy.auth.engine_api_key keys only vLLM engines that set no VLLM_API_KEY of their own.",
 )
-def engine_api_key(topo: Topology) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        if not keyed_by_proxy(topo, engine):
-            continue
-        if engine.engine != "vllm":
+def engine_api_key(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if not keyed_by_proxy(topo, engine):
+        return
+    if engine.engine != "vllm":
+        yield (
+            ("proxy", "auth", "engine_api_key"),
+            f"engine {engine.name} is {engine.engine}, which takes its key only as "
+            "--api-key on the command line, where every local user can read it; keep it on "
+            "the proxy's host (it listens on loopback there) or firewall its port, and drop "
+            "engine_api_key",
+        )
+        return
+    for section in ("secret_env", "env"):
+        if ENGINE_KEY_VAR in getattr(engine, section):
             yield (
-                ("proxy", "auth", "engine_api_key"),
-                f"engine {engine.name} is {engine.engine}, which takes its key only as "
-                "--api-key on the command line, where every local user can read it; keep it on "
-                "the proxy's host (it listens on loopback there) or firewall its port, and drop "
-                "engine_api_key",
+                setting_path(topo, engine.name, section, ENGINE_KEY_VAR),
+                f"{ENGINE_KEY_VAR} of {engine.name} is set here and by "
+                "proxy.auth.engine_api_key; set it in one place (proxy.auth.engine_api_key)",
             )
-            continue
-        for section in ("secret_env", "env"):
-            if ENGINE_KEY_VAR in getattr(engine, section):
-                yield (
-                    setting_path(topo, engine.name, section, ENGINE_KEY_VAR),
-                    f"{ENGINE_KEY_VAR} of {engine.name} is set here and by "
-                    "proxy.auth.engine_api_key; set it in one place (proxy.auth.engine_api_key)",
-                )
 
 
 def _shown(cred: LoadedCredential) -> str:

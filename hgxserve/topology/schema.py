@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
 
@@ -54,20 +54,19 @@ def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+# JSON types by Python type, bool before int (a bool is an int)
+_KINDS: tuple[tuple[type, str], ...] = (
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)
+
+
 def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return "null"
+    return next((name for kind, name in _KINDS if isinstance(value, kind)), "null")
 
 
 def _show(value: Any) -> str:
@@ -88,73 +87,96 @@ def _alternatives(schemas: list[dict[str, Any]]) -> str:
     return " or ".join(parts)
 
 
+def _unknown_properties(doc: Document, error: ValidationError, path: JsonPath) -> list[Problem]:
+    value = error.instance
+    if not isinstance(value, dict):
+        return [doc.problem(path, error.message)]
+    known = sorted(error.schema.get("properties", {}))
+    out = []
+    for extra in sorted(set(value) - set(known)):
+        hint = difflib.get_close_matches(extra, known, n=1)
+        msg = f"unknown property '{extra}'"
+        msg += f"; did you mean '{hint[0]}'?" if hint else f"; allowed: {', '.join(known)}"
+        out.append(doc.problem(path + (extra,), msg, key=True))
+    return out
+
+
+def _missing(doc: Document, error: ValidationError, path: JsonPath) -> list[Problem]:
+    value = error.instance
+    names = [m for m in error.validator_value if isinstance(value, dict) and m not in value]
+    return [doc.problem(path, f"missing required property '{name}'") for name in names]
+
+
+def _the_alternative(alts: list[dict[str, Any]], value: Any) -> dict[str, Any] | None:
+    """The one alternative that explains `value` best: for an object the one whose required
+    properties it has, for a scalar the one of its own type (maxLength, pattern, ...)."""
+    if isinstance(value, dict):
+        found = [
+            a for a in map(_resolve, alts) if a.get("required") and set(a["required"]) <= set(value)
+        ]
+    else:
+        found = [a for a in map(_resolve, alts) if a.get("type") == _kind(value)]
+    return found[0] if len(found) == 1 else None
+
+
+def _one_of(doc: Document, error: ValidationError, path: JsonPath) -> list[Problem]:
+    alts: list[dict[str, Any]] = error.validator_value
+    value = error.instance
+    alt = _the_alternative(alts, value)
+    if alt is not None:
+        sub = _StrictValidator(alt, registry=_validator()._registry)  # noqa: SLF001
+        found = []
+        for suberr in sub.iter_errors(value):
+            suberr.path.extendleft(reversed(path))  # make paths absolute
+            found.extend(_problems_for(doc, suberr))
+        if found:
+            return found
+    return [doc.problem(path, f"must be {_alternatives(alts)}; got {_show(value)}")]
+
+
+def _wrong_type(doc: Document, error: ValidationError, path: JsonPath) -> list[Problem]:
+    want = error.validator_value
+    want_text = " or ".join(want) if isinstance(want, list) else want
+    value = error.instance
+    if value is None:
+        return [doc.problem(path, f"expected {want_text}, got an empty value")]
+    return [doc.problem(path, f"expected {want_text}, got {_kind(value)} {_show(value)}")]
+
+
+def _message(error: ValidationError) -> str:
+    """The message of a keyword that needs no more than the error itself."""
+    keyword, value, wanted = error.validator, error.instance, error.validator_value
+    if keyword == "enum":
+        opts = ", ".join(str(o) for o in wanted)
+        return f"must be one of: {opts}; got {_show(value)}"
+    if keyword == "pattern":
+        desc = error.schema.get("description", "")
+        return f"invalid value {_show(value)}: {desc}".rstrip(": ")
+    if keyword in _SIGNS:
+        return f"must be {_SIGNS[keyword]} {wanted}; got {value}"
+    if keyword == "maxProperties" and wanted == 1:
+        return f"exactly one of {', '.join(value)} may be given"
+    return _PLAIN.get(str(keyword), "").format(wanted) or error.message
+
+
+_SIGNS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+_PLAIN = {"minProperties": "must not be empty", "maxLength": "longer than {} characters"}
+_Explain = Callable[[Document, ValidationError, JsonPath], list[Problem]]
+_EXPLAIN: dict[str, _Explain] = {
+    "additionalProperties": _unknown_properties,
+    "required": _missing,
+    "oneOf": _one_of,
+    "anyOf": _one_of,
+    "type": _wrong_type,
+}
+
+
 def _problems_for(doc: Document, error: ValidationError) -> list[Problem]:
     path: JsonPath = tuple(error.absolute_path)
-    value, keyword, schema = error.instance, error.validator, error.schema
-    if keyword == "additionalProperties" and isinstance(value, dict):
-        known = sorted(schema.get("properties", {}))
-        out = []
-        for extra in sorted(set(value) - set(known)):
-            hint = difflib.get_close_matches(extra, known, n=1)
-            msg = f"unknown property '{extra}'"
-            msg += f"; did you mean '{hint[0]}'?" if hint else f"; allowed: {', '.join(known)}"
-            out.append(doc.problem(path + (extra,), msg, key=True))
-        return out
-    if keyword == "required":
-        missing = error.validator_value
-        names = [m for m in missing if isinstance(value, dict) and m not in value]
-        return [doc.problem(path, f"missing required property '{name}'") for name in names]
-    if keyword in ("oneOf", "anyOf"):
-        alts: list[dict[str, Any]] = error.validator_value
-        if isinstance(value, dict):
-            matching = [
-                a
-                for a in map(_resolve, alts)
-                if a.get("required") and set(a["required"]) <= set(value)
-            ]
-            if len(matching) == 1:
-                sub = _StrictValidator(matching[0], registry=_validator()._registry)  # noqa: SLF001
-                found = []
-                for suberr in sub.iter_errors(value):
-                    suberr.path.extendleft(reversed(path))  # make paths absolute
-                    found.extend(_problems_for(doc, suberr))
-                if found:
-                    return found
-        else:
-            # a scalar: explain the one alternative of its own type (maxLength, pattern, ...)
-            kind = _kind(value)
-            same = [a for a in map(_resolve, alts) if a.get("type") == kind]
-            if len(same) == 1:
-                sub = _StrictValidator(same[0], registry=_validator()._registry)  # noqa: SLF001
-                found = []
-                for suberr in sub.iter_errors(value):
-                    suberr.path.extendleft(reversed(path))
-                    found.extend(_problems_for(doc, suberr))
-                if found:
-                    return found
-        return [doc.problem(path, f"must be {_alternatives(alts)}; got {_show(value)}")]
-    if keyword == "type":
-        want = error.validator_value
-        want_text = " or ".join(want) if isinstance(want, list) else want
-        if value is None:
-            return [doc.problem(path, f"expected {want_text}, got an empty value")]
-        return [doc.problem(path, f"expected {want_text}, got {_kind(value)} {_show(value)}")]
-    if keyword == "enum":
-        opts = ", ".join(str(o) for o in error.validator_value)
-        return [doc.problem(path, f"must be one of: {opts}; got {_show(value)}")]
-    if keyword == "pattern":
-        desc = schema.get("description", "")
-        return [doc.problem(path, f"invalid value {_show(value)}: {desc}".rstrip(": "))]
-    if keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
-        sign = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
-        return [doc.problem(path, f"must be {sign[keyword]} {error.validator_value}; got {value}")]
-    if keyword == "maxProperties" and error.validator_value == 1:
-        return [doc.problem(path, f"exactly one of {', '.join(value)} may be given")]
-    if keyword == "minProperties":
-        return [doc.problem(path, "must not be empty")]
-    if keyword == "maxLength":
-        return [doc.problem(path, f"longer than {error.validator_value} characters")]
-    return [doc.problem(path, error.message)]
+    explain = _EXPLAIN.get(str(error.validator))
+    if explain is not None:
+        return explain(doc, error, path)
+    return [doc.problem(path, _message(error))]
 
 
 def schema_problems(doc: Document) -> list[Problem]:
