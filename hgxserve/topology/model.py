@@ -54,6 +54,12 @@ def _get(data: dict[str, Any], definition: str, prop: str) -> Any:
     return data[prop] if prop in data else schema_default(definition, prop)
 
 
+def _defaulted(data: dict[str, Any], definition: str, props: str) -> dict[str, Any]:
+    """Each of `props` (names separated by spaces) as written, or the schema's default for it:
+    keyword arguments for the fields of the same names."""
+    return {prop: _get(data, definition, prop) for prop in props.split()}
+
+
 @dataclass(frozen=True)
 class SecretRef:
     """Where a secret comes from: env (controller variable), file (on host) or credential."""
@@ -360,17 +366,13 @@ class GatePolicy:
     @classmethod
     def parse(cls, data: dict[str, Any]) -> GatePolicy:
         return cls(
-            prompt=_get(data, "gate", "prompt"),
-            expect=_get(data, "gate", "expect"),
+            **_defaulted(
+                data,
+                "gate",
+                "prompt expect max_tokens chat stream reasoning tool_call rdma timeout_s",
+            ),
             expect_regex=data.get("expect_regex"),
-            max_tokens=_get(data, "gate", "max_tokens"),
-            chat=_get(data, "gate", "chat"),
-            stream=_get(data, "gate", "stream"),
-            reasoning=_get(data, "gate", "reasoning"),
-            tool_call=_get(data, "gate", "tool_call"),
-            rdma=_get(data, "gate", "rdma"),
             from_host=data.get("from"),
-            timeout_s=_get(data, "gate", "timeout_s"),
             bench=BenchGate.parse(data["bench"]) if data.get("bench") else None,
         )
 
@@ -414,9 +416,12 @@ class Monitoring:
             prometheus_host=prom.get("host"),
             prometheus_port=_get(prom, "monitoringPrometheus", "port"),
             retention=_get(prom, "monitoringPrometheus", "retention"),
-            scrape_interval_s=_get(data, "monitoring", "scrape_interval_s"),
-            evaluation_interval_s=_get(data, "monitoring", "evaluation_interval_s"),
-            alert_for_s=_get(data, "monitoring", "alert_for_s"),
+            **_defaulted(
+                data,
+                "monitoring",
+                "scrape_interval_s evaluation_interval_s alert_for_s kv_cache_full gpu_idle_util "
+                "gpu_temp_c",
+            ),
             node_exporter=_get(node, "monitoringExporter", "enabled"),
             node_exporter_port=_get(node, "monitoringExporter", "port"),
             dcgm_exporter=_get(dcgm, "monitoringDcgm", "enabled"),
@@ -429,9 +434,6 @@ class Monitoring:
                 tpot_ms=sla.get("tpot_ms"),
                 error_rate=_get(sla, "monitoringSla", "error_rate"),
             ),
-            kv_cache_full=_get(data, "monitoring", "kv_cache_full"),
-            gpu_idle_util=_get(data, "monitoring", "gpu_idle_util"),
-            gpu_temp_c=_get(data, "monitoring", "gpu_temp_c"),
         )
 
 
@@ -549,14 +551,11 @@ def _kv(data: dict[str, Any] | None) -> KvTransfer | None:
     side = data.get("side_channel", {})
     devices = data.get("ucx_devices")
     return KvTransfer(
-        connector=_get(data, "kv", "connector"),
+        **_defaulted(data, "kv", "connector buffer_device failure_policy bootstrap_port"),
         side_channel_host=side.get("host"),
         side_channel_port=_get(side, "sideChannel", "port"),
         ucx_devices=tuple(devices) if isinstance(devices, list) else devices,
         ucx_tls=tuple(data["ucx_tls"]) if "ucx_tls" in data else None,
-        buffer_device=_get(data, "kv", "buffer_device"),
-        failure_policy=_get(data, "kv", "failure_policy"),
-        bootstrap_port=_get(data, "kv", "bootstrap_port"),
     )
 
 
@@ -574,24 +573,18 @@ def _engine(name: str, data: dict[str, Any]) -> Engine:
     return Engine(
         name=name,
         role=data["role"],
-        engine=_get(data, "engine", "engine"),
+        **_defaulted(data, "engine", "engine tp dp pp ep rpc_port start_timeout_s"),
         version=data.get("version"),
         runtime=_runtime(data.get("runtime")),
         place={h: tuple(g) for h, g in data["place"].items()},
-        tp=_get(data, "engine", "tp"),
-        dp=_get(data, "engine", "dp"),
-        pp=_get(data, "engine", "pp"),
-        ep=_get(data, "engine", "ep"),
         port=data["port"],
         bind=data.get("bind"),
         internal_port=data.get("internal_port"),
-        rpc_port=_get(data, "engine", "rpc_port"),
         kv=_kv(data.get("kv")),
         args=dict(data.get("args", {})),
         extra_args=tuple(data.get("extra_args", ())),
         env={k: _env_text(v) for k, v in data.get("env", {}).items()},
         secret_env={k: SecretRef.parse(v) for k, v in data.get("secret_env", {}).items()},
-        start_timeout_s=_get(data, "engine", "start_timeout_s"),
     )
 
 
@@ -654,9 +647,7 @@ def build_topology(data: dict[str, Any], source_file: str = "") -> Topology:
             for w in data.get("warmup", ())
         ),
         cache=CachePolicy(
-            policy=_get(cache_data, "cache", "policy"),
-            root=_get(cache_data, "cache", "root"),
-            distribute=_get(cache_data, "cache", "distribute"),
+            **_defaulted(cache_data, "cache", "policy root distribute"),
             s3_prefix=cache_data.get("s3_prefix"),
         ),
         files=_files(data.get("files", {}), source_file),
