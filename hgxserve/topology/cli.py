@@ -348,31 +348,39 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
         ),
     ]
     for name, host in plan["hosts"].items():
-        lines += ["", f"host {name} ({host['address']}, {host['gpu_count']} x {host['gpu']})"]
-        lines.append("  GPUs")
-        runs: list[tuple[str | None, str | None, list[int]]] = []
-        for gpu in host["gpus"]:
-            if runs and runs[-1][0] == gpu["engine"]:
-                runs[-1][2].append(gpu["index"])
-            else:
-                runs.append((gpu["engine"], gpu["role"], [gpu["index"]]))
-        for engine, role, indices in runs:
-            who = f"{engine} ({role})" if engine else "free"
-            lines.append(f"    {_ranges(indices):<8} {who}")
-        lines.append("  listeners")
-        for li in host["listeners"]:
-            lines.append(f"    {li['port']:<6} {li['bind']:<15} {li['owner']} {li['what']}")
-        lines.append("  units")
-        if not host["units"]:
-            lines.append("    (none)")
-        for unit in host["units"]:
-            lines.append(f"    {unit['name']}")
-            for key, value in sorted(unit["env"].items()):
-                lines.append(f"      {key}={shlex.quote(str(value))}")
-            lines += _command_lines(unit["argv"], "      ")
+        lines += _host_text(name, host)
     lines += _fit_text(plan["fit"])
-    wiring = plan["wiring"]
-    lines += ["", "wiring"]
+    return lines + _wiring_text(plan["wiring"])
+
+
+def _host_text(name: str, host: dict[str, Any]) -> list[str]:
+    lines = ["", f"host {name} ({host['address']}, {host['gpu_count']} x {host['gpu']})"]
+    lines.append("  GPUs")
+    runs: list[tuple[str | None, str | None, list[int]]] = []
+    for gpu in host["gpus"]:
+        if runs and runs[-1][0] == gpu["engine"]:
+            runs[-1][2].append(gpu["index"])
+        else:
+            runs.append((gpu["engine"], gpu["role"], [gpu["index"]]))
+    for engine, role, indices in runs:
+        who = f"{engine} ({role})" if engine else "free"
+        lines.append(f"    {_ranges(indices):<8} {who}")
+    lines.append("  listeners")
+    for li in host["listeners"]:
+        lines.append(f"    {li['port']:<6} {li['bind']:<15} {li['owner']} {li['what']}")
+    lines.append("  units")
+    if not host["units"]:
+        lines.append("    (none)")
+    for unit in host["units"]:
+        lines.append(f"    {unit['name']}")
+        for key, value in sorted(unit["env"].items()):
+            lines.append(f"      {key}={shlex.quote(str(value))}")
+        lines += _command_lines(unit["argv"], "      ")
+    return lines
+
+
+def _wiring_text(wiring: dict[str, Any] | None) -> list[str]:
+    lines = ["", "wiring"]
     if wiring is None:
         lines.append("  no proxy: clients call the engines directly")
         return lines
@@ -391,23 +399,28 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
         lines.append(f"  route {index}")
         for side in ("prefill", "decode"):
             for ref in route[side]:
-                where = ",".join(ref.get("hosts", []))
-                shape = f"tp {ref.get('tp')}" + (f" dp {ref['dp']}" if ref.get("dp", 1) > 1 else "")
-                lines.append(
-                    f"    {side:<7} {ref['name']} on {where} ({shape}) {ref.get('url', '?')}"
-                    + (f" kv {ref['kv']}" if "kv" in ref else "")
-                )
-                for ch in ref.get("side_channels", []):
-                    lines.append(
-                        f"              side channel dp{ch['dp_rank']} "
-                        f"{ch['address']}:{ch['port']} ({ch['host']})"
-                    )
-                if "bootstrap" in ref:
-                    lines.append(f"              bootstrap {ref['bootstrap']}")
+                lines += _route_ref_text(side, ref)
         lines.append(
             "    flow: proxy -> prefill (max_tokens=1, kv_transfer_params) -> decode "
             "(KV pulled from the prefill's side channel) -> client"
         )
+    return lines
+
+
+def _route_ref_text(side: str, ref: dict[str, Any]) -> list[str]:
+    where = ",".join(ref.get("hosts", []))
+    shape = f"tp {ref.get('tp')}" + (f" dp {ref['dp']}" if ref.get("dp", 1) > 1 else "")
+    lines = [
+        f"    {side:<7} {ref['name']} on {where} ({shape}) {ref.get('url', '?')}"
+        + (f" kv {ref['kv']}" if "kv" in ref else "")
+    ]
+    for ch in ref.get("side_channels", []):
+        lines.append(
+            f"              side channel dp{ch['dp_rank']} "
+            f"{ch['address']}:{ch['port']} ({ch['host']})"
+        )
+    if "bootstrap" in ref:
+        lines.append(f"              bootstrap {ref['bootstrap']}")
     return lines
 
 

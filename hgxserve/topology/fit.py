@@ -29,7 +29,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import warmup_targets
@@ -185,6 +185,49 @@ def _block_fp8(config: dict[str, Any]) -> bool:
     )
 
 
+class _Attention(NamedTuple):
+    """One layer's attention: its parameters and the shape of its KV."""
+
+    params: int
+    kind: str  # mha | gqa | mla | dsa
+    q_head_dim: int
+    latent: int = 0
+    index_dim: int = 0
+    absorbed: int = 0
+
+
+def _attention(
+    config: dict[str, Any], hidden: int, heads: int, kv_heads: int, head_dim: int
+) -> _Attention:
+    kv_lora = config.get("kv_lora_rank")
+    if not kv_lora:
+        attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        attn += heads * head_dim * hidden
+        return _Attention(attn, "gqa" if kv_heads < heads else "mha", head_dim)
+    rope = _int(config, "qk_rope_head_dim")
+    nope = _int(config, "qk_nope_head_dim")
+    v_dim = _int(config, "v_head_dim")
+    q_lora = config.get("q_lora_rank")
+    q = (
+        (hidden * q_lora + q_lora * heads * (nope + rope))
+        if q_lora
+        else hidden * heads * (nope + rope)
+    )
+    attn = q + hidden * (kv_lora + rope) + kv_lora * heads * (nope + v_dim)
+    attn += heads * v_dim * hidden
+    attention = "mla"
+    index_dim = 0
+    if config.get("index_n_heads"):
+        index_dim = _int(config, "index_head_dim")
+        index_heads = _int(config, "index_n_heads")
+        attn += (q_lora or hidden) * index_heads * index_dim + hidden * index_dim
+        attn += hidden * index_heads
+        attention = "dsa"
+    return _Attention(
+        attn, attention, nope + rope, kv_lora + rope, index_dim, kv_lora * (nope + v_dim)
+    )
+
+
 def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
     """ModelFacts from a Hugging Face config.json (DeepSeek V3/V3.2 MLA MoE, or a dense model).
 
@@ -206,44 +249,14 @@ def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
     tied = bool(config.get("tie_word_embeddings", False))
     embed = vocab * hidden * (1 if tied else 2) * dtype_bytes
     wbytes = _weight_bytes(config, dtype_bytes)
-    kv_lora = config.get("kv_lora_rank")
     n_experts = _int(config, "n_routed_experts", 0) or _int(config, "num_local_experts", 0)
     first_dense = _int(config, "first_k_dense_replace", 0) if n_experts else layers
     moe_layers = layers - first_dense
     inter = _int(config, "intermediate_size", 0)
     moe_inter = _int(config, "moe_intermediate_size", inter)
     expert_each = 3 * hidden * moe_inter * wbytes
-    latent = 0
-    q_head_dim = head_dim
-    index_dim = 0
-    absorbed = 0
-    if kv_lora:
-        rope = _int(config, "qk_rope_head_dim")
-        nope = _int(config, "qk_nope_head_dim")
-        v_dim = _int(config, "v_head_dim")
-        q_lora = config.get("q_lora_rank")
-        q = (
-            (hidden * q_lora + q_lora * heads * (nope + rope))
-            if q_lora
-            else hidden * heads * (nope + rope)
-        )
-        attn = q + hidden * (kv_lora + rope) + kv_lora * heads * (nope + v_dim)
-        attn += heads * v_dim * hidden
-        latent = kv_lora + rope
-        q_head_dim = nope + rope
-        absorbed = kv_lora * (nope + v_dim)
-        attention = "mla"
-        if config.get("index_n_heads"):
-            index_dim = _int(config, "index_head_dim")
-            index_heads = _int(config, "index_n_heads")
-            attn += (q_lora or hidden) * index_heads * index_dim + hidden * index_dim
-            attn += hidden * index_heads
-            attention = "dsa"
-    else:
-        attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-        attn += heads * head_dim * hidden
-        attention = "gqa" if kv_heads < heads else "mha"
-    dense = layers * attn + first_dense * 3 * hidden * inter
+    att = _attention(config, hidden, heads, kv_heads, head_dim)
+    dense = layers * att.params + first_dense * 3 * hidden * inter
     shared = _int(config, "n_shared_experts", 0)
     dense += moe_layers * shared * 3 * hidden * moe_inter
     dense_bytes = dense * wbytes + moe_layers * n_experts * hidden * dtype_bytes  # routers
@@ -259,11 +272,11 @@ def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
         layers=layers,
         hidden=hidden,
         vocab=vocab,
-        attention="given" if given else attention,
+        attention="given" if given else att.kind,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        latent=latent,
-        index_head_dim=index_dim,
+        latent=att.latent,
+        index_head_dim=att.index_dim,
         dense_bytes=float(dense_bytes),
         embed_bytes=float(embed),
         expert_bytes=float(expert_bytes),
@@ -276,8 +289,8 @@ def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
         dense_mlp_layers=first_dense if inter else 0,
         block_fp8=_block_fp8(config),
         heads=heads,
-        q_head_dim=q_head_dim,
-        absorbed_per_head=absorbed,
+        q_head_dim=att.q_head_dim,
+        absorbed_per_head=att.absorbed,
         dtype_bytes=dtype_bytes,
         max_position=config.get("max_position_embeddings"),
         kv_bytes_given=int(given) if given else None,

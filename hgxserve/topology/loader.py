@@ -144,6 +144,23 @@ class Document:
         return Problem(self.file, line, col, path, message, rule, severity)
 
 
+_SPECIAL_FLOATS = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
+
+
+def _yaml_int(value: str) -> int:
+    text = value.replace("_", "")
+    if _INT_OTHER.match(value) and not _INT.match(value):
+        return int(text, 0)
+    return int(text)
+
+
+def _yaml_float(value: str) -> float:
+    low = value.lower()
+    if low in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[low]
+    return float(value.replace("_", ""))
+
+
 def _scalar(node: ScalarNode) -> Any:
     tag, value = str(node.tag or ""), node.value
     if tag.endswith(":null"):
@@ -151,21 +168,9 @@ def _scalar(node: ScalarNode) -> Any:
     if tag.endswith(":bool"):
         return value.lower() in ("true", "yes", "on")
     if tag.endswith(":int"):
-        text = value.replace("_", "")
-        if _INT.match(value):
-            return int(text)
-        if _INT_OTHER.match(value):
-            return int(text, 0)
-        return int(text)
+        return _yaml_int(value)
     if tag.endswith(":float"):
-        low = value.lower()
-        if low in (".inf", "+.inf"):
-            return math.inf
-        if low == "-.inf":
-            return -math.inf
-        if low == ".nan":
-            return math.nan
-        return float(value.replace("_", ""))
+        return _yaml_float(value)
     return value
 
 
