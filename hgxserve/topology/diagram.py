@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from hgxserve.topology.model import Engine, Topology
+from hgxserve.topology.model import Engine, Route, Topology
 from hgxserve.topology.ports import engine_url, side_channel_host, side_channel_ports
 
 ROLE_COLOURS = {"prefill": "#4e79a7", "decode": "#f28e2b", "combined": "#59a14f"}
@@ -113,25 +113,30 @@ def _proxy_edges(topo: Topology) -> list[str]:
             lines.append(f'  "proxy" -> {_q("engine/" + name)} [label={_q(url)}];')
     seen: set[tuple[str, str]] = set()
     for index, route in enumerate(proxy.routes):
-        for side in (route.prefill, route.decode):
-            for name in side:
-                if name in topo.engines and ("proxy", name) not in seen:
-                    seen.add(("proxy", name))
-                    url = engine_url(topo, topo.engines[name])
-                    lines.append(
-                        f'  "proxy" -> {_q("engine/" + name)} '
-                        f"[label={_q(f'route {index}: {url}')}];"
-                    )
-        for p in route.prefill:
-            for d in route.decode:
-                pe = topo.engines.get(p)
-                if pe is None or d not in topo.engines or (p, d) in seen:
-                    continue
-                seen.add((p, d))
-                lines.append(
-                    f"  {_q('engine/' + d)} -> {_q('engine/' + p)} [dir=back, "
-                    f'color="#e15759", penwidth=2, label="{_kv_label(topo, pe)}"];'
-                )
+        lines += _route_edges(topo, index, route, seen)
+    return lines
+
+
+def _route_edges(topo: Topology, index: int, route: Route, seen: set[tuple[str, str]]) -> list[str]:
+    """One route's proxy -> engine edges and its KV edges, each edge once over all routes."""
+    lines: list[str] = []
+    for name in (*route.prefill, *route.decode):
+        if name in topo.engines and ("proxy", name) not in seen:
+            seen.add(("proxy", name))
+            url = engine_url(topo, topo.engines[name])
+            lines.append(
+                f'  "proxy" -> {_q("engine/" + name)} [label={_q(f"route {index}: {url}")}];'
+            )
+    for p in route.prefill:
+        for d in route.decode:
+            pe = topo.engines.get(p)
+            if pe is None or d not in topo.engines or (p, d) in seen:
+                continue
+            seen.add((p, d))
+            lines.append(
+                f"  {_q('engine/' + d)} -> {_q('engine/' + p)} [dir=back, "
+                f'color="#e15759", penwidth=2, label="{_kv_label(topo, pe)}"];'
+            )
     return lines
 
 
