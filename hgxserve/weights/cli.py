@@ -35,6 +35,14 @@ class _Size(click.ParamType):
 
 SIZE = _Size()
 
+# sync and verify: both write the marker, and both check the tree is complete first
+_allow_incomplete = click.option(
+    "--allow-incomplete",
+    is_flag=True,
+    help="Mark the tree verified even without config.json, a tokenizer or every shard its "
+    "safetensors index names (checked by default).",
+)
+
 
 # `weights sync` keeps what it fetched: say so when it is interrupted
 _handle_errors = cli_errors(
@@ -176,12 +184,7 @@ def manifest(
     help="Every file must match a sha256 (a published manifest or the S3 object checksum); "
     "--allow-size-etag is the explicit opt-out that accepts size + ETag and says so in the log.",
 )
-@click.option(
-    "--allow-incomplete",
-    is_flag=True,
-    help="Mark the tree verified even without config.json, a tokenizer or every shard its "
-    "safetensors index names (checked by default).",
-)
+@_allow_incomplete
 @click.option(
     "--no-fsync",
     is_flag=True,
@@ -268,12 +271,7 @@ def sync(  # noqa: PLR0913 - a click command: one parameter per option
     "outside DEST for a read-only mount.",
 )
 @click.option("--digest", help="Require this manifest digest (sha256:...).")
-@click.option(
-    "--allow-incomplete",
-    is_flag=True,
-    help="Mark the tree verified even without config.json, a tokenizer or every shard its "
-    "safetensors index names (checked by default).",
-)
+@_allow_incomplete
 @click.option(
     "--workers",
     type=click.IntRange(0, 256),
