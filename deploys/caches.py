@@ -21,12 +21,4 @@ plan = caches_plan(host, inventory)
 if plan.runs:
     agent()  # `hgxserve cache bake|restore` run on the host
     bake_credentials(values=plan.bake_secrets)
-    caches(
-        engines=plan.engines,
-        topology=plan.topology_file,
-        store=plan.store,
-        policy=plan.policy,
-        distribute=plan.distribute,
-        root=plan.root,
-        bakers=plan.bakers,
-    )
+    caches(plan=plan)

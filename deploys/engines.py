@@ -19,15 +19,4 @@ from roles.releases import release
 
 plan = engines_plan(host, inventory)
 agent()
-release(
-    plan=plan.release,
-    secret_values=plan.secret_values,
-    switch=plan.switch,
-    coord=plan.coord,
-    gate=plan.gate,
-    confirm_within=plan.confirm_within,
-    peers_within=plan.peers_within,
-    rdma=plan.rdma,
-    bench=plan.bench,
-    bench_s=plan.bench_s,
-)
+release(plan=plan)

@@ -16,11 +16,4 @@ from hgxserve.deploy.plans import preflight_plan
 from roles.preflight import preflight
 
 plan = preflight_plan(host)
-preflight(
-    expect=plan.expect,
-    after_provision=plan.after_provision,
-    runtimes=plan.runtimes,
-    runtime_installs=plan.runtime_installs,
-    images=plan.images,
-    planned_driver=plan.planned_driver,
-)
+preflight(plan=plan)

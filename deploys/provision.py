@@ -20,7 +20,7 @@ from roles.preflight import preflight
 from roles.rdma import rdma
 
 plan = provision_plan(host)
-preflight(expect=plan.expect, after_provision=False)
+preflight(plan=plan.preflight)
 nvidia_driver(version=plan.driver_version, branch=plan.driver_branch, source=plan.apt_source)
 if plan.fabric_manager:
     fabric_manager(version=plan.driver_version, require_nvswitch=plan.require_nvswitch)

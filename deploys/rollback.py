@@ -13,11 +13,4 @@ from hgxserve.deploy.plans import rollback_plan
 from roles.releases import switch_to
 
 plan = rollback_plan(host, inventory)
-switch_to(
-    release_id=plan.release_id,
-    coord=plan.coord,
-    switch=plan.switch,
-    gate=plan.gate,
-    confirm_within=plan.confirm_within,
-    peers_within=plan.peers_within,
-)
+switch_to(plan=plan)

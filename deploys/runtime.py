@@ -30,23 +30,10 @@ from roles.runtime import runtime_venv
 
 plan = runtime_plan(host)
 for venv in plan.venvs:
-    runtime_venv(
-        spec=venv.spec,
-        wheelhouse=venv.wheelhouse,
-        index_url=plan.index_url,
-        planned_driver=plan.planned_driver,
-    )
+    runtime_venv(plan=venv)
 if plan.image_agent:
     agent()  # image archives are fetched and verified by the agent (`hgxserve runtime fetch-image`)
 for image in plan.images:
-    container_runtime(
-        image=image.image,
-        tool=image.tool,
-        mirror=image.mirror,
-        archive_url=image.archive_url,
-        s3_env_file=image.s3_env_file,
-        s3_endpoint=image.s3_endpoint,
-        s3_addressing=image.s3_addressing,
-    )
+    container_runtime(plan=image)
 if plan.files:
-    engine_files(files=list(plan.files))
+    engine_files(files=plan.files)

@@ -16,4 +16,4 @@ from roles.weights import weights
 
 plan = weights_plan(host)
 agent()
-weights(model=plan.model, digest=plan.digest, agent=plan.agent)
+weights(plan=plan)

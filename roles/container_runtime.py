@@ -11,6 +11,7 @@ follows the driver, and the engine image loaded by digest before any release swi
   Units run with `--pull=never`, so nothing is pulled inside the switch window.
 
 Example:
+    container_runtime(plan=image)  # an ImagePlan of hgxserve.deploy.plans.runtime_plan(host).images
     container_runtime(image="docker.io/vllm/vllm-openai@sha256:...", tool="podman",
                       archive_url="s3://models/images/sha256-....oci.tar")
 """
@@ -18,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import shlex
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
@@ -31,6 +33,7 @@ from hgxserve.base.paths import (
     TOOLKIT_APT_PREFERENCES,
 )
 from hgxserve.base.paths import REGISTRY_MIRROR_DROPIN as MIRROR_DROPIN
+from hgxserve.deploy.plans import ImagePlan, plan_or_fields
 from hgxserve.facts.runtime import CdiSpecState, ContainerImage, DriverCuda
 from hgxserve.operations.packages import APT_CACHE_SECONDS, pinned_packages
 from hgxserve.runtime.images import archive_name, image_digest
@@ -85,26 +88,23 @@ def mirror_conf(registry: str, mirror: str) -> str:
 @deploy("Install the container runtime")
 def container_runtime(
     *,
-    image: str,
-    tool: str = "podman",
+    plan: ImagePlan | None = None,
     toolkit_version: str = TOOLKIT_VERSION,
-    mirror: str | None = None,
-    archive_url: str | None = None,
-    s3_env_file: str | None = None,
-    s3_endpoint: str | None = None,
-    s3_addressing: str = "auto",
     cache_time: int = APT_CACHE_SECONDS,
+    **fields: Any,
 ) -> None:
-    """Install the tool and toolkit, keep the CDI spec at the driver, load `image` by digest.
+    """Install the tool and toolkit, keep the CDI spec at the driver, load the image by digest.
 
-    + image: repo@sha256:<64 hex>, as the topology pins it
-    + tool: podman or docker
+    + plan: the image (hgxserve.deploy.plans.ImagePlan), or its fields as keywords instead:
+      image: repo@sha256:<64 hex>, as the topology pins it; tool: podman or docker;
+      mirror: registry mirror (host[:port]) the image is pulled through;
+      archive_url: s3:// URL of an OCI archive of the image (used when no mirror is given);
+      s3_env_file, s3_endpoint, s3_addressing: how the agent reaches that S3
     + toolkit_version: nvidia-container-toolkit version
-    + mirror: registry mirror (host[:port]) the image is pulled through
-    + archive_url: s3:// URL of an OCI archive of the image (used when no mirror is given)
-    + s3_env_file, s3_endpoint, s3_addressing: how the agent reaches that S3
     + cache_time: seconds the apt lists count as fresh
     """
+    plan = plan_or_fields(plan, ImagePlan, fields)
+    image, tool, mirror, archive_url = plan.image, plan.tool, plan.mirror, plan.archive_url
     if tool not in TOOL_PACKAGES:
         raise DeployError(f"{host.name}: container tool {tool!r}: use podman or docker")
     digest = image_digest(image)
@@ -175,11 +175,11 @@ def container_runtime(
         )
     archive = f"{IMAGE_STAGING}/{archive_name(digest)}"
     fetch = [AGENT, "runtime", "fetch-image", archive_url, digest, "--out", archive]
-    if s3_env_file:
-        fetch += ["--env-file", s3_env_file]
-    if s3_endpoint:
-        fetch += ["--endpoint-url", s3_endpoint]
-    fetch += ["--addressing", s3_addressing]
+    if plan.s3_env_file:
+        fetch += ["--env-file", plan.s3_env_file]
+    if plan.s3_endpoint:
+        fetch += ["--endpoint-url", plan.s3_endpoint]
+    fetch += ["--addressing", plan.s3_addressing]
     server.shell(
         name=f"Load {image} from {archive_url} (digest checked before and after)",
         commands=[

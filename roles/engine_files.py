@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 from pyinfra.api import deploy
@@ -19,7 +20,7 @@ from hgxserve.topology.model import TopologyFile
 
 
 @deploy("Ship the files the topology names")
-def engine_files(*, files: list[tuple[TopologyFile, Path]]) -> None:
+def engine_files(*, files: Sequence[tuple[TopologyFile, Path]]) -> None:
     """Ship each (file, controller copy) to the file's host path, 0644, and check its sha256.
 
     + files: the topology's files with their verified local copies (hgxserve.runtime.files)

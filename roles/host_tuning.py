@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 from pyinfra.api import deploy
+from pyinfra.api.operation import OperationMeta
 from pyinfra.operations import files, server
 
 from hgxserve.base.sizes import parse_size
@@ -100,10 +101,10 @@ def host_tuning(
             dest=MEMLOCK_DROPIN,
             mode="644",
         )
-        server.shell(
-            name="Re-execute systemd so new units get the memlock limit",
-            commands=["systemctl daemon-reexec"],
-            _if=dropin.did_change,
+        _when_changed(
+            dropin,
+            "Re-execute systemd so new units get the memlock limit",
+            "systemctl daemon-reexec",
         )
         files.put(
             name="Set memlock unlimited for login shells",
@@ -121,11 +122,7 @@ def host_tuning(
         settings=settings,
     )
     if apply_sysctl:
-        server.shell(
-            name="Apply the changed sysctl settings",
-            commands=[f"sysctl -p {SYSCTL_FILE}"],
-            _if=sysctl_file.did_change,
-        )
+        _when_changed(sysctl_file, "Apply the changed sysctl settings", f"sysctl -p {SYSCTL_FILE}")
 
     files.template(
         name="Remove leaked engine segments from /dev/shm at boot",
@@ -135,3 +132,9 @@ def host_tuning(
         patterns=list(shm_leak_patterns),
         path=TMPFILES_FILE,
     )
+
+
+def _when_changed(written: OperationMeta, name: str, command: str) -> None:
+    """Run `command` only when the file operation `written` changed its file (`_if` is
+    evaluated when the operations execute)."""
+    server.shell(name=name, commands=[command], _if=written.did_change)

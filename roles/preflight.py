@@ -6,6 +6,7 @@ operation runs.
 
 Example:
     from roles.preflight import HostExpectation, preflight
+    preflight(plan=preflight_plan(host))  # hgxserve.deploy.plans, as deploys/preflight.py does
     preflight(expect=HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8))
 """
 
@@ -16,11 +17,11 @@ from typing import Any
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
 
+from hgxserve.deploy.plans import PreflightPlan, plan_or_fields
 from hgxserve.facts import HOST_FACTS
 from hgxserve.facts.preflight import HostExpectation, preflight_problems
 from hgxserve.facts.runtime import ContainerImage, DriverCuda, VenvRuntimeState
 from hgxserve.runtime.checks import image_problems, runtime_problems
-from hgxserve.runtime.spec import VenvRuntime
 
 __all__ = ["HostExpectation", "gather_facts", "preflight", "preflight_problems"]
 
@@ -42,28 +43,25 @@ def gather_facts(model_path: str | None = None) -> dict[str, Any]:
 
 
 @deploy("Check the host against the topology")
-def preflight(
-    expect: HostExpectation,
-    after_provision: bool = True,
-    runtimes: tuple[VenvRuntime, ...] = (),
-    runtime_installs: bool = False,
-    planned_driver: str | None = None,
-    images: tuple[tuple[str, str], ...] = (),
-) -> None:
+def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
     """Raise DeployError naming host, fact, expected and found for every mismatch.
 
-    + expect: what the topology requires of this host
-    + after_provision: also require what provisioning sets (shm, memlock, peermem, FM)
-    + runtimes: engine venvs to check (engine version, extras that must import, UCX, CUDA)
-    + runtime_installs: the runtime stage runs later in this deploy (missing parts are fine)
-    + planned_driver: the driver version a later provision stage installs (for the CUDA check)
-    + images: (image, tool) container runtimes that must be loaded
+    + plan: the preflight's plan (hgxserve.deploy.plans.PreflightPlan), or its fields as
+      keywords instead:
+      expect: what the topology requires of this host;
+      after_provision: also require what provisioning sets (shm, memlock, peermem, FM);
+      runtimes: engine venvs to check (engine version, extras that must import, UCX, CUDA);
+      runtime_installs: the runtime stage runs later in this deploy (missing parts are fine);
+      planned_driver: the driver version a later provision stage installs (for the CUDA check);
+      images: (image, tool) container runtimes that must be loaded
 
     Example:
         preflight(expect=HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8))
     """
+    plan = plan_or_fields(plan, PreflightPlan, fields)
+    expect, runtimes, images = plan.expect, plan.runtimes, plan.images
     facts = gather_facts(expect.model_path)
-    problems = preflight_problems(facts, expect, after_provision=after_provision)
+    problems = preflight_problems(facts, expect, after_provision=plan.after_provision)
     if runtimes:
         states = {
             spec.venv: host.get_fact(
@@ -76,10 +74,10 @@ def preflight(
             list(runtimes),
             states,
             host.get_fact(DriverCuda),
-            will_install=runtime_installs,
-            planned_driver=planned_driver,
+            will_install=plan.runtime_installs,
+            planned_driver=plan.planned_driver,
         )
-    if images and not runtime_installs:
+    if images and not plan.runtime_installs:
         image_states = {
             image: host.get_fact(ContainerImage, tool=f"/usr/bin/{tool}", image=image)
             for image, tool in images

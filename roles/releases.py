@@ -4,13 +4,17 @@ the topology-wide gate so that all hosts switch together or all go back."""
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from pyinfra.api import deploy
 from pyinfra.operations import files, python, systemd
 
 from hgxserve.base.paths import RELEASE_ROOT
-from hgxserve.bench.releasegate import BenchStep, run_bench_gate
+from hgxserve.bench.releasegate import run_bench_gate
+from hgxserve.deploy.plans import EnginesPlan, SwitchPlan
 from hgxserve.operations.credentials import secret_file
 from hgxserve.operations.release import (
     arm_deadman,
@@ -20,9 +24,7 @@ from hgxserve.operations.release import (
     start_proxy,
     switched,
 )
-from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.release.coordination import Coordination
-from hgxserve.release.plan import HostRelease
 
 RECONCILE_UNIT = (
     Path(__file__).resolve().parent.parent
@@ -34,29 +36,14 @@ RECONCILE_UNIT = (
 
 
 @deploy("Stage and switch the release")
-def release(
-    *,
-    plan: HostRelease,
-    secret_values: dict[str, str],
-    switch: bool,
-    coord: Coordination,
-    gate: bool,
-    confirm_within: int = CONFIRM_WITHIN_S,
-    peers_within: int = 0,
-    rdma: tuple[str, list[str]] | None = None,
-    bench: BenchStep | None = None,
-    bench_s: int = 0,
-    root: str = RELEASE_ROOT,
-) -> None:
-    """Stage `plan` under releases/<id>, switch to it when `switch`, gate and settle.
+def release(*, plan: EnginesPlan, root: str = RELEASE_ROOT) -> None:
+    """Stage `plan.release` under releases/<id>, install its credentials, switch to it, gate
+    and settle (switch_to).
 
-    + plan: this host's release (from hgxserve.release.plan.plan_release)
-    + secret_values: host path -> secret value for the units' credentials (pushed 0600)
-    + switch: this host's current release differs (decided from ReleaseState by the deploy)
-    + coord: shared by all hosts of the run (who switched, the gate's verdict)
-    + gate: run the topology's gate on this host (the proxy's host) after all hosts switched
-    + bench: the SLA bench after the gate (`gate.bench:`), on the gate's host only
-    + bench_s: seconds that bench may take (every switched host's timer is extended by it)
+    + plan: the engines stage's plan (hgxserve.deploy.plans.engines_plan): this host's release
+      (from hgxserve.release.plan.plan_release), host path -> secret value for the units'
+      credentials (pushed 0600) and this host's part in the switch
+    + root: the release root on the host
     """
     reconcile_unit = files.put(
         name="Install the boot-time release reconcile unit",
@@ -73,9 +60,10 @@ def release(
         running=None,  # it runs at boot only; starting it now would be a reconcile
         enabled=True,
     )
-    base = f"{root}/releases/{plan.id}"
-    for path in sorted(plan.files):
-        content, mode = plan.files[path]
+    staged = plan.release
+    base = f"{root}/releases/{staged.id}"
+    for path in sorted(staged.files):
+        content, mode = staged.files[path]
         files.put(
             name=f"Stage {path}",
             src=io.StringIO(content),
@@ -84,139 +72,109 @@ def release(
             create_remote_dir=True,
         )
     files.put(
-        name=f"Write release {plan.id} ({plan.spec.topology})",
-        src=io.StringIO(plan.spec.to_json()),
+        name=f"Write release {staged.id} ({staged.spec.topology})",
+        src=io.StringIO(staged.spec.to_json()),
         dest=f"{base}/release.json",
         mode="644",
         create_remote_dir=True,
     )
-    for path in sorted(secret_values):
+    for path in sorted(plan.secret_values):
         secret_file(
             name=f"Install credential {path} (0600 in a 0700 directory)",
             dest=path,
-            content=secret_values[path],
+            content=plan.secret_values[path],
         )
-    switch_to(
-        release_id=plan.id,
-        coord=coord,
-        switch=switch,
-        gate=gate,
-        confirm_within=confirm_within,
-        peers_within=peers_within,
-        rdma=rdma,
-        bench=bench,
-        bench_s=bench_s,
-        root=root,
-    )
+    switch_to(plan=plan.switching, root=root)
 
 
 @deploy("Switch to a staged release")
-def switch_to(
-    *,
-    release_id: str,
-    coord: Coordination,
-    switch: bool,
-    gate: bool,
-    confirm_within: int = CONFIRM_WITHIN_S,
-    peers_within: int = 0,
-    rdma: tuple[str, list[str]] | None = None,
-    bench: BenchStep | None = None,
-    bench_s: int = 0,
-    root: str = RELEASE_ROOT,
-) -> None:
-    """Switch to an already staged release (rollback), with the same gate and settle steps.
+def switch_to(*, plan: SwitchPlan, root: str = RELEASE_ROOT) -> None:
+    """Switch to an already staged release (after staging it, or a rollback), gate and settle.
 
-    + release_id: the staged release (e.g. the host's previous or baseline)
-    + confirm_within: seconds the gate has, from the moment every host switched
-    + peers_within: seconds the slowest host may take to switch (see switch_bound_s)
-    + rdma: (counters root, devices) when this host's RDMA counters are P/D evidence
-    + bench: the SLA bench to run after the gate on this host (the gate's host)
-    + bench_s: seconds the bench may take: the switched hosts' timers are extended by it
+    + plan: the switch (hgxserve.deploy.plans.SwitchPlan): the staged release (e.g. the host's
+      previous or baseline), whether this host switches and gates, the seconds the gate has
+      from the moment every host switched and the slowest host may take to switch
+      (switch_bound_s), this host's RDMA counters when they are P/D evidence, the SLA bench
+      to run after the gate on the gate's host and the seconds it may take (the switched
+      hosts' timers are extended by them)
+    + root: the release root on the host
     """
-    gating = bool(coord.switching)
-    if switch:
+    gating = bool(plan.coord.switching)
+    release_id, within = plan.release_id, plan.confirm_within
+    step = partial(_step, plan.coord, release_id, root)
+    if plan.switch:
         switched(
             name=f"Switch to release {release_id} (pending confirmation)",
             release_id=release_id,
-            confirm_within=confirm_within,
-            peers_within=peers_within,
+            confirm_within=within,
+            peers_within=plan.peers_within,
             root=root,
         )
-        python.call(
-            name="All engines healthy and warm: start the proxy where it was left stopped",
-            function=start_proxy,
-            coord=coord,
-            release_id=release_id,
-            root=root,
+        step("All engines healthy and warm: start the proxy where it was left stopped", start_proxy)
+        step(
+            f"All hosts switched: each reverts in {within}s unless confirmed",
+            arm_deadman,
+            confirm_within=within,
         )
-        python.call(
-            name=f"All hosts switched: each reverts in {confirm_within}s unless confirmed",
-            function=arm_deadman,
-            coord=coord,
-            release_id=release_id,
-            confirm_within=confirm_within,
-            root=root,
+    if gating and plan.rdma is not None:
+        _rdma_counters(plan, "before", "before the gate (P/D KV evidence)")
+    if plan.gate:
+        step(
+            "Gate the topology: proxy, models, probe answers (chat, stream), KV evidence", run_gate
         )
-    if gating and rdma is not None:
-        python.call(
-            name="Read the RDMA port counters before the gate (P/D KV evidence)",
-            function=read_rdma_counters,
-            coord=coord,
-            when="before",
-            root=rdma[0],
-            devices=rdma[1],
+    if gating and plan.rdma is not None:
+        _rdma_counters(plan, "after", "after the gate: they must have grown")
+    if plan.switch and plan.bench_s:
+        longer = within + plan.bench_s
+        step(
+            f"Bench next: each reverts in {longer}s unless confirmed",
+            arm_deadman,
+            confirm_within=longer,
         )
-    if gate:
-        python.call(
-            name="Gate the topology: proxy, models, probe answers (chat, stream), KV evidence",
-            function=run_gate,
-            coord=coord,
-            release_id=release_id,
-            root=root,
-        )
-    if gating and rdma is not None:
-        python.call(
-            name="Read the RDMA port counters after the gate: they must have grown",
-            function=read_rdma_counters,
-            coord=coord,
-            when="after",
-            root=rdma[0],
-            devices=rdma[1],
-        )
-    if switch and bench_s:
-        python.call(
-            name=f"Bench next: each reverts in {confirm_within + bench_s}s unless confirmed",
-            function=arm_deadman,
-            coord=coord,
-            release_id=release_id,
-            confirm_within=confirm_within + bench_s,
-            root=root,
-        )
-    if gate and bench is not None:
-        python.call(
-            name=f"Bench the release: scenario {bench.scenario} through the proxy, SLA and "
+    if plan.gate and plan.bench is not None:
+        step(
+            f"Bench the release: scenario {plan.bench.scenario} through the proxy, SLA and "
             "regression against the last confirmed release",
-            function=run_bench_gate,
-            coord=coord,
-            release_id=release_id,
-            step=bench,
-            root=root,
+            run_bench_gate,
+            step=plan.bench,
         )
-    if switch:
-        python.call(
-            name="Gate done: check no host reverted on its own, hold the timer for the settle",
-            function=arm_deadman,
-            coord=coord,
-            release_id=release_id,
-            confirm_within=confirm_within,
-            root=root,
+    if plan.switch:
+        step(
+            "Gate done: check no host reverted on its own, hold the timer for the settle",
+            arm_deadman,
+            confirm_within=within,
         )
-        python.call(
-            name=f"Confirm release {release_id}, or roll back if any host or the gate failed",
-            function=settle,
-            coord=coord,
-            release_id=release_id,
-            root=root,
+        step(
+            f"Confirm release {release_id}, or roll back if any host or the gate failed",
+            settle,
             # a host whose own timer reverted it restarts the previous units: wait that long
-            revert_within=max(peers_within, confirm_within),
+            revert_within=max(plan.peers_within, within),
         )
+
+
+def _step(
+    coord: Coordination,
+    release_id: str,
+    root: str,
+    name: str,
+    function: Callable[..., Any],
+    **kwargs: Any,
+) -> None:
+    """A step of the switch, run on the controller: `function(coord, release_id, root, ...)`."""
+    python.call(
+        name=name, function=function, coord=coord, release_id=release_id, root=root, **kwargs
+    )
+
+
+def _rdma_counters(plan: SwitchPlan, when: str, why: str) -> None:
+    """This host's RDMA port counters, read `when` ("before" or "after") the gate."""
+    assert plan.rdma is not None
+    sysfs, devices = plan.rdma
+    python.call(
+        name=f"Read the RDMA port counters {why}",
+        function=read_rdma_counters,
+        coord=plan.coord,
+        when=when,
+        root=sysfs,
+        devices=devices,
+    )

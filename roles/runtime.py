@@ -3,9 +3,10 @@ with no internet access, from a wheelhouse the controller builds and pushes, or 
 index / mirror the inventory names. Nothing happens when the venv already holds it.
 
 Example:
+    from hgxserve.deploy.plans import VenvPlan
     from hgxserve.runtime.spec import VenvRuntime
     from roles.runtime import runtime_venv
-    runtime_venv(spec=VenvRuntime("/opt/vllm-0.26", "vllm", "0.26.0"), wheelhouse=build)
+    runtime_venv(plan=VenvPlan(VenvRuntime("/opt/vllm-0.26", "vllm", "0.26.0"), build, None, None))
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from __future__ import annotations
 import json
 import shlex
 import urllib.parse
-from collections.abc import Callable
-from pathlib import Path
 
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
 from pyinfra.operations import server
 
 from hgxserve.base.paths import RUNTIME_STAGING
+from hgxserve.deploy.plans import VenvPlan
 from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
 from hgxserve.operations.wheelhouse import push_wheelhouse
 from hgxserve.runtime.checks import cuda_line
@@ -56,24 +56,20 @@ def runtime_current(spec: VenvRuntime, state: dict[str, object]) -> bool:
 
 @deploy("Install the engine runtime")
 def runtime_venv(
-    *,
-    spec: VenvRuntime,
-    wheelhouse: Callable[[], tuple[Path, str]] | None = None,
-    index_url: str | None = None,
-    python: str = "python3",
-    staging: str = RUNTIME_STAGING,
-    planned_driver: str | None = None,
+    *, plan: VenvPlan, python: str = "python3", staging: str = RUNTIME_STAGING
 ) -> None:
-    """Install `spec` (engine==version and extras) into its venv; no-op when it is there.
+    """Install `plan.spec` (engine==version and extras) into its venv; no-op when it is there.
 
-    + spec: the venv, engine, version, extras and modules that must import
-    + wheelhouse: builds (once, on the controller) the wheelhouse tarball and its key; used
-      unless `index_url` is given
-    + index_url: a package index / mirror the host itself installs from (PEP 503 URL)
+    + plan: one venv of the runtime stage's plan (hgxserve.deploy.plans.VenvPlan):
+      spec: the venv, engine, version, extras and modules that must import;
+      wheelhouse: builds (once, on the controller) the wheelhouse tarball and its key; used
+      unless `index_url` is given;
+      index_url: a package index / mirror the host itself installs from (PEP 503 URL);
+      planned_driver: the driver a provision stage of this run installs (for the CUDA check)
     + python: the host's Python used to create the venv
     + staging: host directory the wheelhouse is unpacked in (removed after installing)
-    + planned_driver: the driver a provision stage of this run installs (for the CUDA check)
     """
+    spec, index_url = plan.spec, plan.index_url
     state = host.get_fact(VenvRuntimeState, venv=spec.venv, dist=spec.dist, imports=spec.imports)
     if runtime_current(spec, state):
         host.noop(f"runtime {spec.venv} already holds {' '.join(spec.requirements)}")
@@ -96,15 +92,11 @@ def runtime_venv(
             install += ["--trusted-host", urllib.parse.urlsplit(index_url).netloc]
         cleanup: list[str] = []
     else:
-        if wheelhouse is None:
-            raise DeployError(
-                f"runtime {spec.venv}: no wheelhouse and no index_url to install from"
-            )
-        tarball, key = wheelhouse()
+        tarball, key = plan.wheelhouse()
         torch = wheelhouse_torch(tarball)
         if torch:  # before anything is pushed: a CUDA this driver cannot run stops here
             line = cuda_line(
-                host.name, spec.venv, *torch, host.get_fact(DriverCuda), planned_driver
+                host.name, spec.venv, *torch, host.get_fact(DriverCuda), plan.planned_driver
             )
             if line:
                 raise DeployError(f"runtime wheelhouse {key}:\n  {line}")

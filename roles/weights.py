@@ -9,12 +9,14 @@ run changes nothing. The role takes the topology's typed model; what it runs on 
 
 Example:
     from roles.weights import weights
+    weights(plan=weights_plan(host))  # hgxserve.deploy.plans, as deploys/weights.py does
     weights(model=topology.model, digest="sha256:...")
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
@@ -22,7 +24,8 @@ from pyinfra.facts.files import File
 from pyinfra.facts.systemd import SystemdStatus
 from pyinfra.operations import files, systemd
 
-from hgxserve.base.paths import AGENT, cephfs_secret_file, weights_state_dir
+from hgxserve.base.paths import cephfs_secret_file, weights_state_dir
+from hgxserve.deploy.plans import WeightsPlan, plan_or_fields
 from hgxserve.operations.credentials import secret_file
 from hgxserve.operations.files import file_content
 from hgxserve.operations.weights import mount_started, synced, verified
@@ -32,13 +35,17 @@ from hgxserve.weights.options import SyncArgs, manifest_ref
 
 
 @deploy("Sync and verify model weights")
-def weights(*, model: Model, digest: str | None = None, agent: str = AGENT) -> None:
+def weights(*, plan: WeightsPlan | None = None, **fields: Any) -> None:
     """Sync (S3, local) or mount + verify/stage (CephFS) the model; no-op when verified.
 
-    + model: the topology's model (name, path, manifest name and typed source)
-    + digest: pin the manifest digest (sha256:...); otherwise any verified sync of the source
-    + agent: the hgxserve agent on the host
+    + plan: the weights stage's plan (hgxserve.deploy.plans.weights_plan), or its fields as
+      keywords instead:
+      model: the topology's model (name, path, manifest name and typed source);
+      digest: pin the manifest digest (sha256:...); otherwise any verified sync of the source;
+      agent: the hgxserve agent on the host
     """
+    plan = plan_or_fields(plan, WeightsPlan, fields)
+    model, digest, agent = plan.model, plan.digest, plan.agent
     source = model.source
     if isinstance(source, S3Source):
         kind, ref = source.credentials or ("chain", "")

@@ -3,23 +3,27 @@
 Each `<stage>_plan(host, ...)` loads the topology `--data topology=FILE` names, reads the stage's
 `--data` keys through the typed table (`hgxserve.deploy.data`) and returns a frozen plan object;
 anything wrong is a DeployError with a message for the operator, raised before a role runs.
-The deploy files only call roles with what the plan holds.
+The deploy files hand the plans (or the part of one a role runs) to the roles whole: a role
+reads its fields, so a deploy file stays a list of role calls. The defaults of a plan's fields
+are the role's own, for a role called with the fields as keywords instead.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pyinfra import logger
 from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 from pyinfra.api.inventory import Inventory
 
+from hgxserve.base.cachelayout import DEFAULT_ROOT as CACHE_ROOT
+from hgxserve.base.paths import AGENT
 from hgxserve.bench.releasegate import BenchStep, bench_step_for
 from hgxserve.deploy.bakers import cache_entries, elect_bakers
 from hgxserve.deploy.data import DeployData, deploy_data
@@ -36,6 +40,7 @@ from hgxserve.facts.preflight import HostExpectation, expectation_from_topology
 from hgxserve.facts.release import ReleaseState
 from hgxserve.facts.runtime import HostPython
 from hgxserve.monitoring.host_files import HostMonitoring, host_monitoring
+from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.release.coordination import Coordination
 from hgxserve.release.evidence import rdma_roles, unchecked_transport
 from hgxserve.release.plan import HostRelease, gate_host, switch_bound_s
@@ -55,6 +60,19 @@ from hgxserve.topology import Topology, TopologyError, load_topology
 from hgxserve.topology.model import Host as TopologyHost
 from hgxserve.topology.model import Model, S3Source, TopologyFile
 from hgxserve.topology.placement import pin_digest
+
+Plan = TypeVar("Plan")
+
+
+def plan_or_fields(plan: Plan | None, kind: type[Plan], fields: dict[str, Any]) -> Plan:
+    """A role's plan: the one it was given, or one of `kind` from the fields it was given as
+    keywords instead (a TypeError for both, or for a field `kind` does not have)."""
+    if plan is None:
+        return kind(**fields)
+    if fields:
+        raise TypeError(f"give a plan or its fields, not both ({', '.join(sorted(fields))})")
+    return plan
+
 
 # --- the topology and this host's part of it -------------------------------------------------
 
@@ -109,11 +127,11 @@ def site_stages(host: Host) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class PreflightPlan:
     expect: HostExpectation
-    after_provision: bool  # `--data preflight=full`: the provisioned state and runtimes too
-    runtimes: tuple[VenvRuntime, ...]
-    runtime_installs: bool  # the runtime stage of this site run installs missing runtimes
-    images: tuple[tuple[str, str], ...]
-    planned_driver: str | None
+    after_provision: bool = True  # `--data preflight=full`: the provisioned state and runtimes too
+    runtimes: tuple[VenvRuntime, ...] = ()
+    runtime_installs: bool = False  # the runtime stage of this site run installs missing runtimes
+    images: tuple[tuple[str, str], ...] = ()  # (image, tool) container runtimes that must be loaded
+    planned_driver: str | None = None  # the driver a provision stage of this run installs
 
 
 def preflight_plan(host: Host) -> PreflightPlan:
@@ -134,7 +152,7 @@ def preflight_plan(host: Host) -> PreflightPlan:
 
 @dataclass(frozen=True)
 class ProvisionPlan:
-    expect: HostExpectation
+    preflight: PreflightPlan  # the hardware only: nothing changes on a host with the wrong GPUs
     driver_version: str
     driver_branch: str
     apt_source: str | None
@@ -152,7 +170,9 @@ def provision_plan(host: Host) -> ProvisionPlan:
     version = str(data.get("driver_version"))
     fm_mode = data.get("fabric_manager")
     return ProvisionPlan(
-        expect=expectation_from_topology(topology, host.name),
+        preflight=PreflightPlan(
+            expectation_from_topology(topology, host.name), after_provision=False
+        ),
         driver_version=version,
         driver_branch=version.split(".")[0],
         apt_source=data.get("apt_source"),
@@ -172,24 +192,24 @@ def provision_plan(host: Host) -> ProvisionPlan:
 class VenvPlan:
     spec: VenvRuntime
     wheelhouse: Callable[[], tuple[Path, str]]  # built on the controller when the role needs it
+    index_url: str | None  # `runtime_source=index`: the hosts install from this mirror
+    planned_driver: str | None  # the driver a provision stage of this run installs
 
 
 @dataclass(frozen=True)
 class ImagePlan:
-    image: str
-    tool: str
-    mirror: str | None
-    archive_url: str | None
-    s3_env_file: str | None
-    s3_endpoint: str | None
-    s3_addressing: str
+    image: str  # repo@sha256:<64 hex>, as the topology pins it
+    tool: str = "podman"
+    mirror: str | None = None  # a registry mirror (host[:port]) the image is pulled through
+    archive_url: str | None = None  # s3:// URL of an OCI archive of the image
+    s3_env_file: str | None = None  # with s3_endpoint and s3_addressing: that S3
+    s3_endpoint: str | None = None
+    s3_addressing: str = "auto"
 
 
 @dataclass(frozen=True)
 class RuntimePlan:
     venvs: tuple[VenvPlan, ...]
-    index_url: str | None  # `runtime_source=index`: the hosts install from this mirror
-    planned_driver: str | None
     images: tuple[ImagePlan, ...]
     image_agent: bool  # image archives are fetched and verified by the agent
     files: tuple[tuple[TopologyFile, Path], ...]
@@ -218,7 +238,13 @@ def _index(data: DeployData) -> tuple[IndexOptions, str | None]:
     return options, index_url if source == "index" else None
 
 
-def _venvs(host: Host, specs: list[VenvRuntime], index: IndexOptions) -> tuple[VenvPlan, ...]:
+def _venvs(
+    host: Host,
+    specs: list[VenvRuntime],
+    index: IndexOptions,
+    index_url: str | None,
+    driver: str | None,
+) -> tuple[VenvPlan, ...]:
     if not specs:
         return ()
     python = host.get_fact(HostPython)
@@ -226,7 +252,8 @@ def _venvs(host: Host, specs: list[VenvRuntime], index: IndexOptions) -> tuple[V
         raise DeployError(f"{host.name}: runtime: the host has no python3 to create a venv with")
     platform = HostPlatform(python["version"], python["machine"], python["glibc"])
     return tuple(
-        VenvPlan(spec, partial(_wheelhouse, spec.requirements, platform, index)) for spec in specs
+        VenvPlan(spec, partial(_wheelhouse, spec.requirements, platform, index), index_url, driver)
+        for spec in specs
     )
 
 
@@ -270,10 +297,9 @@ def runtime_plan(host: Host) -> RuntimePlan:
     specs = _venv_runtimes(topology, host, require_version=True)
     index, host_index_url = _index(data)
     images = _images(topology, host, data)
+    driver = _planned_driver(host, data)
     return RuntimePlan(
-        venvs=_venvs(host, specs, index),
-        index_url=host_index_url,
-        planned_driver=_planned_driver(host, data),
+        venvs=_venvs(host, specs, index, host_index_url, driver),
         images=images,
         image_agent=bool(images) and data.given("image_archive_prefix"),
         files=_files(topology, host),
@@ -286,8 +312,8 @@ def runtime_plan(host: Host) -> RuntimePlan:
 @dataclass(frozen=True)
 class WeightsPlan:
     model: Model
-    digest: str | None  # `--data weights_digest=` over the topology's `model.digest`
-    agent: str
+    digest: str | None = None  # `--data weights_digest=` over the topology's `model.digest`
+    agent: str = AGENT
 
 
 def weights_plan(host: Host) -> WeightsPlan:
@@ -302,15 +328,16 @@ def weights_plan(host: Host) -> WeightsPlan:
 
 @dataclass(frozen=True)
 class CachesPlan:
-    runs: bool  # the cache policy is not `off` and the host runs an engine
-    bake_secrets: dict[str, str]  # host path -> value: what a baker's engine units read
-    engines: list[dict[str, Any]]
-    topology_file: str
-    store: str
-    policy: str
-    distribute: str
-    root: str
-    bakers: dict[str, str]
+    engines: list[dict[str, Any]]  # one per engine on this host: engine, key, full_key, facts
+    topology: str  # the topology file on the controller (uploaded to a baker)
+    store: str  # the controller's directory of archives per full key
+    policy: str = "auto"
+    distribute: str = "controller"
+    root: str = CACHE_ROOT  # the cache root on the hosts
+    bakers: dict[str, str] = field(default_factory=dict)  # full key -> the host that bakes it
+    runs: bool = True  # the cache policy is not `off` and the host runs an engine
+    # host path -> value: what a baker's engine units read
+    bake_secrets: dict[str, str] = field(default_factory=dict)
 
 
 def _bake_secrets(topology: Topology, host: Host, bakers: dict[str, str]) -> dict[str, str]:
@@ -331,7 +358,7 @@ def caches_plan(host: Host, inventory: Inventory) -> CachesPlan:
         runs=runs,
         bake_secrets=_bake_secrets(topology, host, bakers),
         engines=cache_entries(topology, host) if runs else [],
-        topology_file=str(data.get("topology")),
+        topology=str(data.get("topology")),
         store=os.path.expanduser(data.get("cache_store")),
         policy=topology.cache.policy,
         distribute=topology.cache.distribute,
@@ -344,17 +371,26 @@ def caches_plan(host: Host, inventory: Inventory) -> CachesPlan:
 
 
 @dataclass(frozen=True)
+class SwitchPlan:
+    """A switch of every host together to a staged release, this host's part in it: the
+    engines stage's (after staging the release) and the rollback's."""
+
+    release_id: str
+    coord: Coordination  # shared by all hosts of the run: who switched, the gate's verdict
+    switch: bool  # this host's current release differs
+    gate: bool  # this host runs the topology's gate after all hosts switched
+    confirm_within: int = CONFIRM_WITHIN_S  # seconds the gate has once every host switched
+    peers_within: int = 0  # seconds the slowest host may take to switch (switch_bound_s)
+    rdma: tuple[str, list[str]] | None = None  # (sysfs root, devices) for the RDMA evidence
+    bench: BenchStep | None = None  # the SLA bench after the gate, on the gate's host
+    bench_s: int = 0  # seconds the bench may take: the switched hosts' timers wait as long
+
+
+@dataclass(frozen=True)
 class EnginesPlan:
-    release: HostRelease
-    secret_values: dict[str, str]
-    switch: bool
-    coord: Coordination
-    gate: bool
-    confirm_within: int
-    peers_within: int
-    rdma: tuple[str, list[str]] | None  # (sysfs root, devices) for the RDMA evidence
-    bench: BenchStep | None
-    bench_s: int
+    release: HostRelease  # this host's release, staged before the switch
+    secret_values: dict[str, str]  # host path -> secret value of the units' credentials
+    switching: SwitchPlan
 
 
 def _bench(
@@ -380,11 +416,11 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
     coord.rdma_note = None if coord.rdma_roles else unchecked_transport(topology)
     devices = list(topology.hosts[host.name].rdma) if host.name in topology.hosts else []
     bench = _bench(topology, host, active, data)
-    return EnginesPlan(
-        release=plan,
-        secret_values=secret_values(plan),
-        switch=host.name in coord.switching,
+    secrets = secret_values(plan)
+    switching = SwitchPlan(
+        release_id=plan.id,
         coord=coord,
+        switch=host.name in coord.switching,
         gate=bool(coord.switching) and host.name == gate_host(topology),
         confirm_within=data.get("confirm_within"),
         peers_within=switch_bound_s(plans, SWITCH_OVERHEAD_S),
@@ -392,19 +428,11 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
         bench=bench,
         bench_s=topology.gate.bench.timeout_s if topology.gate.bench is not None else 0,
     )
+    return EnginesPlan(release=plan, secret_values=secrets, switching=switching)
 
 
-@dataclass(frozen=True)
-class RollbackPlan:
-    release_id: str
-    coord: Coordination
-    switch: bool
-    gate: bool
-    confirm_within: int
-    peers_within: int
-
-
-def rollback_plan(host: Host, inventory: Inventory) -> RollbackPlan:
+def rollback_plan(host: Host, inventory: Inventory) -> SwitchPlan:
+    """The switch back to each host's `previous` (or `baseline`) release, gated again."""
     data = deploy_data(host)
     hosts = list(inventory.iter_activated_hosts())
     require_all_reachable(list(inventory), hosts)
@@ -414,7 +442,7 @@ def rollback_plan(host: Host, inventory: Inventory) -> RollbackPlan:
     state = host.get_fact(ReleaseState)
     # The staged releases' engine timeouts are on the hosts: bound the slowest by the default one.
     slowest = start_timeout(UnitSpec("engine", "engine"), data.get("health_timeout"))
-    return RollbackPlan(
+    return SwitchPlan(
         release_id=targets[host.name],
         coord=coord,
         switch=host.name in coord.switching,

@@ -92,7 +92,7 @@ def test_site_stages_reach_the_preflight_of_the_same_run_only():
 def test_runtime_index_settings():
     _, hosts = run({"runtime_find_links": "/w1,/w2", "runtime_no_index": True})
     plan = plans.runtime_plan(hosts["hgx-a"])
-    assert plan.index_url is None and plan.venvs
+    assert plan.venvs and plan.venvs[0].index_url is None
     options = plan.venvs[0].wheelhouse.args[2]  # type: ignore[attr-defined]
     assert (options.find_links, options.no_index) == (("/w1", "/w2"), True)
     _, hosts = run({"runtime_source": "index"})
@@ -132,3 +132,14 @@ def test_a_misspelt_data_key_is_warned_about_once_per_run(caplog):
         "--data health_timout: no stage reads it; did you mean health_timeout? "
         "(hgxserve deploy-data)"
     ]
+
+
+def test_a_role_takes_its_plan_or_the_plan_s_fields_never_both():
+    model = plans.weights_plan(run({})[1]["hgx-a"]).model
+    built = plans.plan_or_fields(None, plans.WeightsPlan, {"model": model})
+    assert built == plans.WeightsPlan(model, None, "/opt/hgxserve/bin/hgxserve")
+    assert plans.plan_or_fields(built, plans.WeightsPlan, {}) is built
+    with pytest.raises(TypeError, match=r"give a plan or its fields, not both \(digest\)"):
+        plans.plan_or_fields(built, plans.WeightsPlan, {"digest": "sha256:1"})
+    with pytest.raises(TypeError):
+        plans.plan_or_fields(None, plans.WeightsPlan, {"model": model, "modle": model})

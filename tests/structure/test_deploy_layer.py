@@ -2,7 +2,8 @@
 
 - deploys/*.py import only `hgxserve.deploy` (a stage's plan), roles, and pyinfra's `host`,
   `inventory`, `local` and `logger`; they read no host data themselves, define nothing, and stay
-  within MAX_STATEMENTS statements: short lists of role calls.
+  within MAX_STATEMENTS statements: short lists of role calls, each handing its role the plan
+  (or the part of it the role runs) rather than the plan's fields one by one.
 - every key read from pyinfra host data anywhere in hgxserve/, roles/ and deploys/ is a row of
   `hgxserve.deploy.data.KEYS` (pyinfra's own `ssh_*` connection keys aside), and every row is read.
 - the table's booleans follow the one rule; its defaults fit their own types.
@@ -27,7 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOYS = sorted(p for p in (REPO / "deploys").glob("*.py") if p.name != "__init__.py")
 # A deploy file is a plan and the role calls it feeds: statements outside the docstring and the
 # imports, nested ones included (runtime.py, the longest, has 9).
-MAX_STATEMENTS = 12
+MAX_STATEMENTS = 9
+# A role takes its plan whole; provision.py's roles, each fed a few fields of the one plan they
+# share, pass the most.
+MAX_CALL_ARGUMENTS = 3
 PYINFRA_NAMES = {"host", "inventory", "local", "logger"}
 # Keys pyinfra itself reads (its SSH connector); hgxserve passes them on, never defines them.
 PYINFRA_KEY_PREFIX = "ssh_"
@@ -87,6 +91,12 @@ def test_deploys_read_no_host_data_and_stay_short(path):
     ]
     assert logic == [], f"{path.name}: {logic}: logic belongs in hgxserve/deploy/plans.py"
     assert len(statements) <= MAX_STATEMENTS, f"{path.name}: {len(statements)} statements"
+    wide = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and len(node.args) + len(node.keywords) > MAX_CALL_ARGUMENTS
+    ]
+    assert wide == [], f"{path.name}: calls at lines {wide} unpack a plan: hand the role the plan"
     assert ast.get_docstring(tree), f"{path.name}: the module docstring is the operator's doc"
 
 
@@ -217,6 +227,9 @@ def test_the_checks_find_what_they_look_for(tmp_path):
         test_deploys_import_only_the_stage_plans_roles_and_pyinfra(deploy)
     deploy.write_text('"""doc"""\nfrom pyinfra import host\nx = host.data.get("agent")\n')
     with pytest.raises(AssertionError):
+        test_deploys_read_no_host_data_and_stay_short(deploy)
+    deploy.write_text('"""doc"""\nrole(a=plan.a, b=plan.b, c=plan.c, d=plan.d)\n')
+    with pytest.raises(AssertionError, match="unpack a plan"):
         test_deploys_read_no_host_data_and_stay_short(deploy)
 
 
