@@ -116,24 +116,42 @@ def engine_env(topo: Topology, engine: Engine, plan: NodePlan, key: str) -> dict
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in plan.gpus)
     if engine.engine == "vllm" and engine.internal_port is not None:
         env["VLLM_PORT"] = str(engine.internal_port)
-    kv = engine.kv
-    if kv is not None and engine.engine == "vllm" and kv.connector == "nixl":
-        assert plan.side_channel_host is not None
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.side_channel_host
-        # vLLM adds the DP rank itself (base_scheduler.py: + data_parallel_index)
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.side_channel_port)
-    if kv is not None and kv.ucx_devices is not None:
-        devices = kv.ucx_devices
-        env["UCX_NET_DEVICES"] = devices if isinstance(devices, str) else ",".join(devices)
-    if kv is not None and kv.ucx_tls:
-        env["UCX_TLS"] = ",".join(kv.ucx_tls)
+    env.update(_kv_env(engine, plan))
     pinned = cache_env(topo.cache.root, key)
     for var in ENV_SUBDIRS:
         if var == "SGLANG_DG_CACHE_DIR" and engine.engine != "sglang":
             continue
         env[var] = pinned[var]
+    env.update(_run_env(engine))
+    for name, value in engine.env.items():
+        env[name] = value
+    return env
+
+
+def _kv_env(engine: Engine, plan: NodePlan) -> dict[str, str]:
+    """The NIXL side channel and the UCX transports of an engine's KV transfer."""
+    env: dict[str, str] = {}
+    kv = engine.kv
+    if kv is None:
+        return env
+    if engine.engine == "vllm" and kv.connector == "nixl":
+        assert plan.side_channel_host is not None
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.side_channel_host
+        # vLLM adds the DP rank itself (base_scheduler.py: + data_parallel_index)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv.side_channel_port)
+    if kv.ucx_devices is not None:
+        devices = kv.ucx_devices
+        env["UCX_NET_DEVICES"] = devices if isinstance(devices, str) else ",".join(devices)
+    if kv.ucx_tls:
+        env["UCX_TLS"] = ",".join(kv.ucx_tls)
+    return env
+
+
+def _run_env(engine: Engine) -> dict[str, str]:
+    """Where the engine keeps its run files (under its run directory), and the switches
+    hgxserve always sets: offline hosts, SGLang's /health without generation."""
     rundir = run_dir(engine)
-    env["TMPDIR"] = f"{rundir}/tmp"
+    env = {"TMPDIR": f"{rundir}/tmp"}
     if engine.engine == "vllm":
         env["VLLM_RPC_BASE_PATH"] = f"{rundir}/rpc"
     env["XDG_CACHE_HOME"] = f"{rundir}/cache"
@@ -142,8 +160,6 @@ def engine_env(topo: Topology, engine: Engine, plan: NodePlan, key: str) -> dict
     if engine.engine == "sglang":
         # /health must not generate: probes would pollute load tests (seed 003 §12.4)
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
-    for name, value in engine.env.items():
-        env[name] = value
     return env
 
 
@@ -206,9 +222,9 @@ def _engine_unit(
     used_files = sorted({p for _, _, p in engine.host_paths() if p in shipped})
     command = [*engine_program(engine), *engine_args(topo, engine, plan)]
     if engine.runtime.is_container:
-        argv = _container_argv(
-            topo, engine, plan, env, command, execs, [key_dir, rundir], used_files
-        )
+        volumes = _volumes(topo, [key_dir, rundir], used_files)
+        argv = _container_argv(engine, plan, env, command, volumes)
+        _container_execs(engine, execs)
     else:
         argv = command
     execs.start_pre.append(
@@ -290,23 +306,32 @@ def _engine_unit(
     )
 
 
-def _container_argv(
-    topo: Topology,
-    engine: Engine,
-    plan: NodePlan,
-    env: dict[str, str],
-    command: list[str],
-    execs: _Exec,
-    writable: list[str],
-    read_only: list[str],
-) -> list[str]:
-    """`podman|docker run` of the engine's image with CDI GPUs; the container is removed
-    before the start and after the stop."""
+def _volumes(topo: Topology, writable: list[str], read_only: list[str]) -> list[str]:
+    """The container's --volume values: the weights read-only, then `writable`, then
+    `read_only`."""
+    weights_tree, _ = serving_tree(topo.model)
+    return [
+        f"{weights_tree}:{weights_tree}:ro",
+        *(f"{path}:{path}" for path in writable),
+        *(f"{path}:{path}:ro" for path in read_only),
+    ]
+
+
+def _container_tool(engine: Engine) -> tuple[str, str, str]:
+    """(tool name, its path, the container's name) of a container engine."""
     runtime = engine.runtime
     assert runtime is not None
     tool_name = runtime.tool or "podman"
-    tool = CONTAINER_TOOLS[tool_name]
-    container = f"hgxserve-{engine.name}"
+    return tool_name, CONTAINER_TOOLS[tool_name], f"hgxserve-{engine.name}"
+
+
+def _container_argv(
+    engine: Engine, plan: NodePlan, env: dict[str, str], command: list[str], volumes: list[str]
+) -> list[str]:
+    """`podman|docker run` of the engine's image with CDI GPUs."""
+    runtime = engine.runtime
+    assert runtime is not None
+    tool_name, tool, container = _container_tool(engine)
     argv = [
         tool,
         "run",
@@ -324,16 +349,20 @@ def _container_argv(
     ]
     for gpu in plan.gpus:
         argv += ["--device", f"nvidia.com/gpu={gpu}"]
-    weights_tree, _ = serving_tree(topo.model)
-    argv += ["--volume", f"{weights_tree}:{weights_tree}:ro"]
-    for path in writable:
-        argv += ["--volume", f"{path}:{path}"]
-    for path in read_only:
-        argv += ["--volume", f"{path}:{path}:ro"]
+    for volume in volumes:
+        argv += ["--volume", volume]
     for var in [*env, *sorted(engine.secret_env)]:
         # --env NAME passes the value from the unit's environment, never on the command line
         argv += ["--env", var]
     argv += ["--entrypoint", command[0], str(runtime.image), *command[1:]]
+    gpus = ",".join(str(g) for g in plan.gpus)
+    plan.notes.append(f"container {runtime.image} with CDI GPUs {gpus} via {tool_name}")
+    return argv
+
+
+def _container_execs(engine: Engine, execs: _Exec) -> None:
+    """The container is removed before the start and after the stop."""
+    tool_name, tool, container = _container_tool(engine)
     remove = (
         [tool, "rm", "--force", "--ignore", container]
         if tool_name == "podman"
@@ -342,9 +371,6 @@ def _container_argv(
     execs.start_pre.append(UnitText("-" + exec_line(remove)))
     execs.stop.append(exec_line([tool, "stop", "--time", "60", container]))
     execs.stop_post.append(UnitText("-" + exec_line(remove)))
-    gpus = ",".join(str(g) for g in plan.gpus)
-    plan.notes.append(f"container {runtime.image} with CDI GPUs {gpus} via {tool_name}")
-    return argv
 
 
 def _description(engine: Engine, plan: NodePlan, gpus: str) -> str:

@@ -127,6 +127,10 @@ def _values(args: dict[str, Any], engine: EngineKind, keys: tuple[str, ...]) -> 
     return out
 
 
+# batching and tokenizer args both engines take, written right after max_num_seqs
+_BATCHING = ("max_num_batched_tokens", "max_cudagraph_capture_size", "tokenizer_mode")
+
+
 def _switch(args: dict[str, Any], engine: EngineKind, key: str) -> list[str]:
     """`--flag` when the arg is true."""
     return [flag(key, engine)] if args.get(key) else []
@@ -150,16 +154,7 @@ def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
         args, "vllm", ("kv_cache_dtype", "block_size", "gpu_memory_utilization", "max_model_len")
     )
     argv += [flag("max_num_seqs", "vllm"), str(max_num_seqs(topo, engine, plan))]
-    argv += _values(
-        args,
-        "vllm",
-        (
-            "max_num_batched_tokens",
-            "max_cudagraph_capture_size",
-            "tokenizer_mode",
-            "tool_call_parser",
-        ),
-    )
+    argv += _values(args, "vllm", (*_BATCHING, "tool_call_parser"))
     argv += _switch(args, "vllm", "enable_auto_tool_choice")
     argv += _values(args, "vllm", ("reasoning_parser", "chat_template"))
     argv += _tristate(args, "enable_prefix_caching")
@@ -251,9 +246,6 @@ def _vllm_parallel(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
 def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     """`sglang serve` arguments (without the program) for one node."""
     args = engine.args
-    # With DP attention tp is the whole engine and dp splits it into attention groups
-    # (seed 002: --tp 8 --dp 8 --enable-dp-attention on 8 GPUs), as the topology rules define.
-    tp = engine.tp
     argv: list[str] = []
     argv += _switch(args, "sglang", "trust_remote_code")
     argv += [
@@ -262,23 +254,7 @@ def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
         "--served-model-name",
         topo.model.served_name,
     ]
-    argv += ["--tp", str(tp)]
-    if engine.dp > 1:
-        argv += ["--dp", str(engine.dp)]
-    argv += _switch(args, "sglang", "enable_dp_attention")
-    if engine.pp > 1:
-        argv += ["--pp-size", str(engine.pp)]
-    if engine.ep:
-        argv += ["--ep-size", str(tp)]
-    if engine.is_multi_node:
-        argv += [
-            "--nnodes",
-            str(plan.nnodes),
-            "--node-rank",
-            str(plan.node_rank),
-            "--dist-init-addr",
-            _host_port(plan.head_address, engine.rpc_port),
-        ]
+    argv += _sglang_parallel(engine, plan)
     argv += _values(args, "sglang", ("moe_runner_backend",))
     if "all2all_backend" in args:
         argv += _sglang_a2a(str(args["all2all_backend"]))
@@ -293,15 +269,7 @@ def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     argv += _values(
         args,
         "sglang",
-        (
-            "max_num_batched_tokens",
-            "max_cudagraph_capture_size",
-            "tokenizer_mode",
-            "reasoning_parser",
-            "tool_call_parser",
-            "chat_template",
-            "attention_backend",
-        ),
+        (*_BATCHING, "reasoning_parser", "tool_call_parser", "chat_template", "attention_backend"),
     )
     if args.get("enable_prefix_caching") is False:
         argv.append(flag("enable_prefix_caching", "sglang"))
@@ -315,6 +283,31 @@ def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
         argv += _sglang_disaggregation(topo, engine, plan)
     _skipped(engine, not_rendered("sglang"), plan)
     argv += list(engine.extra_args)
+    return argv
+
+
+def _sglang_parallel(engine: Engine, plan: NodePlan) -> list[str]:
+    """tp, dp (DP attention), pp, ep and the nodes of a multi-host engine."""
+    # With DP attention tp is the whole engine and dp splits it into attention groups
+    # (seed 002: --tp 8 --dp 8 --enable-dp-attention on 8 GPUs), as the topology rules define.
+    tp = engine.tp
+    argv = ["--tp", str(tp)]
+    if engine.dp > 1:
+        argv += ["--dp", str(engine.dp)]
+    argv += _switch(engine.args, "sglang", "enable_dp_attention")
+    if engine.pp > 1:
+        argv += ["--pp-size", str(engine.pp)]
+    if engine.ep:
+        argv += ["--ep-size", str(tp)]
+    if engine.is_multi_node:
+        argv += [
+            "--nnodes",
+            str(plan.nnodes),
+            "--node-rank",
+            str(plan.node_rank),
+            "--dist-init-addr",
+            _host_port(plan.head_address, engine.rpc_port),
+        ]
     return argv
 
 
