@@ -14,10 +14,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hgxserve.base.sizes import format_size
+
+# a mismatch: (fact, expected, found)
+_Report = Callable[[str, str, str], None]
 
 
 @dataclass(frozen=True)
@@ -80,52 +84,73 @@ def preflight_problems(
     def problem(fact: str, expected: str, found: str) -> None:
         problems.append(f"{host}: {fact}: expected {expected}, found {found}")
 
+    _gpu_facts(facts, expect, after_provision, problem)
+    _rdma_facts(facts, expect, problem)
+    if after_provision:
+        _provisioned_facts(facts, expect, problem)
+    _disk_facts(facts, expect, problem)
+    return problems
+
+
+def _gpu_facts(
+    facts: dict[str, Any], expect: HostExpectation, after_provision: bool, problem: _Report
+) -> None:
     gpu = facts.get("gpu")
-    if gpu is not None:
-        status = gpu.get("status")
-        if status != "ok":
-            # Before provisioning, a host without a working driver is what provision fixes.
-            if after_provision or status == "error":
-                detail = f": {gpu.get('error')}" if gpu.get("error") else ""
-                problem(
-                    "gpu",
-                    f"{expect.gpu_count} x {expect.gpu_kind} visible to nvidia-smi",
-                    f"nvidia-smi {status}{detail}",
-                )
-        else:
-            _gpu_problems(gpu, expect, problem)
-            fm_needed = (facts.get("nvswitch") or {}).get("present")
-            fm = facts.get("fabric_manager")
-            if after_provision and fm_needed and fm is not None:
-                driver = gpu.get("driver_version")
-                if fm.get("version") != driver:
-                    problem(
-                        "fabric_manager.version",
-                        f"{driver} (the driver's; NVSwitch present)",
-                        fm.get("version") or "not installed",
-                    )
-                if fm.get("active") != "active":
-                    problem("fabric_manager.active", "active", str(fm.get("active")))
+    if gpu is None:
+        return
+    status = gpu.get("status")
+    if status == "ok":
+        _gpu_problems(gpu, expect, problem)
+        if after_provision:
+            _fabric_manager(facts, gpu.get("driver_version"), problem)
+    # Before provisioning, a host without a working driver is what provision fixes.
+    elif after_provision or status == "error":
+        detail = f": {gpu.get('error')}" if gpu.get("error") else ""
+        problem(
+            "gpu",
+            f"{expect.gpu_count} x {expect.gpu_kind} visible to nvidia-smi",
+            f"nvidia-smi {status}{detail}",
+        )
 
+
+def _fabric_manager(facts: dict[str, Any], driver: str | None, problem: _Report) -> None:
+    fm_needed = (facts.get("nvswitch") or {}).get("present")
+    fm = facts.get("fabric_manager")
+    if not fm_needed or fm is None:
+        return
+    if fm.get("version") != driver:
+        problem(
+            "fabric_manager.version",
+            f"{driver} (the driver's; NVSwitch present)",
+            fm.get("version") or "not installed",
+        )
+    if fm.get("active") != "active":
+        problem("fabric_manager.active", "active", str(fm.get("active")))
+
+
+def _rdma_facts(facts: dict[str, Any], expect: HostExpectation, problem: _Report) -> None:
     rdma = facts.get("rdma")
-    if rdma is not None and expect.rdma_devices:
-        devices = rdma.get("devices", {})
-        for name in expect.rdma_devices:
-            device = devices.get(name)
-            if device is None:
-                listed = ", ".join(sorted(devices)) or "no RDMA devices"
-                problem(f"rdma.{name}", "device present", f"missing (host has {listed})")
-                continue
-            states = {port: info.get("state") for port, info in device.get("ports", {}).items()}
-            if "PORT_ACTIVE" not in states.values():
-                found = ", ".join(f"port {p} {s}" for p, s in sorted(states.items())) or "no ports"
-                problem(f"rdma.{name}", "PORT_ACTIVE", found)
+    if rdma is None:
+        return
+    devices = rdma.get("devices", {})
+    for name in expect.rdma_devices:
+        device = devices.get(name)
+        if device is None:
+            listed = ", ".join(sorted(devices)) or "no RDMA devices"
+            problem(f"rdma.{name}", "device present", f"missing (host has {listed})")
+            continue
+        states = {port: info.get("state") for port, info in device.get("ports", {}).items()}
+        if "PORT_ACTIVE" not in states.values():
+            found = ", ".join(f"port {p} {s}" for p, s in sorted(states.items())) or "no ports"
+            problem(f"rdma.{name}", "PORT_ACTIVE", found)
 
-    if after_provision and expect.needs_peermem and "peermem" in facts and not facts["peermem"]:
+
+def _provisioned_facts(facts: dict[str, Any], expect: HostExpectation, problem: _Report) -> None:
+    """What the provision stage sets: peermem, /dev/shm, the memlock limit."""
+    if expect.needs_peermem and "peermem" in facts and not facts["peermem"]:
         problem("peermem", "nvidia_peermem loaded (cross-host KV over RDMA)", "not loaded")
-
     shm = facts.get("shm")
-    if after_provision and shm is not None and expect.shm_bytes:
+    if shm is not None and expect.shm_bytes:
         size = shm.get("size_bytes")
         if size is None or size < expect.shm_bytes:
             problem(
@@ -133,32 +158,28 @@ def preflight_problems(
                 f">= {format_size(expect.shm_bytes)}",
                 format_size(size) if size is not None else "no /dev/shm",
             )
-
     memlock = facts.get("memlock")
-    if (
-        after_provision
-        and memlock is not None
-        and expect.memlock_infinity
-        and not memlock.get("infinity")
-    ):
+    if memlock is not None and expect.memlock_infinity and not memlock.get("infinity"):
         problem(
             "memlock",
             "infinity for systemd units",
             f"DefaultLimitMEMLOCK={memlock.get('default')}, unit ulimit -l={memlock.get('unit')}",
         )
 
+
+def _disk_facts(facts: dict[str, Any], expect: HostExpectation, problem: _Report) -> None:
     disk = facts.get("disk")
-    if disk is not None and expect.model_size_bytes:
-        avail = disk.get("avail_bytes")
-        needed = max(expect.model_size_bytes - int(disk.get("present_bytes") or 0), 0)
-        if avail is None or avail < needed:
-            problem(
-                "disk",
-                f">= {_human(needed)} free on {disk.get('mount') or '?'} for "
-                f"{expect.model_path or 'the model'}",
-                f"{_human(avail)} free" if avail is not None else "no filesystem",
-            )
-    return problems
+    if disk is None or not expect.model_size_bytes:
+        return
+    avail = disk.get("avail_bytes")
+    needed = max(expect.model_size_bytes - int(disk.get("present_bytes") or 0), 0)
+    if avail is None or avail < needed:
+        problem(
+            "disk",
+            f">= {_human(needed)} free on {disk.get('mount') or '?'} for "
+            f"{expect.model_path or 'the model'}",
+            f"{_human(avail)} free" if avail is not None else "no filesystem",
+        )
 
 
 def _human(size: int | None) -> str:
@@ -170,7 +191,7 @@ def _human(size: int | None) -> str:
     return f"{size} B"
 
 
-def _gpu_problems(gpu: dict[str, Any], expect: HostExpectation, problem: Any) -> None:
+def _gpu_problems(gpu: dict[str, Any], expect: HostExpectation, problem: _Report) -> None:
     gpus = gpu.get("gpus") or []
     count = gpu.get("count", len(gpus))
     if count != expect.gpu_count:
