@@ -20,9 +20,11 @@ from weights_helpers import (
     SECRET_KEY,
     VENV_BIN,
     Bucket,
+    Run,
     boto_client,
     free_port,
     hgx,
+    small_tmpfs,
     tree,
 )
 from weights_s3proxy import ProxyState
@@ -123,15 +125,20 @@ def test_native_flipped_byte_against_manifest_is_not_placed(
     ]
 
 
+def _sync_through(aws_env: dict[str, str], src: str, port: int, dest: Path) -> Run:
+    """A native sync of src into dest through the S3 at `port` (the fault proxy); it succeeds."""
+    run = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE)
+    assert run.rc == 0, run.text
+    return run
+
+
 def test_native_throttling_is_retried_and_said(
     bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
 ) -> None:
     files = files_with_checksums(bucket, "s/", 3)
     port, seen = proxy
     seen.faults.slowdown_gets = 4
-    dest = tmp_path / "s"
-    run = hgx(aws_env, "sync", f"s3://{bucket.name}/s/", str(dest), *endpoint(port), *NATIVE)
-    assert run.rc == 0, run.text
+    run = _sync_through(aws_env, f"s3://{bucket.name}/s/", port, dest := tmp_path / "s")
     assert seen.slowdowns_sent == 4
     assert "SlowDown" in run.err and "retry" in run.err
     assert "engine: s5cmd" in run.err
@@ -144,9 +151,7 @@ def test_native_connection_cut_is_refetched(
     files = files_with_checksums(bucket, "c/", 4)
     port, seen = proxy
     seen.faults.cut_gets = 2
-    dest = tmp_path / "c"
-    run = hgx(aws_env, "sync", f"s3://{bucket.name}/c/", str(dest), *endpoint(port), *NATIVE)
-    assert run.rc == 0, run.text
+    _sync_through(aws_env, f"s3://{bucket.name}/c/", port, dest := tmp_path / "c")
     assert seen.cuts_sent == 2
     assert tree(dest) == files
 
@@ -282,13 +287,7 @@ def test_without_s5cmd_the_in_process_engine_runs(
 def test_native_disk_full_is_a_clear_error(
     bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
 ) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount tmpfs here")
-    try:
+    with small_tmpfs(tmp_path) as mnt:
         bucket.put("full/a.bin", os.urandom(2 * 1024 * 1024), ChecksumAlgorithm="SHA256")
         bucket.put("full/b.bin", os.urandom(3 * 1024 * 1024), ChecksumAlgorithm="SHA256")
         dest = mnt / "m"
@@ -299,8 +298,6 @@ def test_native_disk_full_is_a_clear_error(
         assert "disk full" in run.err and "Traceback" not in run.text
         assert not (dest / ".hgxserve" / "verified").exists()
         assert len([n for n in ("a.bin", "b.bin") if (dest / n).exists()]) < 2
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_native_many_files(bucket: Bucket, aws_env: dict[str, str], tmp_path: Path) -> None:

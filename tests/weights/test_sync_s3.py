@@ -9,7 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from weights_helpers import (
     SECRET_KEY,
     VENV_BIN,
@@ -18,6 +17,7 @@ from weights_helpers import (
     free_port,
     hgx,
     model_files,
+    small_tmpfs,
     tree,
     upload,
 )
@@ -146,21 +146,10 @@ def test_kill_mid_download_then_resume(
     dest = tmp_path / "big"
     partial = dest / "shard.safetensors.partial"
     parts_log = dest / "shard.safetensors.partial.parts"
+    args = ["sync", f"s3://{bucket.name}/big/", str(dest), *endpoint(port)]
+    args += ["--part-size", "1MiB", "--concurrency", "2", "-q", "--allow-incomplete"]
     proc = subprocess.Popen(
-        [
-            str(VENV_BIN / "hgxserve"),
-            "weights",
-            "sync",
-            f"s3://{bucket.name}/big/",
-            str(dest),
-            *endpoint(port),
-            "--part-size",
-            "1MiB",
-            "--concurrency",
-            "2",
-            "-q",
-            "--allow-incomplete",
-        ],
+        [str(VENV_BIN / "hgxserve"), "weights", *args],
         env=aws_env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -177,20 +166,7 @@ def test_kill_mid_download_then_resume(
     assert 2 <= done_before < 8
 
     seen.reset()
-    resumed = hgx(
-        aws_env,
-        "sync",
-        f"s3://{bucket.name}/big/",
-        str(dest),
-        *endpoint(port),
-        "--part-size",
-        "1MiB",
-        "--concurrency",
-        "2",
-        "-q",
-        "--allow-incomplete",
-        "--json",
-    )
+    resumed = hgx(aws_env, *args, "--json")
     assert resumed.rc == 0, resumed.text
     report = json.loads(resumed.out)
     assert report["bytes_resumed"] >= done_before * 1024 * 1024
@@ -373,13 +349,7 @@ def test_path_style_forbidden_gives_virtual_hint_and_virtual_works(
 def test_disk_full_is_a_clear_error(
     bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
 ) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a small tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount tmpfs here")
-    try:
+    with small_tmpfs(tmp_path) as mnt:
         bucket.put("full/a.bin", os.urandom(2 * 1024 * 1024))
         bucket.put("full/b.bin", os.urandom(3 * 1024 * 1024))
         run = hgx(
@@ -395,8 +365,6 @@ def test_disk_full_is_a_clear_error(
         assert not (mnt / "m" / ".hgxserve" / "verified").exists()
         complete = [n for n in ("a.bin", "b.bin") if (mnt / "m" / n).exists()]
         assert len(complete) < 2  # the file that did not fit never appears under its name
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_marker_check_digest_mismatch(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,3 +148,21 @@ def tree(dest: Path) -> dict[str, bytes]:
         if path.is_file() and not rel.startswith(".hgxserve/") and rel != "hgxserve-manifest.json":
             out[rel] = path.read_bytes()
     return out
+
+
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs at tmp_path/small while the block runs; the test is skipped where it cannot
+    be mounted (not root, or no tmpfs)."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
