@@ -75,6 +75,26 @@ def _mib(text: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# the section a `|===|` rule opens, by the section its header line named
+_SMI_RULED = {"preamble": "gpus", "mig-header": "mig", "process-header": "processes"}
+
+
+def _smi_section(stripped: str, section: str) -> str | None:
+    """The section after a line that is not a table row (a section header, a `|===|` rule,
+    a border or text), or None for a row of the table `section` is in."""
+    if "MIG devices:" in stripped:
+        return "mig-header"
+    if "Processes:" in stripped:
+        return "process-header"
+    if stripped.startswith("|=") and stripped.endswith("|"):
+        return _SMI_RULED.get(section, section)
+    if not stripped.startswith("|"):
+        if section == "gpus" and not stripped.startswith("+"):
+            return "after-gpus"
+        return section
+    return None
+
+
 @_plain_text
 def parse_smi_table(text: str) -> dict[str, Any]:
     """Parse the default `nvidia-smi` table: versions, one entry per GPU, MIG devices, processes.
@@ -95,33 +115,19 @@ def parse_smi_table(text: str) -> dict[str, Any]:
         "mig_devices": [],
         "processes": [],
     }
-    lines = text.splitlines()
     section = "preamble"
     gpu_rows: list[list[str]] = []
-    for line in lines:
+    for line in text.splitlines():
         header = _SMI_HEADER.search(line)
         if header:
             result["smi_version"] = header.group("smi")
             result["driver_version"] = header.group("driver")
             result["cuda_version"] = header.group("cuda")
             continue
-        stripped = line.strip()
-        if "MIG devices:" in stripped:
-            section = "mig-header"
-            continue
-        if "Processes:" in stripped:
-            section = "process-header"
-            continue
-        if stripped.startswith("|=") and stripped.endswith("|"):
-            section = {"preamble": "gpus", "mig-header": "mig", "process-header": "processes"}.get(
-                section, section
-            )
-            continue
-        if not stripped.startswith("|"):
-            if section == "gpus" and not stripped.startswith("+"):
-                section = "after-gpus"
-            continue
-        if section == "gpus":
+        after = _smi_section(line.strip(), section)
+        if after is not None:
+            section = after
+        elif section == "gpus":
             gpu_rows.append(_cells(line))
         elif section == "mig":
             _parse_mig_row(line, result["mig_devices"])
@@ -432,11 +438,7 @@ def parse_topo_matrix(text: str) -> dict[str, Any]:
     header_at = next((i for i, line in enumerate(lines) if re.search(r"\bGPU0\b", line)), None)
     if header_at is None:
         raise ValueError("no `nvidia-smi topo -m` header (GPU0 ...) found")
-    header = lines[header_at]
-    if "\t" in header:
-        columns = [col.strip() for col in header.split("\t") if col.strip()]
-    else:
-        columns = [col for col in re.split(r"\s{2,}", header.strip()) if col]
+    columns = _topo_columns(lines[header_at])
     devices = [col for col in columns if re.fullmatch(r"(GPU|NIC)\d+", col)]
     trailing = [col for col in columns if col not in devices]
     links: dict[str, dict[str, str]] = {}
@@ -453,26 +455,41 @@ def parse_topo_matrix(text: str) -> dict[str, Any]:
         for col, value in zip(trailing, extra, strict=False):
             if col in affinity:
                 affinity[col][row] = None if value == "N/A" else value
-    nics: dict[str, str] = {}
-    for line in lines:
-        legend = re.fullmatch(r"\s*(NIC\d+):\s*(\S+)\s*", line)
-        if legend:
-            nics[legend.group(1)] = legend.group(2)
-    nvlinks: dict[str, dict[str, int]] = {}
-    for row, peers in links.items():
-        if not row.startswith("GPU"):
-            continue
-        nvlinks[row] = {
-            peer: int(value[2:]) for peer, value in peers.items() if re.fullmatch(r"NV\d+", value)
-        }
     return {
         "devices": devices,
         "links": links,
         "cpu_affinity": affinity["CPU Affinity"],
         "numa_affinity": affinity["NUMA Affinity"],
         "gpu_numa_id": affinity["GPU NUMA ID"],
-        "nics": nics,
-        "nvlinks": nvlinks,
+        "nics": _nic_legend(lines),
+        "nvlinks": _nvlinks(links),
+    }
+
+
+def _topo_columns(header: str) -> list[str]:
+    if "\t" in header:
+        return [col.strip() for col in header.split("\t") if col.strip()]
+    return [col for col in re.split(r"\s{2,}", header.strip()) if col]
+
+
+def _nic_legend(lines: list[str]) -> dict[str, str]:
+    """`NIC0: mlx5_0` lines: NIC name -> RDMA device."""
+    nics: dict[str, str] = {}
+    for line in lines:
+        legend = re.fullmatch(r"\s*(NIC\d+):\s*(\S+)\s*", line)
+        if legend:
+            nics[legend.group(1)] = legend.group(2)
+    return nics
+
+
+def _nvlinks(links: dict[str, dict[str, str]]) -> dict[str, dict[str, int]]:
+    """GPU -> bonded NVLink count to each peer it has NVLinks to."""
+    return {
+        row: {
+            peer: int(value[2:]) for peer, value in peers.items() if re.fullmatch(r"NV\d+", value)
+        }
+        for row, peers in links.items()
+        if row.startswith("GPU")
     }
 
 
