@@ -11,7 +11,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from weights_helpers import SECRET_KEY, hgx, start_moto, stop_process, tree
+from weights_helpers import SECRET_KEY, Run, hgx, start_moto, stop_process, tree
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +65,17 @@ def _env(aws_env: dict[str, str], **values: str) -> dict[str, str]:
     return env
 
 
+def _sync_m(env: dict[str, str], tmp_path: Path, *args: str) -> Run:
+    """`weights sync s3://secured/m/ TMP/m ARGS...` with this environment."""
+    return hgx(env, "sync", "s3://secured/m/", str(tmp_path / "m"), *args)
+
+
 def test_valid_signature_accepted(auth_moto, aws_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     port, access, secret, url = auth_moto
     env = _env(aws_env, AWS_ACCESS_KEY_ID=access, AWS_SECRET_ACCESS_KEY=secret)
-    run = hgx(
+    run = _sync_m(
         env,
-        "sync",
-        "s3://secured/m/",
-        str(tmp_path / "m"),
+        tmp_path,
         "--endpoint-url",
         url,
         "--part-size",
@@ -89,7 +92,7 @@ def test_valid_signature_accepted(auth_moto, aws_env, tmp_path: Path) -> None:  
 def test_wrong_secret_clear_error_without_secret(auth_moto, aws_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     port, access, _secret, url = auth_moto
     env = _env(aws_env, AWS_ACCESS_KEY_ID=access, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-    run = hgx(env, "sync", "s3://secured/m/", str(tmp_path / "m"), "--endpoint-url", url, "-q")
+    run = _sync_m(env, tmp_path, "--endpoint-url", url, "-q")
     assert run.rc == 4, run.text
     assert "SignatureDoesNotMatch" in run.err and "hint:" in run.err
     assert SECRET_KEY not in run.text and "Traceback" not in run.text
@@ -99,7 +102,7 @@ def test_wrong_secret_clear_error_without_secret(auth_moto, aws_env, tmp_path: P
 def test_unknown_key_clear_error(auth_moto, aws_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _port, _access, _secret, url = auth_moto
     env = _env(aws_env, AWS_ACCESS_KEY_ID="AKIDNOTAUSER00000000", AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-    run = hgx(env, "sync", "s3://secured/m/", str(tmp_path / "m"), "--endpoint-url", url, "-q")
+    run = _sync_m(env, tmp_path, "--endpoint-url", url, "-q")
     assert run.rc == 4, run.text
     assert "InvalidAccessKeyId" in run.err and SECRET_KEY not in run.text
 
@@ -113,14 +116,12 @@ def test_env_file_reference(auth_moto, aws_env, tmp_path: Path) -> None:  # type
     )
     os.chmod(env_file, 0o644)
     env = _env(aws_env)
-    loose = hgx(env, "sync", "s3://secured/m/", str(tmp_path / "m"), "--env-file", str(env_file))
+    loose = _sync_m(env, tmp_path, "--env-file", str(env_file))
     assert loose.rc == 4 and "chmod 600" in loose.err
     os.chmod(env_file, 0o600)
-    run = hgx(
+    run = _sync_m(
         env,
-        "sync",
-        "s3://secured/m/",
-        str(tmp_path / "m"),
+        tmp_path,
         "--env-file",
         str(env_file),
         "-q",
@@ -135,14 +136,6 @@ def test_env_file_reference(auth_moto, aws_env, tmp_path: Path) -> None:  # type
 
 def test_no_credentials_at_all(aws_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     env = _env(aws_env)
-    run = hgx(
-        env,
-        "sync",
-        "s3://secured/m/",
-        str(tmp_path / "m"),
-        "--endpoint-url",
-        "http://127.0.0.1:9",
-        "-q",
-    )
+    run = _sync_m(env, tmp_path, "--endpoint-url", "http://127.0.0.1:9", "-q")
     assert run.rc == 4, run.text
     assert "no AWS credentials found" in run.err
