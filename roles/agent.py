@@ -11,7 +11,7 @@ from pyinfra.facts.server import Command
 from pyinfra.operations import server
 
 from hgxserve.base.paths import AGENT_PREFIX, AGENT_STAGING
-from hgxserve.deploy.runstate import per_run
+from hgxserve.base.runstate import per_run
 from hgxserve.operations.wheelhouse import push_wheelhouse
 from hgxserve.runtime.agent_build import wheelhouse
 

@@ -30,7 +30,7 @@ from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 
 from hgxserve.base.paths import AGENT, RDMA_SYSFS
-from hgxserve.deploy.runstate import per_run
+from hgxserve.base.runstate import per_run
 from hgxserve.deploy.stages import STAGES
 from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.render.types import CONTAINER_TOOLS

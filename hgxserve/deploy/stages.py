@@ -2,14 +2,14 @@
 
 A stage's preflight can leave out what a later stage of the same run will fix (a runtime the
 runtime stage installs); run alone, each deploy checks everything. deploys/site.py records the
-stages it runs, per host and per pyinfra run (`hgxserve.deploy.runstate`), before it includes them.
+stages it runs, per host and per pyinfra run (`hgxserve.base.runstate`), before it includes them.
 """
 
 from __future__ import annotations
 
 from pyinfra.api.host import Host
 
-from hgxserve.deploy.runstate import per_run, recorded
+from hgxserve.base.runstate import per_run, recorded
 
 STAGES = ("preflight", "provision", "runtime", "weights", "caches", "engines", "monitoring")
 

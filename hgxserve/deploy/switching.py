@@ -11,7 +11,7 @@ from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
-from hgxserve.deploy.runstate import per_run
+from hgxserve.base.runstate import per_run
 from hgxserve.facts.release import ReleaseState
 from hgxserve.release.coordination import Coordination, coordination, needs_switch
 from hgxserve.release.plan import HostRelease, plan_release

@@ -1,6 +1,6 @@
 """What one pyinfra run's switch shares across hosts, and how a host's release state reads.
 
-`Coordination` is kept once per run (hgxserve.deploy.runstate): who switches, the gate's verdict,
+`Coordination` is kept once per run (hgxserve.base.runstate): who switches, the gate's verdict,
 the RDMA evidence. `needs_switch` and `final_state` read the value of the `ReleaseState` fact
 (hgxserve.facts.release). Pure: the pyinfra steps that fill it are hgxserve.operations.release.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hgxserve.deploy.runstate import per_run
+from hgxserve.base.runstate import per_run
 from hgxserve.release import evidence
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from typing import Any
 from pyinfra.api import Config, Inventory, State
 
 from hgxserve.deploy import switching as deploying
-from hgxserve.deploy.runstate import _RUNS, per_run
+from hgxserve.base.runstate import _RUNS, per_run
 
 
 def _run() -> State:
