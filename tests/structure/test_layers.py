@@ -5,15 +5,18 @@ also imports on its own (no hidden dependence on what another import loaded firs
 from __future__ import annotations
 
 import importlib
+import re
 import sys
+from pathlib import Path
 
 import pytest
 from imports import cycles, import_graph, modules
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
 # Lowest first. A module belongs to the first layer one of whose prefixes it matches.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # `hgxserve`: __version__ only; `hgxserve.deploy.runstate`: state kept per pyinfra run
-    ("base", ("hgxserve", "hgxserve.base", "hgxserve.deploy.runstate")),
+    ("base", ("hgxserve", "hgxserve.base")),  # `hgxserve` itself: __version__ only
     (
         "topology and leaf libraries",
         (
@@ -33,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pyinfra facts", ("hgxserve.facts",)),
     ("pyinfra operations", ("hgxserve.operations",)),
     ("status and bench", ("hgxserve.status", "hgxserve.bench")),
-    ("deploy: the --data table and the stage plans", ("hgxserve.deploy",)),
+    ("deploy", ("hgxserve.deploy",)),  # the --data table and the stage plans
     ("command line", ("hgxserve.cli", "*.cli")),
     ("roles", ("roles",)),
     ("deploys", ("deploys",)),
@@ -128,3 +131,42 @@ def test_module_imports_alone(module):
         for name in [n for n in sys.modules if n.split(".")[0] in ("hgxserve", "roles")]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+def _readme_layers() -> list[tuple[str, list[str]]]:
+    """The README's layers table: (layer, the packages it names), lowest first."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("### Layers: what may import what", 1)[1].split("\n#", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not line.startswith("|") or set(cells[0]) <= {"-"}:
+            continue
+        if cells[0].startswith("layer"):
+            continue
+        rows.append((cells[0], re.findall(r"`([^`]+)`", cells[1])))
+    return rows
+
+
+def test_the_readme_layers_table_is_the_tree():
+    """README "Architecture": the layers, lowest first, each with the packages LAYERS gives it."""
+    readme = _readme_layers()
+    assert [name.split(":")[0] for name, _ in LAYERS] == [name for name, _ in readme]
+    for (name, prefixes), (_, named) in zip(LAYERS, readme, strict=True):
+        for prefix in prefixes:
+            shown = "hgxserve.<area>.cli" if prefix == "*.cli" else prefix
+            assert shown in named, f"README layer {name!r} does not name {shown}"
+
+
+def test_the_architecture_section_follows_the_two_commands():
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings[0] == "## Architecture"
+    for package in sorted(p.name for p in (REPO_ROOT / "hgxserve").iterdir() if p.is_dir()):
+        if package in ("files", "schemas", "__pycache__"):
+            continue
+        assert f"`hgxserve/{package}/`" in text, f"README architecture lacks hgxserve/{package}/"
+    assert sorted(p.name for p in (REPO_ROOT / "hgxserve").glob("*.py")) == [
+        "__init__.py",
+        "cli.py",
+    ]
