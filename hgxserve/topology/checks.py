@@ -591,16 +591,24 @@ def pd_agree(topo: Topology) -> Iterator[Finding]:
             )
 
 
+def _dialed_side_channels(topo: Topology) -> Iterator[tuple[Engine, Engine]]:
+    """(prefill, decode): each prefill whose NIXL side channel a decode on another host dials,
+    with the first such decode (a finding on the prefill's side channel is made once)."""
+    seen: set[str] = set()
+    for _index, p, d in pd_pairs(topo):
+        if p.name in seen or not uses_nixl_side_channel(p) or not _cross_host(p, d):
+            continue
+        seen.add(p.name)
+        yield p, d
+
+
 @rule(
     "pd-side-channel-loopback",
     "error",
     "Cross-host P/D: the prefill's NIXL side channel is not on loopback.",
 )
 def pd_side_channel_loopback(topo: Topology) -> Iterator[Finding]:
-    reported: set[str] = set()
-    for _index, p, d in pd_pairs(topo):
-        if p.name in reported or not uses_nixl_side_channel(p) or not _cross_host(p, d):
-            continue
+    for p, d in _dialed_side_channels(topo):
         for host_name in p.hosts:
             if host_name not in topo.hosts:
                 continue
@@ -623,7 +631,6 @@ def pd_side_channel_loopback(topo: Topology) -> Iterator[Finding]:
                 f"and ZMQ timeouts on every TP rank); use {host_name}'s routable address "
                 f"({host.address}) or 'auto' (or omit host)",
             )
-            reported.add(p.name)
             break
 
 
@@ -633,13 +640,9 @@ def pd_side_channel_loopback(topo: Topology) -> Iterator[Finding]:
     "Cross-host P/D: a 0.0.0.0 side channel is advertised to decode as 0.0.0.0.",
 )
 def pd_side_channel_unspecified(topo: Topology) -> Iterator[Finding]:
-    reported: set[str] = set()
-    for _index, p, d in pd_pairs(topo):
-        if p.name in reported or not uses_nixl_side_channel(p) or not _cross_host(p, d):
-            continue
+    for p, d in _dialed_side_channels(topo):
         written = p.kv.side_channel_host if p.kv else None
         if written in UNSPECIFIED:
-            reported.add(p.name)
             yield (
                 setting_path(topo, p.name, "kv", "side_channel", "host"),
                 f"side channel host {written} binds every interface, but vLLM also sends it to "
