@@ -146,9 +146,7 @@ def test_truncated_archive_is_refused_and_old_dir_untouched(tree, tmp_path):
     cut = tmp_path / "cut.tar.zst"
     cut.write_bytes(data[: len(data) // 2])
     dest = _old_cache(tmp_path)
-    with pytest.raises(ArchiveError, match="truncated"):
-        restore_archive(str(cut), str(dest))
-    _assert_untouched(dest)
+    _restore_refused(cut, dest, "truncated")
 
 
 def test_corrupt_archive_named_by_digest_is_refused(tree, tmp_path):
@@ -158,9 +156,7 @@ def test_corrupt_archive_named_by_digest_is_refused(tree, tmp_path):
     with open(result.path, "wb") as fh:
         fh.write(data)
     dest = _old_cache(tmp_path)
-    with pytest.raises(ArchiveError, match=r"sha256 is .* expected .*corrupt"):
-        restore_archive(result.path, str(dest))
-    _assert_untouched(dest)
+    _restore_refused(result.path, dest, r"sha256 is .* expected .*corrupt")
 
 
 def _write_archive(path, members, manifest=None):
@@ -183,6 +179,21 @@ def _file(name, data):
     return info, data
 
 
+def _link(name, kind, target):
+    """A symlink or hard link member for _write_archive."""
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = target
+    return info, None
+
+
+def _restore_refused(archive_path, dest, match):
+    """Restoring the archive fails with `match` and leaves the old cache at dest as it was."""
+    with pytest.raises(ArchiveError, match=match):
+        restore_archive(str(archive_path), str(dest))
+    _assert_untouched(dest)
+
+
 def test_corrupt_file_inside_unnamed_archive_is_refused(tmp_path):
     manifest = {
         "format": archive.FORMAT,
@@ -193,9 +204,7 @@ def test_corrupt_file_inside_unnamed_archive_is_refused(tmp_path):
     bad = tmp_path / "bad.tar.zst"
     _write_archive(bad, [_file("a.bin", b"abd")], manifest)
     dest = _old_cache(tmp_path)
-    with pytest.raises(ArchiveError, match="a.bin: sha256"):
-        restore_archive(str(bad), str(dest))
-    _assert_untouched(dest)
+    _restore_refused(bad, dest, "a.bin: sha256")
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/../../evil", "/etc/evil", "./../evil"])
@@ -203,60 +212,42 @@ def test_path_traversal_is_refused(tmp_path, name):
     bad = tmp_path / "bad.tar.zst"
     _write_archive(bad, [_file(name, b"x")], {"format": archive.FORMAT})
     dest = _old_cache(tmp_path)
-    with pytest.raises(ArchiveError, match="unsafe path"):
-        restore_archive(str(bad), str(dest))
-    _assert_untouched(dest)
+    _restore_refused(bad, dest, "unsafe path")
     assert not (tmp_path / "evil").exists()
 
 
 def test_symlink_escape_and_write_through_symlink_are_refused(tmp_path):
-    link = tarfile.TarInfo("out")
-    link.type = tarfile.SYMTYPE
-    link.linkname = "../../outside"
+    link = _link("out", tarfile.SYMTYPE, "../../outside")
     bad = tmp_path / "bad.tar.zst"
-    _write_archive(bad, [(link, None)], {"format": archive.FORMAT})
+    _write_archive(bad, [link], {"format": archive.FORMAT})
     dest = _old_cache(tmp_path)
-    with pytest.raises(ArchiveError, match="unsafe symlink"):
-        restore_archive(str(bad), str(dest))
-    _assert_untouched(dest)
+    _restore_refused(bad, dest, "unsafe symlink")
 
-    inner = tarfile.TarInfo("d")
-    inner.type = tarfile.SYMTYPE
-    inner.linkname = "real"
-    _write_archive(bad, [(inner, None), _file("d/x", b"1")], {"format": archive.FORMAT})
-    with pytest.raises(ArchiveError, match="through a symlink"):
-        restore_archive(str(bad), str(dest))
-    _assert_untouched(dest)
+    inner = _link("d", tarfile.SYMTYPE, "real")
+    _write_archive(bad, [inner, _file("d/x", b"1")], {"format": archive.FORMAT})
+    _restore_refused(bad, dest, "through a symlink")
 
 
 def test_device_and_hardlink_members_are_refused(tmp_path):
-    hard = tarfile.TarInfo("h")
-    hard.type = tarfile.LNKTYPE
-    hard.linkname = "/etc/passwd"
+    hard = _link("h", tarfile.LNKTYPE, "/etc/passwd")
     bad = tmp_path / "bad.tar.zst"
-    _write_archive(bad, [(hard, None)], {"format": archive.FORMAT})
+    _write_archive(bad, [hard], {"format": archive.FORMAT})
     dest = _old_cache(tmp_path)
-    with pytest.raises(ArchiveError, match="hard link"):
-        restore_archive(str(bad), str(dest))
-    _assert_untouched(dest)
+    _restore_refused(bad, dest, "hard link")
 
 
 def test_archive_without_manifest_is_refused(tmp_path):
     bad = tmp_path / "bad.tar.zst"
     _write_archive(bad, [_file("a", b"1")])
     dest = _old_cache(tmp_path)
-    with pytest.raises(ArchiveError, match="no manifest"):
-        restore_archive(str(bad), str(dest))
-    _assert_untouched(dest)
+    _restore_refused(bad, dest, "no manifest")
 
 
 def test_not_zstd_at_all_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.tar.zst"
     bad.write_bytes(b"this is not an archive")
     dest = _old_cache(tmp_path)
-    with pytest.raises(ArchiveError, match="corrupt or truncated"):
-        restore_archive(str(bad), str(dest))
-    _assert_untouched(dest)
+    _restore_refused(bad, dest, "corrupt or truncated")
 
 
 def test_pack_refuses_symlink_leaving_the_tree(tmp_path):

@@ -4,12 +4,12 @@ appears on a command line."""
 
 from __future__ import annotations
 
-import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from click.testing import CliRunner
+from fake_jit_engine import Handler
 
 from hgxserve.caches.warmup import Shape, warm_up
 from hgxserve.release.cli import release
@@ -20,19 +20,10 @@ KEY = "k-123"
 REPO = Path(__file__).resolve().parents[2]
 
 
-class _Keyed(BaseHTTPRequestHandler):
+class _Keyed(Handler):
+    """The fake engine's JSON answers, checking for one fixed key."""
+
     seen: list[str | None] = []
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _answer(self, code: int, body: dict[str, object]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _authorized(self) -> bool:
         auth = self.headers.get("Authorization")
@@ -41,18 +32,18 @@ class _Keyed(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         if self.path == "/health":
-            self._answer(200, {})
+            self._send(200, {})
         elif not self._authorized():
-            self._answer(401, {"error": "Unauthorized"})
+            self._send(401, {"error": "Unauthorized"})
         else:
-            self._answer(200, {"data": [{"id": "tiny"}]})
+            self._send(200, {"data": [{"id": "tiny"}]})
 
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if not self._authorized():
-            self._answer(401, {"error": "Unauthorized"})
+            self._send(401, {"error": "Unauthorized"})
         else:
-            self._answer(200, {"choices": [{"text": "x"}]})
+            self._send(200, {"choices": [{"text": "x"}]})
 
 
 def _server() -> tuple[ThreadingHTTPServer, str]:
