@@ -66,24 +66,10 @@ class FakeSystemd:
 
 
 def stage(store: Store, rid: str, units: list[str], *, baseline: bool = False) -> ReleaseSpec:
-    files = {f"/etc/systemd/system/{u}": 0o644 for u in units}
-    spec = ReleaseSpec(
-        id=rid,
-        topology=f"topo-{rid}",
-        topology_digest=rid * 4,
-        baseline=baseline,
-        host="hgx-a",
-        units=[UnitSpec(u, "proxy" if "proxy" in u else "engine") for u in units],
-        files=files,
-        health_timeout_s=5,
-    )
-    tree = store.release_dir(rid) / "tree"
-    for path in files:
-        dest = tree / path.lstrip("/")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(f"[Unit]\nDescription={rid} {path}\n")
-    (store.release_dir(rid) / "release.json").write_text(spec.to_json())
-    return spec
+    """Stage a release of these units, each file naming its release and path."""
+    paths = [f"/etc/systemd/system/{u}" for u in units]
+    files = {path: f"[Unit]\nDescription={rid} {path}\n" for path in paths}
+    return stage_files(store, rid, files, units, baseline=baseline)
 
 
 @pytest.fixture
@@ -212,13 +198,15 @@ def test_current_release_with_a_stopped_unit_restarts_only_that_unit(store: Stor
     assert store.pending() is None and store.link("current") == "r1"
 
 
-def stage_files(store: Store, rid: str, files: dict[str, str], units: list[str]) -> None:
+def stage_files(
+    store: Store, rid: str, files: dict[str, str], units: list[str], *, baseline: bool = False
+) -> ReleaseSpec:
     """Stage a release with exact file contents (units are named by their file names)."""
     spec = ReleaseSpec(
         id=rid,
         topology=f"topo-{rid}",
         topology_digest=rid * 4,
-        baseline=False,
+        baseline=baseline,
         host="hgx-a",
         units=[UnitSpec(u, "proxy" if "proxy" in u else "engine") for u in units],
         files=dict.fromkeys(files, 0o644),
@@ -229,6 +217,7 @@ def stage_files(store: Store, rid: str, files: dict[str, str], units: list[str])
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(text)
     (store.release_dir(rid) / "release.json").write_text(spec.to_json())
+    return spec
 
 
 UNITS = "/etc/systemd/system"
