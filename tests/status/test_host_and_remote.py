@@ -148,15 +148,21 @@ def test_inspect_json_on_a_bare_machine(tmp_path: Path) -> None:
     assert snap["caches"] == {"k-1": {"present": False, "restored": False, "baked": False}}
 
 
-def test_status_and_logs_without_reachable_hosts_cannot_tell(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
+def _unreachable_lab(tmp_path: Path) -> Path:
+    """An inventory of the demo's three hosts, every one at a port nothing answers on."""
     inventory = tmp_path / "inv.py"
     inventory.write_text(
         "lab = [(n, {'ssh_hostname': '127.0.0.1', 'ssh_port': 1}) "
         "for n in ('hgx-a', 'hgx-b', 'hgx-c')]\n"
     )
+    return inventory
+
+
+def test_status_and_logs_without_reachable_hosts_cannot_tell(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    inventory = _unreachable_lab(tmp_path)
     exe = str(Path(sys.executable).with_name("hgxserve"))
     pd = str(REPO / "topologies/demo/demo-pd.yml")
     proc = subprocess.run(
@@ -190,11 +196,7 @@ def test_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
     import sys
     import time
 
-    inventory = tmp_path / "inv.py"
-    inventory.write_text(
-        "lab = [(n, {'ssh_hostname': '127.0.0.1', 'ssh_port': 1}) "
-        "for n in ('hgx-a', 'hgx-b', 'hgx-c')]\n"
-    )
+    inventory = _unreachable_lab(tmp_path)
     exe = str(Path(sys.executable).with_name("hgxserve"))
     proc = subprocess.Popen(
         [exe, "status", str(REPO / "topologies/demo/demo-pd.yml"), "-i", str(inventory),
