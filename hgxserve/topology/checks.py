@@ -1,4 +1,5 @@
-"""The topology rules (DESIGN.md "Validation rules" 1-5), registered with `@rule`.
+"""The topology rules (DESIGN.md "Validation rules" 1-5), registered with `@rule` (`@engine_rule`
+and `@proxy_rule` for a rule that looks at one engine, or at the proxy, at a time).
 
 Each rule looks at one concern and yields (json path, message); the message says what is wrong
 and what would be right, with the numbers. Findings on settings merged from `defaults` point at

@@ -3,7 +3,8 @@
 Attention backends the model's attention cannot use, decode context parallel with sparse
 FlashMLA, DeepGEMM switched off under SGLang, the removed VLLM_ATTENTION_BACKEND variable, DP
 padding synchronised over the CPU, and EPLB across hosts without redundant experts. Each message
-carries the seed's evidence. Registered with `@rule` like the rules in `checks`.
+carries the seed's evidence. Registered with `@engine_rule` and `@rule` like the rules in
+`checks`.
 """
 
 from __future__ import annotations
