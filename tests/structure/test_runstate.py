@@ -9,8 +9,8 @@ from typing import Any
 
 from pyinfra.api import Config, Inventory, State
 
-from hgxserve.deploy import switching as deploying
 from hgxserve.base.runstate import _RUNS, per_run
+from hgxserve.deploy import switching as deploying
 
 
 def _run() -> State:
