@@ -12,7 +12,7 @@ from hgxserve.topology.model import S3Source, _engine
 from hgxserve.weights.cli import weights as weights_cli
 from hgxserve.weights.options import SyncArgs, sync_command
 from hgxserve.weights.sync import SyncOptions
-from hgxserve.weights.transfer import Transfer
+from hgxserve.weights.transfer import TransferOptions
 
 
 def _default(fn, name):
@@ -27,8 +27,8 @@ def test_s3_defaults_are_the_schema_defaults():
     assert SyncOptions().part_size == defaults.S3_PART_SIZE_BYTES
     assert SyncArgs("s3://b/m/", "/m").concurrency == defaults.S3_CONCURRENCY
     assert SyncArgs("s3://b/m/", "/m").part_size == defaults.S3_PART_SIZE_BYTES
-    assert _default(Transfer.__init__, "concurrency") == defaults.S3_CONCURRENCY
-    assert _default(Transfer.__init__, "part_size") == defaults.S3_PART_SIZE_BYTES
+    assert TransferOptions().concurrency == defaults.S3_CONCURRENCY
+    assert TransferOptions().part_size == defaults.S3_PART_SIZE_BYTES
     assert {f.name for f in S3Source.__dataclass_fields__.values()} >= {"concurrency", "part_size"}
 
 
