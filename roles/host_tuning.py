@@ -63,7 +63,7 @@ SHM_LEAK_PATTERNS = (
 
 
 @deploy("Tune the host for inference engines")
-def host_tuning(
+def host_tuning(  # noqa: PLR0913 - a pyinfra @deploy: one keyword per tuning option
     shm_size: str | int = DEFAULT_SHM_SIZE,
     remount_shm: bool = True,
     memlock: bool = True,

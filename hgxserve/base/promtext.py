@@ -64,7 +64,7 @@ def family(
     out.extend(sample(name, labels, value) for labels, value in samples)
 
 
-def histogram(
+def histogram(  # noqa: PLR0913 - one exposition family: name, help, bounds, counts, sum, labels
     out: list[str],
     name: str,
     help_text: str,

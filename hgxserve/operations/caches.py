@@ -48,7 +48,7 @@ def store_index(store: str, full_key: str) -> dict[str, Any] | None:
     return value
 
 
-def _restore_commands(
+def _restore_commands(  # noqa: PLR0913 - the restore operation's own arguments, passed on
     key: str, full_key: str, root: str, archive: str, sha256: str, agent: str
 ) -> list[Any]:
     remote = f"{root}/.archives/{sha256}.tar.zst"
@@ -72,7 +72,7 @@ def _restore_commands(
     ]
 
 
-def _push_and_restore_late(
+def _push_and_restore_late(  # noqa: PLR0913 - the restore operation's own arguments, passed on
     state: Any, host: Any, key: str, full_key: str, root: str, store: str, agent: str
 ) -> None:
     # Runs at execution time: the archive may have been baked earlier in this same run.
@@ -130,7 +130,9 @@ def restored(
     yield from _restore_commands(key, full_key, root, archive, index["sha256"], agent)
 
 
-def _fetch_baked(state: Any, host: Any, key: str, full_key: str, root: str, store: str) -> None:
+def _fetch_baked(  # noqa: PLR0913 - pyinfra python.call: state and host first, then the bake's
+    state: Any, host: Any, key: str, full_key: str, root: str, store: str
+) -> None:
     marker_path = f"{root}/{key}/{RESTORE_MARKER}"
     ok, output = host.run_shell_command(shell_words("cat", marker_path))
     if not ok:
@@ -170,7 +172,7 @@ def _fetch_baked(state: Any, host: Any, key: str, full_key: str, root: str, stor
 
 
 @operation()
-def baked(
+def baked(  # noqa: PLR0913 - a pyinfra operation: one keyword per option, as pyinfra's own
     key: str,
     full_key: str,
     topology: str,

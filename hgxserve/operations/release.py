@@ -90,7 +90,7 @@ def _self_reverted(coord: Coordination) -> str | None:
     return f"host(s) {names} reverted on their own (dead-man timer) before the gate's verdict"
 
 
-def arm_deadman(
+def arm_deadman(  # noqa: PLR0913 - pyinfra python.call: state and host first, then the run's
     state: State, host: Host, coord: Coordination, release_id: str, confirm_within: int, root: str
 ) -> bool:
     """python.call on every switched host once all of them switched (and again right after
@@ -115,7 +115,7 @@ def arm_deadman(
     return _fail(host, f"{host.name}: {detail}")
 
 
-def read_rdma_counters(
+def read_rdma_counters(  # noqa: PLR0913 - pyinfra python.call: state and host first
     state: State, host: Host, coord: Coordination, when: str, root: str, devices: list[str]
 ) -> bool:
     """python.call on the P/D hosts right before and right after the gate: their RDMA port
@@ -197,7 +197,18 @@ def await_own_revert(host: Host, release_id: str, root: str, within_s: float) ->
         time.sleep(OWN_REVERT_POLL_S)
 
 
-def settle(
+def _verdict(coord: Coordination, own: str | None, failed: list[str]) -> tuple[bool, str]:
+    """Confirm or revert, and why: a host's own revert, a failed switch, no gate, or the gate's."""
+    if own:
+        return (False, own)
+    if failed:
+        return (False, f"host(s) {', '.join(failed)} failed to switch")
+    if coord.verdict is None:
+        return (False, "the gate did not run (its host failed or was unreachable)")
+    return coord.verdict
+
+
+def settle(  # noqa: PLR0913 - pyinfra python.call passes state and host first, then the run's values
     state: State,
     host: Host,
     coord: Coordination,
@@ -214,14 +225,7 @@ def settle(
     if host.name in coord.reverted_on_own:
         end = await_own_revert(host, release_id, root, revert_within)
         return _fail(host, f"{coord.reverted_on_own[host.name]}\n{host.name}: {end}")
-    if own:
-        verdict = (False, own)
-    elif failed:
-        verdict = (False, f"host(s) {', '.join(failed)} failed to switch")
-    elif coord.verdict is None:
-        verdict = (False, "the gate did not run (its host failed or was unreachable)")
-    else:
-        verdict = coord.verdict
+    verdict = _verdict(coord, own, failed)
     q_id, q_root = shlex.quote(release_id), shlex.quote(root)
     if verdict[0]:
         ok, output = host.run_shell_command(f"{AGENT} release confirm {q_id} --root {q_root}")

@@ -480,7 +480,7 @@ class Upstream:
             ) from exc
         return proto
 
-    async def post(
+    async def post(  # noqa: PLR0913 - one engine call: path, body, headers and its two deadlines
         self,
         base_url: str,
         path: str,

@@ -75,15 +75,10 @@ class _AcceptNew:
                 pass
 
 
-def connect(host: InventoryHost, timeout: float) -> Any:
-    """A connected paramiko SSHClient for an inventory host (raises on failure)."""
+def _host_key_policy(client: Any, data: dict[str, Any], config: dict[str, Any]) -> None:
+    """Load the known hosts and set what happens to a host key not in them."""
     import paramiko
 
-    data = host.data
-    hostname = str(data.get("ssh_hostname") or host.name)
-    config = _ssh_config(data, hostname)
-    hostname = config.get("hostname", hostname)
-    client = paramiko.SSHClient()
     known = data.get("ssh_known_hosts_file") or config.get("userknownhostsfile")
     known_file = os.path.expanduser(str(known or "~/.ssh/known_hosts"))
     if os.path.isfile(known_file):
@@ -91,12 +86,18 @@ def connect(host: InventoryHost, timeout: float) -> Any:
     policy = str(data.get("ssh_strict_host_key_checking") or
                  config.get("stricthostkeychecking") or "accept-new").lower()  # fmt: skip
     if policy in ("no", "off"):
-        client.set_missing_host_key_policy(_AcceptUnknown())  # type: ignore[arg-type]
+        client.set_missing_host_key_policy(_AcceptUnknown())
     elif policy == "accept-new":
-        client._hgxserve_known_hosts = known_file if known_file != "/dev/null" else None  # type: ignore[attr-defined]
-        client.set_missing_host_key_policy(_AcceptNew())  # type: ignore[arg-type]
+        client._hgxserve_known_hosts = known_file if known_file != "/dev/null" else None
+        client.set_missing_host_key_policy(_AcceptNew())
     else:  # yes / ask: nobody can answer a prompt here
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
+
+
+def _connect_kwargs(data: dict[str, Any], config: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """paramiko's connect() arguments from the host data, then the ssh_config entry."""
+    import paramiko
+
     kwargs: dict[str, Any] = {
         "timeout": timeout,
         "banner_timeout": timeout,
@@ -121,6 +122,20 @@ def connect(host: InventoryHost, timeout: float) -> Any:
     if config.get("proxycommand"):
         kwargs["sock"] = paramiko.ProxyCommand(config["proxycommand"])
     kwargs.update(data.get("ssh_paramiko_connect_kwargs") or {})
+    return kwargs
+
+
+def connect(host: InventoryHost, timeout: float) -> Any:
+    """A connected paramiko SSHClient for an inventory host (raises on failure)."""
+    import paramiko
+
+    data = host.data
+    hostname = str(data.get("ssh_hostname") or host.name)
+    config = _ssh_config(data, hostname)
+    hostname = config.get("hostname", hostname)
+    client: Any = paramiko.SSHClient()
+    _host_key_policy(client, data, config)
+    kwargs = _connect_kwargs(data, config, timeout)
     retries = int(data.get("ssh_connect_retries") or 0)
     while True:
         try:
