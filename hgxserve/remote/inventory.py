@@ -120,8 +120,3 @@ def load_inventory(path: str) -> Inventory:
     for host in hosts.values():
         host.data = {**group_data.get("all", {}), **host.data}
     return Inventory(str(file), hosts)
-
-
-# ------------------------------------------------------------------------------- SSH
-
-
