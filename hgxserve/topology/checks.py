@@ -27,7 +27,14 @@ from hgxserve.topology.ports import (
     warmup_targets,
 )
 from hgxserve.topology.problems import JsonPath
-from hgxserve.topology.registry import ROUTERS, Finding, engine_rule, proxy_rule, rule
+from hgxserve.topology.registry import (
+    ROUTERS,
+    Finding,
+    data_parallel,
+    engine_rule,
+    proxy_rule,
+    rule,
+)
 
 HOPPER = ("H20", "H20-3e", "H100", "H800", "H200")
 BLACKWELL = ("B200",)
@@ -793,10 +800,9 @@ def eplb_log_balancedness(topo: Topology, engine: Engine) -> Iterator[Finding]:
     "warning",
     "Keep async scheduling with DP; use disable_nccl_for_dp_synchronization: false instead.",
     engine="vllm",
+    when=data_parallel,
 )
 def async_scheduling_dp(topo: Topology, engine: Engine) -> Iterator[Finding]:
-    if engine.dp < 2:
-        return
     if engine.args.get("async_scheduling") is not False:
         return
     version = _version(engine.version)

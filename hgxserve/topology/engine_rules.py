@@ -22,7 +22,13 @@ from hgxserve.topology.checks import (
 )
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import setting_path
-from hgxserve.topology.registry import Finding, engine_rule, rule
+from hgxserve.topology.registry import (
+    Finding,
+    data_parallel,
+    engine_rule,
+    rule,
+    sparse_attention,
+)
 
 # vLLM removed the VLLM_ATTENTION_BACKEND variable after deprecating it (PR 26315, "will be
 # removed in v0.14.0"); vLLM 0.26.0 has no reader of it left (vllm-project/vllm#50292).
@@ -105,10 +111,9 @@ _DCP_FLAGS = ("-dcp", "--decode-context-parallel-size")
     "error",
     "No decode context parallel with DSA (FlashMLA-sparse returns no softmax LSE).",
     engine="vllm",
+    when=sparse_attention,
 )
 def dcp_sparse(topo: Topology, engine: Engine) -> Iterator[Finding]:
-    if topo.model.architecture.attention != "dsa":
-        return
     value = _override(engine, *_DCP_FLAGS)
     if value is None or value.strip() == "1":
         return
@@ -126,10 +131,9 @@ def dcp_sparse(topo: Topology, engine: Engine) -> Iterator[Finding]:
     "error",
     "SGLang keeps DeepGEMM on for DSA models (SGLANG_ENABLE_JIT_DEEPGEMM=0 stops the server).",
     engine="sglang",
+    when=sparse_attention,
 )
 def sglang_jit_deepgemm(topo: Topology, engine: Engine) -> Iterator[Finding]:
-    if topo.model.architecture.attention != "dsa":
-        return
     value = engine.env.get("SGLANG_ENABLE_JIT_DEEPGEMM")
     if not _falsy(value):
         return
@@ -172,10 +176,9 @@ def vllm_attention_backend_env(topo: Topology, engine: Engine) -> Iterator[Findi
     "warning",
     "vLLM DP with async scheduling syncs DP padding over NCCL, not the CPU.",
     engine="vllm",
+    when=data_parallel,
 )
 def dp_nccl_sync(topo: Topology, engine: Engine) -> Iterator[Finding]:
-    if engine.dp < 2:
-        return
     async_on = engine.args.get("async_scheduling")
     if async_on is False:
         return  # async-scheduling-dp covers dropping the async scheduler

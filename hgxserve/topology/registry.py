@@ -53,16 +53,21 @@ def rule(rule_id: str, severity: Severity, summary: str) -> Callable[[RuleFunc],
 
 
 def engine_rule(
-    rule_id: str, severity: Severity, summary: str, *, engine: str | None = None
+    rule_id: str,
+    severity: Severity,
+    summary: str,
+    *,
+    engine: str | None = None,
+    when: Callable[[Topology, Engine], bool] | None = None,
 ) -> Callable[[EngineCheck], RuleFunc]:
     """Register a rule that looks at each engine in turn: every engine, or only those of the
-    `engine` kind (vllm, sglang)."""
+    `engine` kind (vllm, sglang), and of those only where `when(topo, engine)` holds."""
 
     def register(func: EngineCheck) -> RuleFunc:
         @wraps(func)
         def check(topo: Topology) -> Iterator[Finding]:
             for each in topo.engines.values():
-                if engine is None or each.engine == engine:
+                if (engine is None or each.engine == engine) and (when is None or when(topo, each)):
                     yield from func(topo, each)
 
         return rule(rule_id, severity, summary)(check)
@@ -85,3 +90,13 @@ def proxy_rule(
         return rule(rule_id, severity, summary)(check)
 
     return register
+
+
+def data_parallel(topo: Topology, engine: Engine) -> bool:
+    """`when=` for rules about data parallel engines (DP 2 or more)."""
+    return engine.dp >= 2
+
+
+def sparse_attention(topo: Topology, engine: Engine) -> bool:
+    """`when=` for rules about DSA models (DeepSeek sparse attention)."""
+    return topo.model.architecture.attention == "dsa"
