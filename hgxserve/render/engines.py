@@ -19,6 +19,7 @@ from hgxserve.topology.engine_args import flag, not_rendered
 from hgxserve.topology.model import Engine, EngineKind, Topology, is_loopback
 from hgxserve.topology.placement import serving_tree
 from hgxserve.topology.ports import (
+    bind_widened_for,
     engine_bind,
     kv_crosses_hosts,
     side_channel_host,
@@ -76,13 +77,21 @@ def node_plan(topo: Topology, engine: Engine, host: str) -> NodePlan:
                 f"NIXL side channel on {side}: P/D crosses hosts, loopback would not be "
                 "reachable (seed 003 §11.3)"
             )
+    bind = engine_bind(topo, engine)
+    widened = bind_widened_for(topo, engine)
+    if widened and engine.kv is not None:
+        notes.append(
+            f"--host {bind}, not loopback beside the proxy: SGLang binds its disaggregation "
+            f"bootstrap server (port {engine.kv.bootstrap_port}) to --host as well, and "
+            f"{', '.join(widened)} on another host pulls KV through it"
+        )
     return NodePlan(
         host=host,
         node_rank=rank,
         nnodes=len(hosts),
         gpus=engine.place[host],
         head_address=head.address,
-        bind=engine_bind(topo, engine),
+        bind=bind,
         side_channel_host=side,
         dp_start=ranks.start if ranks else 0,
         dp_local=len(ranks),

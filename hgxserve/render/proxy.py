@@ -33,7 +33,7 @@ from hgxserve.render.types import (
     unit_name,
 )
 from hgxserve.topology.model import Engine, Topology
-from hgxserve.topology.ports import engine_url, proxy_targets
+from hgxserve.topology.ports import bootstrap_address, engine_url, proxy_targets
 from hgxserve.topology.wiring import (
     ENGINE_KEY_VAR,
     credential_for,
@@ -66,7 +66,8 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
             endpoint: dict[str, Any] = {"url": engine_url(topo, engine)}
             if protocol == "sglang":
                 assert engine.kv is not None
-                endpoint["bootstrap_host"] = topo.hosts[engine.head].address
+                # what the decodes dial: loopback only where the prefill binds loopback
+                endpoint["bootstrap_host"] = bootstrap_address(topo, engine)
                 endpoint["bootstrap_port"] = engine.kv.bootstrap_port
             prefill.append(endpoint)
         decode = [{"url": engine_url(topo, topo.engines[n])} for n in route.decode]
@@ -149,7 +150,10 @@ def _router_argv(topo: Topology) -> list[str]:
         argv.append("--pd-disaggregation")
         for engine in _unique(prefills):
             port = engine.kv.bootstrap_port if engine.kv else SGLANG_BOOTSTRAP_PORT
-            argv += ["--prefill", engine_url(topo, engine), str(port)]
+            # sglang-router hands the decodes this URL's host as bootstrap_host, so it is the
+            # address they dial (the host's own unless the prefill binds loopback), not the
+            # router's loopback view of its neighbour
+            argv += ["--prefill", engine_url(topo, engine, from_host=""), str(port)]
         for engine in _unique(decodes):
             argv += ["--decode", engine_url(topo, engine)]
     else:

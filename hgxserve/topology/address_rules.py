@@ -10,7 +10,12 @@ from typing import Any
 
 from hgxserve.topology.addresses import address_problem, canonical, hostport_problem, url_problem
 from hgxserve.topology.model import CephfsSource, Engine, S3Source, Topology, is_loopback
-from hgxserve.topology.ports import engine_bind, proxy_targets, setting_path
+from hgxserve.topology.ports import (
+    bootstrap_dialers_elsewhere,
+    engine_bind,
+    proxy_targets,
+    setting_path,
+)
 from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.registry import Finding, rule
 
@@ -105,10 +110,12 @@ def _loopback_binds(
 @rule(
     "reachable",
     "error",
-    "What a peer on another host dials (an engine the proxy routes to, the proxy and the P/D "
-    "engines the gate reads) is not bound to loopback.",
+    "What a peer on another host dials (an engine the proxy routes to, an SGLang prefill's "
+    "bootstrap server its decodes pull from, the proxy and the P/D engines the gate reads) is "
+    "not bound to loopback.",
 )
 def reachable(topo: Topology) -> Iterator[Finding]:
+    yield from _bootstrap_reachable(topo)
     proxy = topo.proxy
     if proxy is None:
         return
@@ -119,6 +126,32 @@ def reachable(topo: Topology) -> Iterator[Finding]:
             f"must reach it; bind 0.0.0.0 (or {topo.hosts[engine.head].address}), or run the "
             f"proxy on {engine.head}",
         )
+    yield from _gate_reachable(topo)
+
+
+def _bootstrap_reachable(topo: Topology) -> Iterator[Finding]:
+    """An SGLang prefill binds its disaggregation bootstrap server to --host, the HTTP bind:
+    on loopback, a decode on another host cannot fetch the prefill's ranks from it."""
+    for name, engine in topo.engines.items():
+        if engine.head not in topo.hosts:
+            continue
+        bind = engine_bind(topo, engine)
+        dialers = bootstrap_dialers_elsewhere(topo, engine) if is_loopback(bind) else []
+        if not dialers or engine.kv is None:
+            continue
+        where = sorted({h for d in dialers for h in topo.engines[d].place} - {engine.head})
+        yield (
+            setting_path(topo, name, "bind"),
+            f"{_binds(name, bind, engine.bind, engine.head)}, and SGLang binds its "
+            f"disaggregation bootstrap server (port {engine.kv.bootstrap_port}) there too, but "
+            f"{', '.join(dialers)} on {', '.join(where)} must reach it to pull KV; bind 0.0.0.0 "
+            f"(or {topo.hosts[engine.head].address}), or place the decode on {engine.head}",
+        )
+
+
+def _gate_reachable(topo: Topology) -> Iterator[Finding]:
+    proxy = topo.proxy
+    assert proxy is not None
     gate = topo.gate.from_host
     if gate is None or gate == proxy.host or gate not in topo.hosts:
         return

@@ -19,6 +19,7 @@ from hgxserve.base.errors import ExitCode
 from hgxserve.topology import CheckResult, check_topology
 from hgxserve.topology.model import S3Source, Topology
 from hgxserve.topology.ports import (
+    bootstrap_address,
     engine_url,
     listeners_by_host,
     side_channel_host,
@@ -278,7 +279,7 @@ def _engine_ref(topo: Topology, name: str) -> dict[str, Any]:
         if channels:
             ref["side_channels"] = channels
         if engine.engine == "sglang" and engine.role == "prefill":
-            ref["bootstrap"] = f"{topo.hosts[engine.head].address}:{engine.kv.bootstrap_port}"
+            ref["bootstrap"] = f"{bootstrap_address(topo, engine)}:{engine.kv.bootstrap_port}"
     return ref
 
 

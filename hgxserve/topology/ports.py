@@ -7,7 +7,9 @@ port and address each listener uses, so the scheme is written once:
 - VLLM_PORT (`internal_port`, vLLM): on every host of the engine;
 - NIXL side channel (vLLM + nixl): `side_channel.port + dp_rank`, one per DP rank, on the host
   that runs that rank (vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index`);
-- SGLang disaggregation bootstrap (`kv.bootstrap_port`): on the prefill engine's head host;
+- SGLang disaggregation bootstrap (`kv.bootstrap_port`): on the prefill engine's head host,
+  bound to the engine's `--host` like its HTTP API (SGLang's CommonKVBootstrapServer takes
+  `server_args.host`), so an SGLang prefill with a decode on another host never binds loopback;
 - multi-node coordination (`rpc_port`): on the head of engines that span hosts;
 - proxy: `proxy.listen` on the proxy host;
 - sshd: `ssh.port` on every host (the deploy itself needs it).
@@ -122,18 +124,57 @@ def kv_crosses_hosts(topo: Topology, engine: Engine) -> bool:
     return len(hosts) > 1
 
 
-def engine_bind(topo: Topology, engine: Engine) -> str:
-    """Address the engine's HTTP API binds to.
+def binds_bootstrap(engine: Engine) -> bool:
+    """True for an SGLang prefill with KV transfer: it serves the disaggregation bootstrap
+    server, bound to its `--host` (the HTTP bind) as well."""
+    return engine.engine == "sglang" and engine.kv is not None and engine.role == "prefill"
 
-    `bind` when given; else loopback when a proxy on the same host fronts a single-host engine,
-    else 0.0.0.0.
+
+def bootstrap_dialers_elsewhere(topo: Topology, engine: Engine) -> list[str]:
+    """Decodes that pull KV from this SGLang prefill and run (a rank) on a host other than its
+    head: each dials the prefill's bootstrap server from there."""
+    if not binds_bootstrap(engine):
+        return []
+    out = []
+    for name in sorted(pd_peers(topo, engine)):
+        other = topo.engines.get(name)
+        if other is not None and other.role == "decode" and set(other.place) - {engine.head}:
+            out.append(name)
+    return out
+
+
+def _proxy_beside(topo: Topology, engine: Engine) -> bool:
+    """A proxy on the engine's host fronts it, and the engine runs on that host alone."""
+    proxy = topo.proxy
+    return proxy is not None and proxy.host == engine.head and not engine.is_multi_node
+
+
+def bind_widened_for(topo: Topology, engine: Engine) -> list[str]:
+    """The decodes on other hosts that made an unwritten bind 0.0.0.0 where the proxy beside the
+    engine would have kept it on loopback (empty when they changed nothing)."""
+    if engine.bind or not _proxy_beside(topo, engine):
+        return []
+    return bootstrap_dialers_elsewhere(topo, engine)
+
+
+def engine_bind(topo: Topology, engine: Engine) -> str:
+    """Address the engine's HTTP API binds to (and an SGLang prefill's bootstrap server).
+
+    `bind` when given; else loopback when a proxy on the same host fronts a single-host engine
+    that no peer on another host dials, else 0.0.0.0.
     """
     if engine.bind:
         return engine.bind
-    proxy = topo.proxy
-    if proxy is not None and proxy.host == engine.head and not engine.is_multi_node:
+    if _proxy_beside(topo, engine) and not bootstrap_dialers_elsewhere(topo, engine):
         return LOCALHOST
     return ANY_ADDRESS
+
+
+def bootstrap_address(topo: Topology, engine: Engine) -> str:
+    """The address decodes dial for an SGLang prefill's bootstrap server (the `bootstrap_host`
+    the proxy hands them): loopback for a loopback bind, else the host's address (a wildcard
+    bind) or the bound address."""
+    return reach_address(topo, engine.head, engine_bind(topo, engine), None)
 
 
 def reach_address(topo: Topology, host: str, bind: str, from_host: str | None) -> str:
@@ -252,11 +293,12 @@ def engine_listeners(topo: Topology, engine: Engine) -> list[Listener]:
                     setting_path(topo, name, "kv", "side_channel", "port"),
                 )
             )
-    if engine.engine == "sglang" and engine.kv is not None and engine.role == "prefill":
+    if binds_bootstrap(engine):
+        assert engine.kv is not None
         out.append(
             Listener(
                 engine.kv.bootstrap_port,
-                ANY_ADDRESS,
+                engine_bind(topo, engine),  # SGLang binds it to --host, as the HTTP API
                 name,
                 "SGLang bootstrap",
                 engine.head,

@@ -212,7 +212,8 @@ def test_sglang_router_pd_command():
     assert argv[:3] == ["/opt/hgxserve/bin/python", "-m", "sglang_router.launch_router"]
     assert "--pd-disaggregation" in argv
     i = argv.index("--prefill")
-    assert argv[i + 1 : i + 3] == ["http://127.0.0.1:30000", "8998"]
+    # the router hands the decode on h20-b this URL's host as bootstrap_host: not loopback
+    assert argv[i + 1 : i + 3] == ["http://10.0.0.11:30000", "8998"]
     assert argv[argv.index("--decode") + 1] == "http://10.0.0.12:30001"
 
 
