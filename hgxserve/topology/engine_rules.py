@@ -9,6 +9,7 @@ carries the seed's evidence. Registered with `@engine_rule` and `@rule` like the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 from hgxserve.topology import cuda, fit
@@ -165,6 +166,71 @@ def vllm_attention_backend_env(topo: Topology, engine: Engine) -> Iterator[Findi
         f"from {_show_version(VLLM_ATTENTION_ENV_REMOVED)}; 0.26.0 ignores it silently, vLLM "
         f"issue 50292), so the engine picks its own backend; set args.attention_backend: "
         f"{value} instead (seed 002 still used the variable, on vLLM 0.13.0)",
+    )
+
+
+# -- tokenizer -----------------------------------------------------------------------------------
+
+# DeepSeek models whose chat encoding vLLM implements as a tokenizer mode of its own: the mode,
+# and how the model's name (or its config.json model_type) spells the family.
+DEEPSEEK_TOKENIZER_MODES = (
+    ("deepseek_v32", "DeepSeek V3.2", re.compile(r"deepseek[-_ ]?v3[._-]?2(?![0-9])", re.I)),
+    ("deepseek_v4", "DeepSeek V4", re.compile(r"deepseek[-_ ]?v4(?![0-9])", re.I)),
+)
+_TOKENIZER_EVIDENCE = {
+    "deepseek_v32": "seed 002: all 10 vLLM commands for DeepSeek-V3.2 (vLLM 0.13.0, 8 x H200) "
+    "pass --tokenizer-mode deepseek_v32",
+    "deepseek_v4": "seed 003 §2.2: DeepSeek V4 'requires native engine support for the "
+    "deepseek_v4 tokenizer', and every vLLM command there (§5, §9.2) passes --tokenizer-mode "
+    "deepseek_v4",
+}
+
+
+def deepseek_tokenizer_mode(topo: Topology) -> tuple[str, str, str] | None:
+    """(mode, family, where it was seen) when the model is DeepSeek V3.2 or V4, by its
+    config.json model_type, else its name, served name or path."""
+    try:
+        facts = fit.model_facts(topo)
+    except fit.ConfigError:
+        facts = None  # model-config reports it
+    model = topo.model
+    names = [
+        ("model.config model_type", facts.model_type if facts else ""),
+        ("model.name", model.name),
+        ("model.served_name", model.served_name),
+        ("model.path", model.path.rstrip("/").rsplit("/", 1)[-1]),
+    ]
+    for where, text in names:
+        for mode, family, pattern in DEEPSEEK_TOKENIZER_MODES:
+            if text and pattern.search(text):
+                return mode, family, f"{where} {text}"
+    return None
+
+
+@engine_rule(
+    "tokenizer-mode",
+    "warning",
+    "vLLM serving DeepSeek V3.2 / V4 sets tokenizer_mode deepseek_v32 / deepseek_v4.",
+    engine="vllm",
+)
+def tokenizer_mode(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    found = deepseek_tokenizer_mode(topo)
+    if found is None:
+        return
+    mode, family, seen = found
+    written = engine.args.get("tokenizer_mode")
+    if written == mode:
+        return
+    now = (
+        f"tokenizer_mode {written}"
+        if written is not None
+        else "no tokenizer_mode (vLLM's 'auto': the checkpoint's Hugging Face tokenizer)"
+    )
+    yield (
+        setting_path(topo, engine.name, "args", "tokenizer_mode"),
+        f"{engine.name} serves {family} ({seen}) on vLLM with {now}, not vLLM's "
+        f"{mode} mode, which encodes the model's chat format; {_TOKENIZER_EVIDENCE[mode]}; set "
+        f"args.tokenizer_mode: {mode}",
     )
 
 

@@ -161,6 +161,7 @@ class ModelFacts:
     max_position: int | None
     kv_bytes_given: int | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    model_type: str = ""  # config.json's model_type (deepseek_v32, deepseek_v4, llama, ...)
 
 
 def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -295,6 +296,7 @@ def facts_from_config(config: dict[str, Any], source: str = "") -> ModelFacts:
         max_position=config.get("max_position_embeddings"),
         kv_bytes_given=int(given) if given else None,
         sources=dict(fit.get("sources", {})),
+        model_type=str(config.get("model_type", "")),
     )
 
 
