@@ -26,6 +26,7 @@ from hgxserve.parsers.probes import (
     driver_cuda_from_lines,
     venv_state_from_lines,
 )
+from hgxserve.runtime.fabric import fabric_check_argv
 
 # Runs inside the venv's Python; prints one JSON line. Standard library only.
 PROBE = r"""
@@ -202,3 +203,25 @@ class ContainerImage(FactBase):
             return self.default()
         digest = next((line for line in lines[1:] if line.startswith("sha256:")), None)
         return {"tool": True, "digest": digest}
+
+
+class ContainerFabric(FactBase):
+    """What RDMA an engine image sees when run as the engine runs (hgxserve.runtime.fabric):
+    the output lines of `fabric_check_argv`, for `fabric_check_problem` to judge. It runs the
+    image with `--rm --pull=never`, so it changes nothing and needs the image already loaded.
+
+    Example:
+        >>> host.get_fact(ContainerFabric, tool="/usr/bin/podman", image="r/e@sha256:...",
+        ...               devices=("mlx5_0",))  # doctest: +SKIP
+        ['hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing=']
+    """
+
+    def command(self, tool: str, image: str, devices: tuple[str, ...] = ()) -> str:
+        return shlex.join(fabric_check_argv(tool, image, tuple(devices))) + " 2>&1 || true"
+
+    @staticmethod
+    def default() -> list[str]:
+        return []
+
+    def process(self, output: list[str]) -> list[str]:
+        return [line for line in output if line.strip()]

@@ -44,9 +44,10 @@ from hgxserve.render.types import (
     templates,
     unit_name,
 )
+from hgxserve.runtime.fabric import FABRIC_RUN_ARGS, INFINIBAND_DEVICES, fabric_reasons
 from hgxserve.topology.model import Engine, SecretRef, Topology
 from hgxserve.topology.placement import check_marker_args, serving_mounts, serving_tree
-from hgxserve.topology.ports import engine_url
+from hgxserve.topology.ports import engine_url, kv_crosses_hosts
 from hgxserve.topology.wiring import ENGINE_KEY_VAR, credential_for, engine_secret_env
 
 __all__ = [
@@ -222,8 +223,9 @@ def _engine_unit(
     used_files = sorted({p for _, _, p in engine.host_paths() if p in shipped})
     command = [*engine_program(engine), *engine_args(topo, engine, plan)]
     if engine.runtime.is_container:
-        volumes = _volumes(topo, [key_dir, rundir], used_files)
-        argv = _container_argv(engine, plan, env, command, volumes)
+        options = _volumes(topo, [key_dir, rundir], used_files)
+        options += _container_fabric(topo, engine, plan)
+        argv = _container_argv(engine, plan, env, command, options)
         _container_execs(engine, execs)
     else:
         argv = command
@@ -307,14 +309,15 @@ def _engine_unit(
 
 
 def _volumes(topo: Topology, writable: list[str], read_only: list[str]) -> list[str]:
-    """The container's --volume values: the weights read-only, then `writable`, then
+    """The container's --volume options: the weights read-only, then `writable`, then
     `read_only`."""
     weights_tree, _ = serving_tree(topo.model)
-    return [
+    volumes = [
         f"{weights_tree}:{weights_tree}:ro",
         *(f"{path}:{path}" for path in writable),
         *(f"{path}:{path}:ro" for path in read_only),
     ]
+    return [word for volume in volumes for word in ("--volume", volume)]
 
 
 def _container_tool(engine: Engine) -> tuple[str, str, str]:
@@ -325,10 +328,30 @@ def _container_tool(engine: Engine) -> tuple[str, str, str]:
     return tool_name, CONTAINER_TOOLS[tool_name], f"hgxserve-{engine.name}"
 
 
+def _container_fabric(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
+    """The host's HCAs for a container engine that moves KV or collectives over RDMA
+    (hgxserve.runtime.fabric); --ipc host and memlock, which every container engine gets, give
+    it the host's /dev/shm (the host's `shm` setting) and unlimited pinned memory."""
+    reasons = fabric_reasons(topo, engine, plan.host)
+    if reasons:
+        plan.notes.append(
+            f"RDMA in the container (--device {INFINIBAND_DEVICES}, --cap-add IPC_LOCK; "
+            f"--ipc host and memlock as every container): {'; '.join(reasons)}"
+        )
+        return list(FABRIC_RUN_ARGS)
+    if kv_crosses_hosts(topo, engine) and not topo.hosts[plan.host].rdma:
+        plan.notes.append(
+            f"no RDMA devices in the container: host {plan.host} lists no rdma, so its "
+            "traffic to other hosts (NCCL, KV) goes over TCP"
+        )
+    return []
+
+
 def _container_argv(
-    engine: Engine, plan: NodePlan, env: dict[str, str], command: list[str], volumes: list[str]
+    engine: Engine, plan: NodePlan, env: dict[str, str], command: list[str], options: list[str]
 ) -> list[str]:
-    """`podman|docker run` of the engine's image with CDI GPUs."""
+    """`podman|docker run` of the engine's image with CDI GPUs; `options` are the run options
+    after the GPUs (volumes, the fabric's devices)."""
     runtime = engine.runtime
     assert runtime is not None
     tool_name, tool, container = _container_tool(engine)
@@ -349,8 +372,7 @@ def _container_argv(
     ]
     for gpu in plan.gpus:
         argv += ["--device", f"nvidia.com/gpu={gpu}"]
-    for volume in volumes:
-        argv += ["--volume", volume]
+    argv += options
     for var in [*env, *sorted(engine.secret_env)]:
         # --env NAME passes the value from the unit's environment, never on the command line
         argv += ["--env", var]
