@@ -1,8 +1,9 @@
 """Refuse to touch a host whose hardware or state does not match the topology.
 
-Reads the host facts (GPUs, NVSwitch, Fabric Manager, RDMA, peermem, shm, memlock, disk) and
-raises one DeployError listing every mismatch as `HOST: FACT: expected X, found Y`, before any
-operation runs.
+Reads the host facts (GPUs, NVSwitch, Fabric Manager, RDMA, peermem, shm, memlock, disk, CPUs
+and RAM) and raises one DeployError listing every mismatch as `HOST: FACT: expected X, found Y`,
+before any operation runs. What does not refuse a host (CPUs, RAM or /dev/shm below seed 003
+§2.1's figures, a disk check without a model size) is logged as a warning.
 
 Example:
     from roles.preflight import HostExpectation, preflight
@@ -12,15 +13,17 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import DeployError, deploy
 
 from hgxserve.deploy.plans import PreflightPlan, plan_or_fields
 from hgxserve.facts import HOST_FACTS
-from hgxserve.facts.preflight import HostExpectation, preflight_problems
+from hgxserve.facts.preflight import HostExpectation, preflight_problems, preflight_warnings
 from hgxserve.facts.runtime import ContainerImage, DriverCuda, VenvRuntimeState
+from hgxserve.facts.weights import ManifestSize
 from hgxserve.runtime.checks import image_problems, runtime_problems
 
 __all__ = ["HostExpectation", "gather_facts", "preflight", "preflight_problems"]
@@ -42,6 +45,24 @@ def gather_facts(model_path: str | None = None) -> dict[str, Any]:
     return facts
 
 
+def sized_from_host(expect: HostExpectation) -> HostExpectation:
+    """`expect` with the model's size from the manifest already on the host, when neither the
+    topology's model.size nor a published manifest (read on the controller) gave one."""
+    if expect.model_size_bytes or not expect.model_copied or not expect.model_path:
+        return expect
+    name = expect.model_manifest or "hgxserve-manifest.json"
+    found = host.get_fact(ManifestSize, dest=expect.model_path, manifest=name)
+    if found.get("bytes"):
+        return replace(
+            expect,
+            model_size_bytes=found["bytes"],
+            model_size_from=f"the manifest on the host, {found['file']}",
+        )
+    where = f"none on the host at {expect.model_path.rstrip('/')}/{name}"
+    why = f"{expect.model_size_from}; {where}" if expect.model_size_from else where
+    return replace(expect, model_size_from=why)
+
+
 @deploy("Check the host against the topology")
 def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
     """Raise DeployError naming host, fact, expected and found for every mismatch.
@@ -59,8 +80,10 @@ def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
         preflight(expect=HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8))
     """
     plan = plan_or_fields(plan, PreflightPlan, fields)
-    expect, runtimes, images = plan.expect, plan.runtimes, plan.images
+    expect, runtimes, images = sized_from_host(plan.expect), plan.runtimes, plan.images
     facts = gather_facts(expect.model_path)
+    for line in preflight_warnings(facts, expect):
+        logger.warning(f"{host.print_prefix}preflight: {line}")
     problems = preflight_problems(facts, expect, after_provision=plan.after_provision)
     if runtimes:
         states = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,6 +60,7 @@ from hgxserve.topology import Topology, TopologyError, load_topology
 from hgxserve.topology.model import Host as TopologyHost
 from hgxserve.topology.model import Model, S3Source, TopologyFile
 from hgxserve.topology.placement import pin_digest
+from hgxserve.weights.published import published_manifest_size
 
 Plan = TypeVar("Plan")
 
@@ -134,6 +135,25 @@ class PreflightPlan:
     planned_driver: str | None = None  # the driver a provision stage of this run installs
 
 
+def host_expectation(topology: Topology, host: Host) -> HostExpectation:
+    """What the topology asks of `host`; without `model.size`, the model's size is its published
+    manifest's total (S3 sources, read on the controller), or the role reads the manifest already
+    on the host (roles/preflight.py)."""
+    expect = expectation_from_topology(topology, host.name)
+    source = topology.model.source
+    if expect.model_size_bytes or not isinstance(source, S3Source):
+        return expect
+    kind, ref = source.credentials or ("chain", "")
+    size, where = published_manifest_size(
+        f"{source.url.rstrip('/')}/{topology.model.manifest}",
+        source.endpoint,
+        source.region,
+        source.addressing,
+        ref if kind == "profile" else None,
+    )
+    return replace(expect, model_size_bytes=size, model_size_from=where)
+
+
 def preflight_plan(host: Host) -> PreflightPlan:
     topology, _ = topology_host(host)
     data = deploy_data(host)
@@ -141,7 +161,7 @@ def preflight_plan(host: Host) -> PreflightPlan:
     runtimes = _venv_runtimes(topology, host, require_version=False) if full else []
     images = container_images(topology, host.name)
     return PreflightPlan(
-        expect=expectation_from_topology(topology, host.name),
+        expect=host_expectation(topology, host),
         after_provision=full,
         runtimes=tuple(runtimes),
         runtime_installs=in_site_run(host, "runtime"),
@@ -170,9 +190,7 @@ def provision_plan(host: Host) -> ProvisionPlan:
     version = str(data.get("driver_version"))
     fm_mode = data.get("fabric_manager")
     return ProvisionPlan(
-        preflight=PreflightPlan(
-            expectation_from_topology(topology, host.name), after_provision=False
-        ),
+        preflight=PreflightPlan(host_expectation(topology, host), after_provision=False),
         driver_version=version,
         driver_branch=version.split(".")[0],
         apt_source=data.get("apt_source"),

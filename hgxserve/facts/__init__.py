@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from hgxserve.facts.host import (
         DiskFree,
         HeldPackages,
+        HostResources,
         OsRelease,
         PeermemLoaded,
         RdmaDevices,
@@ -49,6 +50,7 @@ _FACT_MODULES = {
     "ShmSize": "hgxserve.facts.host",
     "UnitMemlock": "hgxserve.facts.host",
     "DiskFree": "hgxserve.facts.host",
+    "HostResources": "hgxserve.facts.host",
     "OsRelease": "hgxserve.facts.host",
     "HeldPackages": "hgxserve.facts.host",
 }
@@ -63,6 +65,7 @@ _HOST_FACT_NAMES = {
     "shm": "ShmSize",
     "memlock": "UnitMemlock",
     "disk": "DiskFree",
+    "resources": "HostResources",
     "os": "OsRelease",
     "held_packages": "HeldPackages",
 }
@@ -85,6 +88,7 @@ __all__ = [
     "FabricManagerState",
     "GpuInventory",
     "HeldPackages",
+    "HostResources",
     "NvSwitchPresent",
     "NvidiaKernelModule",
     "OsRelease",

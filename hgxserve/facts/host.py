@@ -1,4 +1,5 @@
-"""pyinfra facts about the host around the GPUs: RDMA, peermem, /dev/shm, memlock, disk, OS.
+"""pyinfra facts about the host around the GPUs: RDMA, peermem, /dev/shm, memlock, disk, OS,
+CPUs and RAM.
 
 Every command exits 0 when a tool or file is missing and reports that in its value.
 
@@ -171,6 +172,33 @@ class UnitMemlock(FactBase):
             result["infinity"] = result["unit"] == "unlimited"
         else:
             result["infinity"] = result["default"] == "infinity"
+        return result
+
+
+class HostResources(FactBase):
+    """The CPUs this host offers (`nproc`) and its RAM (/proc/meminfo MemTotal, in bytes).
+
+    Example:
+        >>> host.get_fact(HostResources)  # doctest: +SKIP
+        {'cpus': 128, 'mem_total_bytes': 2163760152576}
+    """
+
+    def command(self) -> str:
+        return 'echo "nproc $(nproc 2>/dev/null)"; grep "^MemTotal:" /proc/meminfo; true'
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"cpus": None, "mem_total_bytes": None}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        result = self.default()
+        for line in output:
+            words = line.split()
+            if len(words) == 2 and words[0] == "nproc" and words[1].isdigit():
+                result["cpus"] = int(words[1])
+            elif len(words) >= 2 and words[0] == "MemTotal:" and words[1].isdigit():
+                # /proc/meminfo says kB and means KiB
+                result["mem_total_bytes"] = int(words[1]) * 1024
         return result
 
 

@@ -4,7 +4,9 @@
 `hgxserve facts`) and a `HostExpectation`, and returns messages of the form
 `HOST: FACT: expected X, found Y`. Checks that the provision stage itself fixes (shm, memlock,
 peermem, Fabric Manager) can be left out with `after_provision=False`, so a bare host is not
-refused for what the next stage will set.
+refused for what the next stage will set. `preflight_warnings()` returns the lines that do not
+refuse a host: CPUs, RAM and /dev/shm below the sizes seed 003 §2.1 starts from, and a disk
+check that could not be sized.
 
 Example:
     >>> expect = HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8)
@@ -22,6 +24,13 @@ from hgxserve.base.sizes import format_size
 
 # a mismatch: (fact, expected, found)
 _Report = Callable[[str, str, str], None]
+
+GiB = 1 << 30
+# Seed 003 §2.1, the starting point for an 8-GPU engine host: 64-128 CPUs, 320-512 GiB of RAM,
+# and at least 64-128 GiB of /dev/shm (tmpfs, so its pages come out of that RAM).
+SEED_CPUS = (64, 128)
+SEED_RAM_BYTES = (320 * GiB, 512 * GiB)
+SEED_SHM_BYTES = (64 * GiB, 128 * GiB)
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,11 @@ class HostExpectation:
     shm_bytes: int | None = None
     model_path: str | None = None
     model_size_bytes: int | None = None
+    # where model_size_bytes came from when not the topology's model.size (a manifest), or why
+    # it is unknown when model_size_bytes is None
+    model_size_from: str | None = None
+    model_manifest: str | None = None  # the manifest's file name next to the model
+    model_copied: bool = True  # False: the weights are read in place (CephFS without stage)
     driver_version: str | None = None
     memlock_infinity: bool = True
     notes: tuple[str, ...] = field(default=())
@@ -89,7 +103,74 @@ def preflight_problems(
     if after_provision:
         _provisioned_facts(facts, expect, problem)
     _disk_facts(facts, expect, problem)
+    _shm_fits_ram(facts, expect, problem)
     return problems
+
+
+def preflight_warnings(facts: dict[str, Any], expect: HostExpectation) -> list[str]:
+    """What does not refuse the host but an operator should see, as
+    `HOST: FACT: expected X, found Y` (CPUs, RAM, /dev/shm below seed 003 §2.1's figures) or
+    `HOST: disk: ...` when the model's size is unknown.
+
+    Example:
+        >>> preflight_warnings({"resources": {"cpus": 32, "mem_total_bytes": None}},
+        ...     HostExpectation("a", "H20", 8))
+        ['a: cpus: expected >= 64 (seed 003 §2.1: 64-128 CPUs per 8-GPU host), found 32']
+    """
+    host = expect.host
+    warnings: list[str] = []
+
+    def warning(fact: str, expected: str, found: str) -> None:
+        warnings.append(f"{host}: {fact}: expected {expected}, found {found}")
+
+    _sizing_warnings(facts, expect, warning)
+    unsized = expect.model_copied and expect.model_path and not expect.model_size_bytes
+    if facts.get("disk") is not None and unsized:
+        why = f" ({expect.model_size_from})" if expect.model_size_from else ""
+        warnings.append(
+            f"{host}: disk: free space for {expect.model_path} not checked: no "
+            f"model.size in the topology and no weights manifest to size it from{why}"
+        )
+    return warnings
+
+
+def _shm_bytes(facts: dict[str, Any], expect: HostExpectation) -> int | None:
+    """The /dev/shm the host will have: the topology's, else the one mounted now."""
+    return expect.shm_bytes or (facts.get("shm") or {}).get("size_bytes")
+
+
+def _shm_fits_ram(facts: dict[str, Any], expect: HostExpectation, problem: _Report) -> None:
+    """A /dev/shm as large as RAM cannot be filled: tmpfs pages are RAM (seed 003 §2.1)."""
+    ram = (facts.get("resources") or {}).get("mem_total_bytes")
+    if ram and expect.shm_bytes and expect.shm_bytes >= ram:
+        problem(
+            "shm.size",
+            f"less than the host's RAM (the topology's /dev/shm {format_size(expect.shm_bytes)} "
+            "is tmpfs, taken from RAM)",
+            f"{_human(ram)} RAM",
+        )
+
+
+def _sizing_warnings(facts: dict[str, Any], expect: HostExpectation, warning: _Report) -> None:
+    resources = facts.get("resources") or {}
+    cpus, ram = resources.get("cpus"), resources.get("mem_total_bytes")
+    if cpus is not None and cpus < SEED_CPUS[0]:
+        warning("cpus", f">= {SEED_CPUS[0]} (seed 003 §2.1: 64-128 CPUs per 8-GPU host)", str(cpus))
+    shm = _shm_bytes(facts, expect) or 0
+    if ram is not None and ram < SEED_RAM_BYTES[0] + shm:
+        also = f" + the {format_size(shm)} of /dev/shm that tmpfs takes from it" if shm else ""
+        warning(
+            "memory",
+            f">= {_human(SEED_RAM_BYTES[0] + shm)} RAM (seed 003 §2.1: 320-512 GiB for the "
+            f"engines{also})",
+            f"{_human(ram)}",
+        )
+    if expect.shm_bytes and expect.shm_bytes < SEED_SHM_BYTES[0]:
+        warning(
+            "shm.size",
+            f">= {format_size(SEED_SHM_BYTES[0])} (seed 003 §2.1: 64-128 GiB of /dev/shm)",
+            f"{format_size(expect.shm_bytes)} in the topology",
+        )
 
 
 def _gpu_facts(
@@ -169,15 +250,16 @@ def _provisioned_facts(facts: dict[str, Any], expect: HostExpectation, problem: 
 
 def _disk_facts(facts: dict[str, Any], expect: HostExpectation, problem: _Report) -> None:
     disk = facts.get("disk")
-    if disk is None or not expect.model_size_bytes:
+    if disk is None or not expect.model_copied or not expect.model_size_bytes:
         return
     avail = disk.get("avail_bytes")
     needed = max(expect.model_size_bytes - int(disk.get("present_bytes") or 0), 0)
     if avail is None or avail < needed:
+        sized = f" (size from {expect.model_size_from})" if expect.model_size_from else ""
         problem(
             "disk",
             f">= {_human(needed)} free on {disk.get('mount') or '?'} for "
-            f"{expect.model_path or 'the model'}",
+            f"{expect.model_path or 'the model'}{sized}",
             f"{_human(avail)} free" if avail is not None else "no filesystem",
         )
 
@@ -229,6 +311,7 @@ def expectation_from_topology(topo: Any, host_name: str) -> HostExpectation:
         expect = expectation_from_topology(load_topology("topologies/x.yml"), "h20-a")
     """
     host = topo.hosts[host_name]
+    source = topo.model.source  # a CephFS source has `stage`; read in place without it
     engines = list(topo.engines.values())
     mine = [engine for engine in engines if host_name in engine.place]
     used = sorted({index for engine in mine for index in engine.place[host_name]})
@@ -250,4 +333,6 @@ def expectation_from_topology(topo: Any, host_name: str) -> HostExpectation:
         shm_bytes=host.shm,
         model_path=topo.model.path,
         model_size_bytes=topo.model.size,
+        model_manifest=topo.model.manifest,
+        model_copied=not (hasattr(source, "stage") and not source.stage),
     )

@@ -1,5 +1,5 @@
-"""pyinfra fact about a model tree's verification: its marker, state record and a stat-only
-marker check by the agent.
+"""pyinfra facts about a model tree: its verification (marker, state record and a stat-only
+marker check by the agent) and the total size its manifest lists.
 
 Example:
     >>> host.get_fact(ModelManifestState, dest="/models/x")  # doctest: +SKIP
@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import shlex
 from typing import Any
 
@@ -17,6 +18,8 @@ from pyinfra.api import FactBase
 from hgxserve.base.paths import AGENT
 from hgxserve.parsers.probes import parse_manifest_state
 from hgxserve.weights.state import STATE_DIR_NAME
+
+_MANIFEST_HEAD = "##manifest "
 
 
 class ModelManifestState(FactBase):
@@ -48,3 +51,51 @@ class ModelManifestState(FactBase):
 
     def process(self, output: list[str]) -> dict[str, Any]:
         return parse_manifest_state(output)
+
+
+class ManifestSize(FactBase):
+    """The bytes the manifest already on the host lists for the tree at `dest`: the tree's own
+    manifest file (`manifest`, hgxserve-manifest.json by default) or the copy a sync keeps in its
+    state directory. `None` when neither is there or readable.
+
+    Example:
+        >>> host.get_fact(ManifestSize, dest="/models/x", manifest="hgxserve-manifest.json")
+        ... # doctest: +SKIP
+        {'bytes': 740881858560, 'files': 163, 'file': '/models/x/hgxserve-manifest.json'}
+    """
+
+    def command(self, dest: str, manifest: str) -> str:
+        base = dest.rstrip("/")
+        candidates = [f"{base}/{manifest}", f"{base}/{STATE_DIR_NAME}/manifest.json"]
+        quoted = " ".join(shlex.quote(path) for path in candidates)
+        return (
+            f'for f in {quoted}; do if [ -f "$f" ] && [ -r "$f" ]; then '
+            f'echo "{_MANIFEST_HEAD}$f"; cat "$f"; echo; break; fi; done; true'
+        )
+
+    @staticmethod
+    def default() -> dict[str, Any]:
+        return {"bytes": None, "files": 0, "file": None}
+
+    def process(self, output: list[str]) -> dict[str, Any]:
+        return manifest_size(output)
+
+
+def manifest_size(lines: list[str]) -> dict[str, Any]:
+    """ManifestSize's value from its output: the sum of the listed files' sizes.
+
+    Example:
+        >>> manifest_size(["##manifest /m/x.json", '{"files": [{"path": "a", "size": 3}]}'])
+        {'bytes': 3, 'files': 1, 'file': '/m/x.json'}
+    """
+    result = ManifestSize.default()
+    if not lines or not lines[0].startswith(_MANIFEST_HEAD):
+        return result
+    try:
+        body = json.loads("\n".join(lines[1:]))
+        sizes = [int(entry["size"]) for entry in body["files"]]
+    except (ValueError, KeyError, TypeError):
+        return result
+    if any(size < 0 for size in sizes):
+        return result
+    return {"bytes": sum(sizes), "files": len(sizes), "file": lines[0][len(_MANIFEST_HEAD) :]}

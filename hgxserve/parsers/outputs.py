@@ -770,6 +770,42 @@ _DIAGNOSES: tuple[tuple[str, str, re.Pattern[str], str], ...] = (
         "async scheduling and DP this costs throughput; set args.async_scheduling: false (or keep "
         "NCCL for DP synchronisation, args.disable_nccl_for_dp_synchronization: false)",
     ),
+    # Seed 003 §12.3: two start-up warnings that /health=200 does not clear.
+    # vLLM: model_executor/layers/quantization/kv_cache.py, BaseKVCacheMethod.
+    # process_weights_after_loading ("Using KV cache scaling factor 1.0 for fp8_e4m3. ..."; the
+    # sentence after it changed between releases). SGLang: srt/model_executor/model_runner.py
+    # load_model (newer: model_runner_components/load_model_utils.py, load_kv_cache_scales):
+    # "Using FP8 KV cache but no scaling factors provided. Defaulting to scaling factors of 1.0".
+    # vLLM's "Checkpoint does not provide a q scaling factor" alone is not this: it only sets q
+    # from k for FP8 attention backends.
+    (
+        "fp8-kv-scale-default",
+        "warning",
+        re.compile(
+            r"Using KV cache scaling factor 1\.0 for fp8|"
+            r"Using FP8 KV cache but no scaling factors provided"
+        ),
+        "FP8 KV cache without calibrated k/v scales: the engine quantises K and V with a scale of "
+        "1.0 (seed 003 §12.3: a correctness risk that /health=200 does not show); use a checkpoint "
+        "that carries k_scale/v_scale, or kv_cache_dtype: auto, or keep fp8 only after the "
+        "release gate's correctness checks pass against an auto-KV run",
+    ),
+    # vLLM: entrypoints/chat_utils.py (newer: renderers/hf.py), apply_hf_chat_template raises
+    # ChatTemplateResolutionError("As of transformers v4.44, default chat template is no longer
+    # allowed, ...") on every chat request. SGLang: srt/managers/template_manager.py,
+    # load_chat_template logs "No chat template found, defaulting to 'string' content format".
+    (
+        "chat-template-missing",
+        "warning",
+        re.compile(
+            r"default chat template is no longer allowed|"
+            r"No chat template found, defaulting to"
+        ),
+        "the tokenizer has no chat template (seed 003 §12.3): vLLM answers every "
+        "/v1/chat/completions with HTTP 400, SGLang formats chat messages without the model's "
+        "template; ship chat_template in tokenizer_config.json or chat_template.jinja with the "
+        "weights, or give the engine one (args.chat_template naming a topology `files:` entry)",
+    ),
 )
 
 

@@ -25,6 +25,8 @@ def _facts(monkeypatch):
     monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[2])
     monkeypatch.delenv("HGXSERVE_TOPOLOGY", raising=False)
     monkeypatch.setattr(Host, "get_fact", lambda self, fact, *a, **k: dict(FACTS[fact.__name__]))
+    # the demo's S3 is the test hosts': no published manifest is read from here
+    monkeypatch.setattr(plans, "published_manifest_size", lambda *a: (None, "not read in tests"))
 
 
 def run(data: dict[str, Any], names: list[str] = HOSTS) -> tuple[Inventory, dict[str, Host]]:
@@ -143,3 +145,23 @@ def test_a_role_takes_its_plan_or_the_plan_s_fields_never_both():
         plans.plan_or_fields(built, plans.WeightsPlan, {"digest": "sha256:1"})
     with pytest.raises(TypeError):
         plans.plan_or_fields(None, plans.WeightsPlan, {"model": model, "modle": model})
+
+
+def test_preflight_sizes_the_disk_check_from_the_published_manifest(monkeypatch):
+    asked = []
+
+    def published(url, endpoint, region, addressing, profile):
+        asked.append((url, endpoint, addressing, profile))
+        return 740 * 2**30, f"the published manifest {url}"
+
+    monkeypatch.setattr(plans, "published_manifest_size", published)
+    _, hosts = run({})
+    expect = plans.preflight_plan(hosts["hgx-b"]).expect
+    url = "s3://models/tiny/hgxserve-manifest.json"
+    assert (expect.model_size_bytes, expect.model_size_from) == (
+        740 * 2**30,
+        f"the published manifest {url}",
+    )
+    # the demo's credentials are an env file on the hosts: the controller uses its own chain
+    assert asked == [(url, "http://10.77.0.1:9000", "path", None)]
+    assert plans.provision_plan(hosts["hgx-b"]).preflight.expect.model_size_bytes == 740 * 2**30

@@ -18,6 +18,7 @@ from hgxserve.facts.gpu import (
 from hgxserve.facts.host import (
     DiskFree,
     HeldPackages,
+    HostResources,
     OsRelease,
     PeermemLoaded,
     RdmaDevices,
@@ -59,7 +60,7 @@ def bindir(tmp_path):
 def test_every_fact_has_a_short_name():
     assert set(HOST_FACTS) == {
         "gpu", "nvswitch", "fabric_manager", "kernel_module", "rdma", "peermem", "shm",
-        "memlock", "disk", "os", "held_packages",
+        "memlock", "disk", "resources", "os", "held_packages",
     }  # fmt: skip
 
 
@@ -286,6 +287,23 @@ def test_shm_size_of_this_machine(bindir):
     stat = os.statvfs("/dev/shm")
     assert shm["size_bytes"] == stat.f_blocks * stat.f_frsize
     assert shm["fstype"] == "tmpfs"
+
+
+def test_host_resources_of_this_machine(bindir):
+    resources = run_fact(HostResources(), [bindir])
+    assert resources["cpus"] == len(os.sched_getaffinity(0))  # nproc: the CPUs we may use
+    with open("/proc/meminfo") as meminfo:
+        total_kib = int(next(ln for ln in meminfo if ln.startswith("MemTotal:")).split()[1])
+    assert resources["mem_total_bytes"] == total_kib * 1024
+
+
+def test_host_resources_without_nproc_or_meminfo():
+    fact = HostResources()
+    assert fact.process(["nproc ", "MemTotal:     2113047024 kB"]) == {
+        "cpus": None,
+        "mem_total_bytes": 2113047024 * 1024,
+    }
+    assert fact.process(["nproc 128"]) == {"cpus": 128, "mem_total_bytes": None}
 
 
 def test_unit_memlock_prefers_the_unit_probe():

@@ -434,6 +434,82 @@ SEED_LINES = [
 ]
 
 
+# Seed 003 §12.3's two start-up warnings, in each engine's own log format (the sources are
+# named next to the signatures in hgxserve/parsers/outputs.py).
+SEED_LINES += [
+    # vLLM >= 0.11 (kv_cache.py; the engine core's prefix as the journal shows it)
+    (
+        "(EngineCore_DP0 pid=4711) WARNING 11-30 09:12:44 [kv_cache.py:104] Using KV cache "
+        "scaling factor 1.0 for fp8_e4m3. If this is unintended, verify that k/v_scale scaling "
+        "factors are properly set in the checkpoint.",
+        "fp8-kv-scale-default",
+        "kv_cache_dtype: auto",
+    ),
+    # vLLM before 0.8 (print_warning_once, no prefix)
+    (
+        "WARNING 11-30 09:12:44 kv_cache.py:82] Using KV cache scaling factor 1.0 for fp8_e4m3. "
+        "This may cause accuracy issues. Please make sure k/v_scale scaling factors are available "
+        "in the fp8 checkpoint.",
+        "fp8-kv-scale-default",
+        "k_scale/v_scale",
+    ),
+    # SGLang (model_runner.py, one line per TP rank)
+    (
+        "[2026-11-30 09:12:44 TP3] Using FP8 KV cache but no scaling factors provided. Defaulting "
+        "to scaling factors of 1.0. This may lead to less accurate results!",
+        "fp8-kv-scale-default",
+        "seed 003 §12.3",
+    ),
+    # vLLM: the rejection logged with each chat request (chat_utils.py)
+    (
+        "(APIServer pid=4702) ERROR 11-30 09:20:01 [serving_chat.py:257] "
+        "ChatTemplateResolutionError: As of transformers v4.44, default chat template is no "
+        "longer allowed, so you must provide a chat template if the tokenizer does not define one.",
+        "chat-template-missing",
+        "HTTP 400",
+    ),
+    # SGLang (template_manager.py, at start-up)
+    (
+        "[2026-11-30 09:12:50] No chat template found, defaulting to 'string' content format",
+        "chat-template-missing",
+        "chat_template.jinja",
+    ),
+]
+
+# Near misses in the same formats: q's scale alone (vLLM's line before the KV one), the KV dtype
+# line (SGLang), the same sentence with a calibrated scale, a chat template that was found
+# (SGLang, vLLM) and SGLang's debug line that precedes its fallback.
+NEAR_MISSES = [
+    "(EngineCore_DP0 pid=4711) WARNING 11-30 09:12:44 [kv_cache.py:90] Checkpoint does not "
+    "provide a q scaling factor. Setting it to k_scale. This only matters for FP8 Attention "
+    "backends (flash-attn or flashinfer).",
+    "INFO 11-30 09:12:44 [kv_cache.py:70] Using KV cache scaling factor 0.0213 for fp8_e4m3.",
+    "[2026-11-30 09:12:44 TP0] Using KV cache dtype: torch.float8_e4m3fn",
+    "[2026-11-30 09:12:50] Using default HuggingFace chat template with detected content "
+    "format: openai",
+    "(APIServer pid=4702) INFO 11-30 09:12:50 [api_server.py:1511] Using supplied chat template: "
+    "/etc/hgxserve/files/tool_chat_template_deepseekv32.jinja",
+    "[2026-11-30 09:12:50] No HuggingFace chat template found",
+]
+
+
+@pytest.mark.parametrize("line", NEAR_MISSES)
+def test_near_miss_is_not_diagnosed(line):
+    assert parsers.diagnose_errors(f"INFO starting\n{line}\nINFO shutting down\n") == []
+
+
+def test_correctness_warnings_follow_an_error():
+    text = (
+        "[2026-11-30 09:12:44 TP3] Using FP8 KV cache but no scaling factors provided.\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    )
+    found = parsers.diagnose_errors(text)
+    assert [(f["code"], f["severity"]) for f in found] == [
+        ("cuda-oom", "error"),
+        ("fp8-kv-scale-default", "warning"),
+    ]
+
+
 @pytest.mark.parametrize(("line", "code", "fix"), SEED_LINES, ids=[c for _, c, _ in SEED_LINES])
 def test_signature_names_the_cause_and_the_fix(line, code, fix):
     found = parsers.diagnose_errors(f"INFO starting\n{line}\nINFO shutting down\n")

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hgxserve.facts.preflight import HostExpectation, gpu_kind_of, preflight_problems
+from hgxserve.facts.preflight import (
+    HostExpectation,
+    gpu_kind_of,
+    preflight_problems,
+    preflight_warnings,
+)
 from hgxserve.parsers import outputs as parsers
 from hgxserve.parsers.probes import gpu_inventory_from_sections
 
@@ -47,6 +54,8 @@ def healthy_facts(capture) -> dict:
         "memlock": {"default": "infinity", "unit": "unlimited", "infinity": True},
         "disk": {"mount": "/models", "avail_bytes": 900 * GiB, "size_bytes": 3500 * GiB,
                  "present_bytes": 0},
+        # an H200 host as seed 003 §2.1 sizes one, or larger: 2 TiB of RAM, 192 CPUs
+        "resources": {"cpus": 192, "mem_total_bytes": 2063 * GiB},
     }  # fmt: skip
 
 
@@ -65,6 +74,74 @@ H200 = HostExpectation(
 
 def test_healthy_h200_host_passes(capture):
     assert preflight_problems(healthy_facts(capture), H200) == []
+    assert preflight_warnings(healthy_facts(capture), H200) == []
+
+
+def test_cpus_ram_and_shm_below_the_seed_figures_warn(capture):
+    facts = healthy_facts(capture)
+    facts["resources"] = {"cpus": 48, "mem_total_bytes": 384 * GiB}
+    small_shm = HostExpectation(host="h200-a", gpu_kind="H200", gpu_count=8, shm_bytes=32 * GiB)
+    assert preflight_warnings(facts, small_shm) == [
+        "h200-a: cpus: expected >= 64 (seed 003 §2.1: 64-128 CPUs per 8-GPU host), found 48",
+        "h200-a: shm.size: expected >= 64Gi (seed 003 §2.1: 64-128 GiB of /dev/shm), found "
+        "32Gi in the topology",
+    ]
+    # 384 GiB holds the seed's 320 GiB, but not with a 128 GiB /dev/shm on top
+    assert preflight_warnings(facts, H200)[1:] == [
+        "h200-a: memory: expected >= 448.0 GiB RAM (seed 003 §2.1: 320-512 GiB for the engines "
+        "+ the 128Gi of /dev/shm that tmpfs takes from it), found 384.0 GiB",
+    ]
+    # Warnings never refuse the host.
+    assert preflight_problems(facts, H200) == []
+
+
+def test_shm_as_large_as_ram_cannot_fit(capture):
+    facts = healthy_facts(capture)
+    facts["resources"] = {"cpus": 192, "mem_total_bytes": 125 * GiB}
+    problem = (
+        "h200-a: shm.size: expected less than the host's RAM (the topology's /dev/shm 128Gi is "
+        "tmpfs, taken from RAM), found 125.0 GiB RAM"
+    )
+    assert preflight_problems(facts, H200) == [problem]
+    # Provisioning cannot fix the host's RAM: the check stands before it too.
+    assert preflight_problems(facts, H200, after_provision=False) == [problem]
+    facts["resources"]["mem_total_bytes"] = 129 * GiB
+    assert preflight_problems(facts, H200) == []
+
+
+def test_disk_sized_from_a_manifest(capture):
+    facts = healthy_facts(capture)
+    facts["disk"]["avail_bytes"] = 600 * GiB
+    where = "the published manifest s3://models/DeepSeek-V3.2/hgxserve-manifest.json"
+    sized = HostExpectation(
+        host="h200-a", gpu_kind="H200", gpu_count=8, model_path="/models/DeepSeek-V3.2",
+        model_size_bytes=690 * GiB, model_size_from=where,
+    )  # fmt: skip
+    assert preflight_problems(facts, sized) == [
+        "h200-a: disk: expected >= 690.0 GiB free on /models for /models/DeepSeek-V3.2 (size "
+        f"from {where}), found 600.0 GiB free"
+    ]
+    facts["disk"]["avail_bytes"] = 700 * GiB
+    assert preflight_problems(facts, sized) == []
+
+
+def test_disk_without_a_size_says_so(capture):
+    facts = healthy_facts(capture)
+    facts["disk"]["avail_bytes"] = 1 * GiB
+    why = "the published manifest s3://m/x/hgxserve-manifest.json could not be read"
+    unsized = HostExpectation(
+        host="h200-a", gpu_kind="H200", gpu_count=8, model_path="/models/x", model_size_from=why
+    )
+    assert preflight_problems(facts, unsized) == []
+    assert preflight_warnings(facts, unsized) == [
+        "h200-a: disk: free space for /models/x not checked: no model.size in the topology and "
+        f"no weights manifest to size it from ({why})"
+    ]
+    # Weights read in place (CephFS without stage) need no room: no line at all.
+    in_place = HostExpectation(
+        host="h200-a", gpu_kind="H200", gpu_count=8, model_path="/models/x", model_copied=False
+    )
+    assert preflight_warnings(facts, in_place) == []
 
 
 def test_seven_gpus(capture):
@@ -196,6 +273,7 @@ def _fact_table(facts: dict, model_path: str) -> dict:
         "os": "hgxserve.facts.host.OsRelease",
         "held_packages": "hgxserve.facts.host.HeldPackages",
     }
+    names["resources"] = "hgxserve.facts.host.HostResources"
     table = {names[key]: value for key, value in facts.items() if key in names}
     table["hgxserve.facts.host.DiskFree"] = {f"path={model_path}": facts["disk"]}
     table.setdefault(names["kernel_module"], {"loaded": None})
@@ -226,4 +304,55 @@ def test_preflight_role_raises_before_any_operation(capture):
             preflight, {"expect": H200}, _fact_table(healthy_facts(capture), H200.model_path)
         )
         == []
+    )
+
+
+def test_role_sizes_the_disk_check_from_the_manifest_on_the_host(capture):
+    harness = _harness()
+    from roles.preflight import preflight
+
+    unsized = HostExpectation(
+        host="h200-a", gpu_kind="H200", gpu_count=8, used_gpus=tuple(range(8)),
+        model_path="/models/DeepSeek-V3.2", model_manifest="hgxserve-manifest.json",
+    )  # fmt: skip
+    facts = healthy_facts(capture)
+    facts["disk"]["avail_bytes"] = 600 * GiB
+    table = _fact_table(facts, unsized.model_path)
+    key = "dest=/models/DeepSeek-V3.2, manifest=hgxserve-manifest.json"
+    on_host = "/models/DeepSeek-V3.2/.hgxserve/manifest.json"
+    table["hgxserve.facts.weights.ManifestSize"] = {
+        key: {"bytes": 690 * GiB, "files": 163, "file": on_host}
+    }
+    with pytest.raises(Exception) as raised:
+        harness.run_deploy(preflight, {"expect": unsized}, table)
+    assert str(raised.value).endswith(
+        "h200-a: disk: expected >= 690.0 GiB free on /models for /models/DeepSeek-V3.2 (size "
+        f"from the manifest on the host, {on_host}), found 600.0 GiB free"
+    )
+    # No manifest anywhere: the host passes, and the warning says the check was not sized.
+    table["hgxserve.facts.weights.ManifestSize"] = {key: {"bytes": None, "files": 0, "file": None}}
+    assert harness.run_deploy(preflight, {"expect": unsized}, table) == []
+
+
+def test_manifest_size_fact_reads_the_state_copy(tmp_path):
+    from hgxserve.facts.weights import ManifestSize, manifest_size
+
+    fact = ManifestSize()
+    command = fact.command(dest=str(tmp_path), manifest="hgxserve-manifest.json")
+
+    def run() -> dict:
+        out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=True)
+        return fact.process(out.stdout.splitlines())
+
+    assert run() == {"bytes": None, "files": 0, "file": None}
+    state = tmp_path / ".hgxserve"
+    state.mkdir()
+    files = [{"path": "a.safetensors", "size": 5 * GiB}, {"path": "config.json", "size": 812}]
+    (state / "manifest.json").write_text(json.dumps({"schema": "x", "files": files}))
+    assert run() == {"bytes": 5 * GiB + 812, "files": 2, "file": str(state / "manifest.json")}
+    # The tree's own manifest comes first; an unreadable one counts as none.
+    (tmp_path / "hgxserve-manifest.json").write_text("{not json")
+    assert run() == {"bytes": None, "files": 0, "file": None}
+    assert (
+        manifest_size(["##manifest /x", '{"files": [{"path": "a", "size": -1}]}'])["bytes"] is None
     )
