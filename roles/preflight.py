@@ -22,9 +22,10 @@ from pyinfra.api import DeployError, deploy
 from hgxserve.deploy.plans import PreflightPlan, plan_or_fields
 from hgxserve.facts import HOST_FACTS
 from hgxserve.facts.preflight import HostExpectation, preflight_problems, preflight_warnings
-from hgxserve.facts.runtime import ContainerImage, DriverCuda, VenvRuntimeState
+from hgxserve.facts.runtime import ContainerFabric, ContainerImage, DriverCuda, VenvRuntimeState
 from hgxserve.facts.weights import ManifestSize
 from hgxserve.runtime.checks import image_problems, runtime_problems
+from hgxserve.runtime.fabric import fabric_check_problem
 
 __all__ = ["HostExpectation", "gather_facts", "preflight", "preflight_problems"]
 
@@ -63,6 +64,22 @@ def sized_from_host(expect: HostExpectation) -> HostExpectation:
     return replace(expect, model_size_from=why)
 
 
+def fabric_problems(expect: HostExpectation, image_states: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per loaded engine image that needs the host's HCAs and does not see them when
+    run as the engine runs (hgxserve.runtime.fabric; `--rm --pull=never`, nothing changes)."""
+    problems = []
+    for image, tool in expect.fabric_images:
+        state = image_states.get(image) or {}
+        if state.get("digest") != image.rpartition("@")[2]:
+            continue  # not loaded: image_problems says so
+        output = host.get_fact(
+            ContainerFabric, tool=f"/usr/bin/{tool}", image=image, devices=expect.rdma_devices
+        )
+        line = fabric_check_problem(expect.host, image, expect.rdma_devices, output)
+        problems.extend([line] if line else [])
+    return problems
+
+
 @deploy("Check the host against the topology")
 def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
     """Raise DeployError naming host, fact, expected and found for every mismatch.
@@ -74,7 +91,8 @@ def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
       runtimes: engine venvs to check (engine version, extras that must import, UCX, CUDA);
       runtime_installs: the runtime stage runs later in this deploy (missing parts are fine);
       planned_driver: the driver version a later provision stage installs (for the CUDA check);
-      images: (image, tool) container runtimes that must be loaded
+      images: (image, tool) container runtimes that must be loaded (and, for those whose
+      engines need the host's HCAs, that see them: expect.fabric_images)
 
     Example:
         preflight(expect=HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8))
@@ -106,6 +124,7 @@ def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
             for image, tool in images
         }
         problems += image_problems(expect.host, list(images), image_states)
+        problems += fabric_problems(expect, image_states)
     if problems:
         raise DeployError(
             f"preflight failed on {expect.host} ({len(problems)} problem"

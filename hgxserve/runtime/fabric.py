@@ -123,12 +123,12 @@ def fabric_check_problem(
     )
 
 
-def fabric_images(topo: Topology, host: str, tools: dict[str, str]) -> list[tuple[str, str]]:
-    """(image, tool path) of each container engine image on `host` that needs the fabric,
-    sorted; `tools` maps a runtime's tool name (podman, docker) to its path."""
+def fabric_images(topo: Topology, host: str) -> list[tuple[str, str]]:
+    """(image, tool) of each container engine image on `host` that needs the fabric, sorted,
+    as `container_images` names them (tool: podman or docker)."""
     out = set()
     for engine in topo.engines_on(host):
         runtime = engine.runtime
         if runtime is not None and runtime.image and fabric_reasons(topo, engine, host):
-            out.add((runtime.image, tools[runtime.tool or "podman"]))
+            out.add((runtime.image, runtime.tool or "podman"))
     return sorted(out)

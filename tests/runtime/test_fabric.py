@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from hgxserve.facts.preflight import expectation_from_topology
 from hgxserve.facts.runtime import ContainerFabric
 from hgxserve.render import render_host
-from hgxserve.render.types import CONTAINER_TOOLS
 from hgxserve.runtime.fabric import (
     COMMON_RUN_ARGS,
     FABRIC_RUN_ARGS,
@@ -91,9 +91,11 @@ def test_the_check_runs_the_image_as_the_engine_runs_without_pulling() -> None:
 
 def test_fabric_images_lists_each_image_once_with_its_tool() -> None:
     topo = _topo("topologies/h20-v4flash-1p1d-2node.yml")
-    assert fabric_images(topo, "h20-a", CONTAINER_TOOLS) == [(IMAGE, "/usr/bin/podman")]
+    assert fabric_images(topo, "h20-a") == [(IMAGE, "podman")]
+    assert expectation_from_topology(topo, "h20-b").fabric_images == ((IMAGE, "podman"),)
     docker = load_topology(REPO / "tests/render/topologies/vllm-dp-two-nodes-docker.yml")
-    assert fabric_images(docker, "h200-a", CONTAINER_TOOLS) == []
+    assert fabric_images(docker, "h200-a") == []
+    assert expectation_from_topology(docker, "h200-a").fabric_images == ()
 
 
 def _run_check(tmp_path: Path, hcas: list[str], verbs: list[str], devices: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -150,3 +152,32 @@ def test_fact_command_never_fails_the_fact_and_keeps_the_lines() -> None:
     assert fact.process(["", "hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing="]) == [
         "hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing="
     ]
+
+
+def test_preflight_runs_the_check_for_loaded_images_that_need_the_fabric(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import roles.preflight as role
+
+    asked: list[dict[str, object]] = []
+
+    class FakeHost:
+        def get_fact(self, cls: type, **kwargs: object) -> list[str]:
+            assert cls is ContainerFabric
+            asked.append(kwargs)
+            return ["Error: crun: device /dev/infiniband: no such file or directory"]
+
+    monkeypatch.setattr(role, "host", FakeHost())
+    topo = _topo("topologies/h20-v4flash-1p1d-2node.yml")
+    expect = expectation_from_topology(topo, "h20-a")
+    loaded = {IMAGE: {"tool": True, "digest": IMAGE.rpartition("@")[2]}}
+    (line,) = role.fabric_problems(expect, loaded)
+    assert asked == [{"tool": "/usr/bin/podman", "image": IMAGE, "devices": RAILS}]
+    assert line.startswith("h20-a: container.fabric: expected RDMA HCAs mlx5_0,mlx5_1,mlx5_2")
+    assert line.endswith(
+        "could not run: Error: crun: device /dev/infiniband: no such file or directory"
+    )
+    # an image that is not loaded is image_problems' line, and not run
+    asked.clear()
+    assert role.fabric_problems(expect, {IMAGE: {"tool": True, "digest": None}}) == []
+    assert asked == []
