@@ -18,6 +18,7 @@ from hgxserve.deploy.plans import EnginesPlan, SwitchPlan
 from hgxserve.operations.credentials import secret_file
 from hgxserve.operations.release import (
     arm_deadman,
+    check_kv,
     read_rdma_counters,
     run_gate,
     settle,
@@ -115,6 +116,11 @@ def switch_to(*, plan: SwitchPlan, root: str = RELEASE_ROOT) -> None:
             f"All hosts switched: each reverts in {within}s unless confirmed",
             arm_deadman,
             confirm_within=within,
+        )
+    if plan.switch:
+        step(
+            "Engines' own numbers: start time and KV capacity against the shapes' need",
+            check_kv,
         )
     if gating and plan.rdma is not None:
         _rdma_counters(plan, "before", "before the gate (P/D KV evidence)")

@@ -37,6 +37,13 @@ Environment knobs (all optional):
                                names no RDMA transport (a TCP fallback moves no counter)
   HGXSERVE_SIM_KEEP_ALIVE_SECONDS  idle keep-alive connections are closed after this (default 5,
                                uvicorn's timeout_keep_alive, which vLLM and SGLang serve with)
+  HGXSERVE_SIM_KV_TOKENS       the KV capacity the engine reports, tokens per DP rank (default
+                               max_num_seqs x max_model_len, rounded down to the block size), the
+                               way the real one does: vLLM in /metrics `vllm:cache_config_info`
+                               (num_gpu_blocks, block_size) and its `GPU KV cache size: N tokens`
+                               line; SGLang its `KV Cache is allocated. #tokens: N` line and
+                               `max_total_num_tokens` in /get_server_info. A test sets it below
+                               the topology's shapes to see the release fail on it
   HGXSERVE_SIM_FAIL            failure injection, comma-separated:
       never_healthy   port opens, /health (and generation) answer 503 forever
       crash_on_start  exit 1 after the start delay, port never opens
@@ -404,6 +411,14 @@ class State:
 STATE = State()
 
 
+def kv_tokens() -> int:
+    """The KV capacity this engine reports, per DP rank (HGXSERVE_SIM_KV_TOKENS)."""
+    s = STATE
+    block = max(1, s.block_size)
+    default = s.max_num_seqs * s.max_model_len // block * block
+    return int(env_float("HGXSERVE_SIM_KV_TOKENS", default))
+
+
 def kv_usage() -> float:
     """Share of the KV cache in use (simulated: running requests and KV held for a decode,
     against max_num_seqs slots)."""
@@ -454,6 +469,12 @@ def render_metrics() -> str:
         lines += [
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{{{lab}}} {kv_usage()}",
+            # vLLM's CacheConfig as an info gauge (vllm/v1/metrics/loggers.py log_metrics_info)
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            f'vllm:cache_config_info{{block_size="{s.block_size}",cache_dtype="auto",'
+            f'engine="0",gpu_memory_utilization="0.9",'
+            f'num_gpu_blocks="{kv_tokens() // max(1, s.block_size)}"}} 1.0',
         ]
         if s.kv.get("kv_connector") == "NixlConnector":
             lines += s.nixl_xfer.render("vllm:nixl_xfer_time_seconds", lab)
@@ -746,6 +767,18 @@ async def route(conn: Conn, method: str, path: str, headers: dict[str, str], raw
             for n in s.served_names
         ]
         await conn.send_json(200, {"object": "list", "data": data})
+    elif path in ("/get_server_info", "/server_info") and method == "GET" and s.engine == "sglang":
+        # SGLang merges its scheduler's init info (max_total_num_tokens) into the server info
+        await conn.send_json(
+            200,
+            {
+                "model_path": s.model_path,
+                "tp_size": s.tp,
+                "dp_size": s.dp_size,
+                "max_total_num_tokens": kv_tokens(),
+                "version": "0.0.0+simulated",
+            },
+        )
     elif path == "/version" and method == "GET" and s.engine == "vllm":
         # vLLM answers {"version": "..."}; this one says it is simulated
         await conn.send_json(200, {"version": "0.0.0+simulated"})
@@ -1432,12 +1465,21 @@ def start_phases(total: float, eager: bool) -> list[tuple[str, float]]:
     for i in range(shards + 1):
         bar = f"{100 * i // shards:3d}% Completed | {i}/{shards}"
         out.append((f"Loading safetensors checkpoint shards: {bar}", weights / (shards + 1)))
+    tokens = kv_tokens()
     if STATE.engine == "vllm":
         out.append((f"Loading weights took {weights:.2f} seconds", 0.0))
         out.append(("Compiling a graph for dynamic shape takes (simulated)", compile_s))
         out.append((f"torch.compile takes {compile_s:.2f} s in total", 0.0))
+        # vllm/v1/core/kv_cache_utils.py, after the KV cache is sized, before graph capture
+        out.append((f"GPU KV cache size: {tokens:,} tokens", 0.0))
+        length = STATE.max_model_len
+        out.append(
+            (f"Maximum concurrency for {length:,} tokens per request: {tokens / length:.2f}x", 0.0)
+        )
     else:
         out.append(("Load weight end. type=simulated, avail mem=30.00 GB", compile_s))
+        # sglang/srt/mem_cache/memory_pool.py, once the KV pool is allocated
+        out.append((f"KV Cache is allocated. #tokens: {tokens}, KV size: 0.01 GB", 0.0))
     if eager:
         return out
     if STATE.engine == "vllm":

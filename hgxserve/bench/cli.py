@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -144,8 +145,10 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
         urls[name] = url
     api_key = Path(api_key_file).read_text().strip() if api_key_file else None
     register_secret(api_key)
-    if release_id is None and inventory is not None:
-        release_id = _running_releases(spec.topology, inventory)
+    observed: dict[str, Any] = {}
+    if inventory is not None:
+        running, observed = _running_releases(spec.topology, inventory)
+        release_id = release_id or running
     reach = open_reach(
         spec.topology,
         inventory=inventory,
@@ -165,6 +168,7 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
         round_timeout_s=float(timeouts["round_timeout"] or 3600),
         drain_timeout_s=timeouts["drain_timeout"],
         origin=reach.origin,
+        engines_observed=observed,
     )
     try:
         run_dir, result = run_bench(spec, scenarios, opts, _progress)
@@ -179,8 +183,9 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
         sys.exit(ExitCode.FOUND)
 
 
-def _running_releases(topo: object, inventory: str) -> str:
-    """`host=release id` of every host the topology uses, as `hgxserve release status` says."""
+def _running_releases(topo: object, inventory: str) -> tuple[str, dict[str, Any]]:
+    """`host=release id` of every host the topology uses, as `hgxserve release status` says,
+    and host -> what each engine of its running release reported (start time, KV capacity)."""
     import json
 
     from hgxserve.base.paths import AGENT
@@ -193,6 +198,7 @@ def _running_releases(topo: object, inventory: str) -> str:
     except InventoryError as exc:
         raise UsageError(str(exc)) from None
     parts = []
+    observed: dict[str, Any] = {}
     with Sessions(hosts) as sessions:
         results = sessions.run_all(f"{AGENT} release status", 30)
     for name in names:
@@ -202,10 +208,12 @@ def _running_releases(topo: object, inventory: str) -> str:
             try:
                 state = json.loads(result.stdout)
                 running = (state.get("pending") or {}).get("id") or state.get("current") or "none"
+                if state.get("observed"):
+                    observed[name] = state["observed"]
             except (ValueError, AttributeError):
                 pass
         parts.append(f"{name}={running}")
-    return " ".join(parts)
+    return " ".join(parts), observed
 
 
 @bench.command("compare")

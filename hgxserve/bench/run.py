@@ -46,6 +46,8 @@ class RunOptions:
     round_timeout_s: float = 3600.0
     drain_timeout_s: float | None = None
     origin: str = "controller"  # where the connections to the proxy start
+    # host -> engine unit -> start time and KV capacity its release recorded (kvcap), when read
+    engines_observed: dict[str, Any] = field(default_factory=dict)
 
 
 def _busy_text(busy: dict[str, float]) -> str:
@@ -166,6 +168,7 @@ def run_bench(
         "proxy_url": t.proxy_url,
         "load_from": opts.origin,
         "engine_versions": metrics.engine_versions(t),
+        "engines_observed": opts.engines_observed,
         "generator": {"name": "aiperf", "command": generator.aiperf_command()[0]},
         "scenarios": [s.to_dict() for s in scenarios],
         "rounds": [],

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hgxserve.base.defaults import BENCH_DRAIN_TIMEOUT_S, BENCH_PERCENTILE, topology_schema
-from hgxserve.base.errors import UsageError
+from hgxserve.base.errors import HgxserveError, UsageError
 from hgxserve.topology import Topology, TopologyError, load_topology
 from hgxserve.topology.loader import Document, load_document
 from hgxserve.topology.problems import Problem, sort_problems
@@ -255,3 +255,21 @@ def load_bench(topology_path: str | Path) -> BenchSpec:
         drain_timeout_s=float(bench.get("drain_timeout_s", BENCH_DRAIN_TIMEOUT_S)),
         source=source,
     )
+
+
+def kv_shapes(topology_path: str | Path | None) -> list[tuple[str, int, int, int]]:
+    """(scenario, input, output, highest concurrency) of the topology's bench scenarios, for
+    the release's KV capacity check (hgxserve.release.kvcap); none without a bench section or
+    file, or with one that does not load."""
+    if not topology_path:
+        return []
+    try:
+        spec = load_bench(topology_path)
+    except (HgxserveError, TopologyError, OSError, ValueError):
+        return []
+    shapes = []
+    for s in spec.scenarios:
+        points = s.load_points()
+        if points:
+            shapes.append((s.name, s.input, s.output, max(p.concurrency for p in points)))
+    return shapes

@@ -25,6 +25,7 @@ from pyinfra.api.inventory import Inventory
 from hgxserve.base.cachelayout import DEFAULT_ROOT as CACHE_ROOT
 from hgxserve.base.paths import AGENT
 from hgxserve.bench.releasegate import BenchStep, bench_step_for
+from hgxserve.bench.scenario import kv_shapes
 from hgxserve.deploy.bakers import cache_entries, elect_bakers
 from hgxserve.deploy.data import DeployData, deploy_data
 from hgxserve.deploy.stages import in_site_run, record_site_stages
@@ -43,6 +44,7 @@ from hgxserve.monitoring.host_files import HostMonitoring, host_monitoring
 from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.release.coordination import Coordination
 from hgxserve.release.evidence import rdma_roles, unchecked_transport
+from hgxserve.release.kvcap import kv_needs_by_host
 from hgxserve.release.plan import HostRelease, gate_host, switch_bound_s
 from hgxserve.release.store import UnitSpec
 from hgxserve.release.switch import SWITCH_OVERHEAD_S, start_timeout
@@ -432,6 +434,9 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
     coord.rdma_roles = rdma_roles(topology)
     # gate.rdma: off: what carried cross-host KV instead (TCP), said when the release is confirmed
     coord.rdma_note = None if coord.rdma_roles else unchecked_transport(topology)
+    coord.kv_policy = topology.gate.kv_capacity
+    if coord.kv_policy != "off" and not coord.kv_needs:
+        coord.kv_needs = kv_needs_by_host(topology, kv_shapes(topology.source_file))
     devices = list(topology.hosts[host.name].rdma) if host.name in topology.hosts else []
     bench = _bench(topology, host, active, data)
     secrets = secret_values(plan)

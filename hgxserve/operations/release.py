@@ -6,6 +6,7 @@ by the `ReleaseState` fact (hgxserve.facts.release)."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from typing import Any
@@ -142,6 +143,37 @@ def _rdma_evidence(coord: Coordination) -> None:
         coord.verdict = (False, f"gate failed: {message}")
 
 
+def check_kv(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
+    """python.call on every switched host before the gate: the KV capacity its engines
+    reported once healthy against what the topology's shapes need (`gate.kv_capacity`); the
+    host keeps need, estimate and ratio in the release's record. A short engine fails the
+    release with `fail` (the gate then names it), and is only said with `warn`."""
+    needs = coord.kv_needs.get(host.name)
+    if not needs or coord.kv_policy == "off" or _failed_switches(state, coord):
+        return True
+    ok, output = host.run_shell_command(
+        f"{AGENT} release kv-check {shlex.quote(release_id)} "
+        f"--need {shlex.quote(json.dumps(needs, sort_keys=True))} "
+        f"--policy {shlex.quote(coord.kv_policy)} --root {shlex.quote(root)}"
+    )
+    for line in output.stdout_lines:
+        if line.strip():
+            short = line.startswith("KV SHORT")
+            loud = "red" if coord.kv_policy == "fail" else "yellow"
+            host.log_styled(line, fg=loud if short else "blue")
+    if not ok:
+        detail = " ".join(output.stderr_lines).removeprefix("Error: ").strip()
+        coord.kv_short[host.name] = f"{host.name}: {detail or 'the KV capacity check failed'}"
+    return True
+
+
+def _kv_verdict(coord: Coordination) -> tuple[bool, str] | None:
+    """The failed verdict for engines whose KV capacity is below the shapes' need, if any."""
+    if not coord.kv_short:
+        return None
+    return (False, "; ".join(coord.kv_short[h] for h in sorted(coord.kv_short)))
+
+
 def run_gate(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call: on the gate host, after every host switched: run the gate, keep the verdict."""
     failed = _failed_switches(state, coord)
@@ -149,6 +181,10 @@ def run_gate(state: State, host: Host, coord: Coordination, release_id: str, roo
         why = _self_reverted(coord) or f"host(s) {', '.join(failed)} failed to switch"
         coord.verdict = (False, why)
         return True  # the gate itself did not fail; settle reports the reason on every host
+    coord.verdict = _kv_verdict(coord)
+    if coord.verdict is not None:
+        host.log_styled(f"gate not run: {coord.verdict[1]}", fg="red")
+        return True
     ok, output = host.run_shell_command(
         f"{AGENT} release gate {shlex.quote(release_id)} --root {shlex.quote(root)}"
     )

@@ -183,6 +183,39 @@ def gate_cmd(release_id: str, root: str) -> None:
     _log("GATE-OK " + json.dumps(result, sort_keys=True))
 
 
+@release.command("kv-check")
+@click.argument("release_id", callback=_checked_id)
+@click.option(
+    "--need",
+    "needs",
+    required=True,
+    help='JSON: unit -> {"engine", "need_tokens", "shape", "dp", "fit_tokens"} (the deploy '
+    "computes it from the topology's warm-up and bench shapes and the fit estimate).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["fail", "warn"]),
+    default="fail",
+    show_default=True,
+    help="gate.kv_capacity: fail exits 1 when an engine holds less than its shapes need.",
+)
+@root_option
+@cli_errors
+def kv_check_cmd(release_id: str, needs: str, policy: str, root: str) -> None:
+    """Check the KV capacity each engine of RELEASE_ID reported once healthy against what the
+    topology's shapes need; keep need, estimate and ratio in the release's record."""
+    from hgxserve.release.kvcap import KvNeed, check_release
+
+    try:
+        parsed = {unit: KvNeed.from_dict(n) for unit, n in json.loads(needs).items()}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UsageError(f"--need: not a unit -> need mapping: {exc}") from None
+    short = check_release(_store(root), release_id, parsed, _log)
+    if short and policy == "fail":
+        click.echo(f"KV capacity below the topology's shapes: {'; '.join(short)}", err=True)
+        sys.exit(1)
+
+
 @release.command("diagnose")
 @click.argument("release_id", callback=_checked_id)
 @root_option

@@ -42,6 +42,11 @@ class Coordination:
     rdma_before: dict[str, dict[str, int]] = field(default_factory=dict)
     rdma_after: dict[str, dict[str, int]] = field(default_factory=dict)
     rdma_note: str | None = None
+    # KV capacity (gate.kv_capacity): host -> unit -> KvNeed fields, the policy, and per host
+    # the message of a capacity below the shapes' need (fails the gate with `fail`)
+    kv_needs: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    kv_policy: str = "off"
+    kv_short: dict[str, str] = field(default_factory=dict)
 
 
 def coordination(state: State, key: str) -> Coordination:

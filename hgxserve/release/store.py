@@ -161,13 +161,48 @@ class Store:
     def set_last_revert(self, data: dict[str, Any] | None) -> None:
         self._write("reverted.json", data)
 
+    # -- what the engines reported (hgxserve.release.kvcap) ------------------------------------
+    def observed(self, release_id: str) -> dict[str, dict[str, Any]]:
+        """Unit -> what it reported once healthy in this release: start time (unit start to
+        healthy and warm, `start_s`), KV capacity (`kv_tokens` per DP rank, `kv_source`), and
+        once checked the need, the fit estimate and their ratio (`kv_need_tokens`,
+        `kv_fit_ratio`, `kv_verdict`, `kv_message`). Empty when nothing was recorded."""
+        path = self.release_dir(release_id) / "observed.json"
+        try:
+            data: dict[str, dict[str, Any]] = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        return data
+
+    def note_observed(
+        self, release_id: str, unit: str, fields: dict[str, Any], replace: bool = False
+    ) -> None:
+        """Merge `fields` into `unit`'s entry of the release's record, or with `replace` make
+        them the whole entry (a unit that started again); the file is replaced atomically."""
+        data = self.observed(release_id)
+        data[unit] = {**({} if replace else data.get(unit, {})), **fields}
+        path = self.release_dir(release_id) / "observed.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+
+    def carry_observed(self, old_id: str, new_id: str, units: frozenset[str]) -> None:
+        """Units that keep running across a switch keep what they reported when they started."""
+        old = self.observed(old_id)
+        for unit in sorted(units & set(old)):
+            self.note_observed(new_id, unit, {**old[unit], "kept_from": old_id}, replace=True)
+
     def status(self) -> dict[str, Any]:
-        """What ReleaseState reports: links, pending switch and staged releases."""
+        """What ReleaseState reports: links, pending switch and staged releases, and what the
+        running release's engines reported (`observed`)."""
         releases = sorted(p.name for p in (self.root / "releases").glob("*") if p.is_dir())
+        pending = self.pending()
+        running = (pending or {}).get("id") or self.link("current")
         return {
             **{name: self.link(name) for name in LINKS},
-            "pending": self.pending(),
+            "pending": pending,
             "releases": releases,
+            "observed": self.observed(running) if running else {},
         }
 
     # -- installing ---------------------------------------------------------------------------

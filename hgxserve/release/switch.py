@@ -14,11 +14,13 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hgxserve.base.defaults import schema_default
 from hgxserve.base.paths import UNIT_DIR
 from hgxserve.caches.logscan import scan
 from hgxserve.parsers.outputs import diagnose_errors
+from hgxserve.release.kvcap import observation, observed_line, read_capacity
 from hgxserve.release.progress import phase
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
 
@@ -34,6 +36,7 @@ SWITCH_OVERHEAD_S = 180 + GPU_TIMEOUT_S + 60
 # A unit still `inactive` this long after its (non-blocking) start was queued never started.
 START_GRACE_S = 30.0
 Log = Callable[[str], None]
+Observed = dict[str, dict[str, Any]]  # unit -> its start time and KV capacity (kvcap.observation)
 
 
 def _agent() -> str:
@@ -147,12 +150,14 @@ def start_units(
     log: Log,
     keep: frozenset[str] = frozenset(),
     defer_proxy: bool = False,
-) -> None:
+) -> Observed:
     """Start engines (then wait for their health and warm-up) and then the proxy, in release
     order; with `defer_proxy` the proxy stays stopped (`start_proxy` later). Units in `keep`
-    are already running; they are only health-checked."""
+    are already running; they are only health-checked. Returns what each engine that started
+    reported once healthy (its start time and KV capacity), for the release's record."""
     engines = [u for u in spec.units if u.kind != "proxy"]
     proxies = [u for u in spec.units if u.kind == "proxy"]
+    observed: Observed = {}
     for group in (engines, [] if defer_proxy else proxies):
         for unit in group:
             if unit.name in keep:
@@ -160,7 +165,9 @@ def start_units(
             systemd.reset_failed(unit.name)
             log(f"starting {unit.name}")
             systemd.start(unit.name)
-        _wait_healthy(group, systemd, log, spec.health_timeout_s)
+        seen = _wait_healthy(group, systemd, log, spec.health_timeout_s)
+        observed.update({name: entry for name, entry in seen.items() if name not in keep})
+    return observed
 
 
 def unchanged_units(store: Store, old: ReleaseSpec | None, new: ReleaseSpec) -> frozenset[str]:
@@ -218,7 +225,18 @@ def _transition(
     wait_gpus_free(moving, host.gpu_timeout_s, log)
     store.install(new, old)
     systemd.daemon_reload()
-    start_units(new, systemd, log, keep, defer_proxy)
+    if old is not None and old.id != new.id:
+        store.carry_observed(old.id, new.id, keep)
+    _record(store, new.id, start_units(new, systemd, log, keep, defer_proxy))
+
+
+def _record(store: Store, release_id: str, observed: Observed) -> None:
+    """Keep each started engine's start time and KV capacity in the release's record."""
+    for unit, entry in observed.items():
+        try:
+            store.note_observed(release_id, unit, entry, replace=True)
+        except OSError as exc:  # the record is evidence, never a reason to fail the switch
+            print(f"{unit}: could not record its start and KV capacity: {exc}", file=sys.stderr)
 
 
 def start_timeout(unit: UnitSpec, cap_s: float | None) -> float:
@@ -277,10 +295,11 @@ def _why(info: dict[str, str]) -> str:
 
 def _wait_healthy(
     units: list[UnitSpec], systemd: Systemd, log: Log, cap_s: float | None = None
-) -> None:
+) -> Observed:
     """Wait until every unit is active and its /health answers 200, printing each engine's
     start phase from its journal (loading weights n%, compiling, capturing CUDA graphs) when
-    it changes and every PROGRESS_EVERY_S; fail on the first unit that fails or runs late."""
+    it changes and every PROGRESS_EVERY_S; fail on the first unit that fails or runs late.
+    Returns each engine's start time and the KV capacity it reported once healthy."""
     watch = _StartWatch(systemd, log, time.monotonic(), time.time() - 1)
     watch.deadlines = {u.name: watch.started + start_timeout(u, cap_s) for u in units}
     waiting = {u.name: u for u in units}
@@ -294,6 +313,7 @@ def _wait_healthy(
                 del waiting[name]
         if waiting:
             time.sleep(0.5)
+    return watch.observed
 
 
 @dataclass
@@ -308,6 +328,7 @@ class _StartWatch:
     deadlines: dict[str, float] = field(default_factory=dict)
     said: dict[str, tuple[str, float]] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
+    observed: Observed = field(default_factory=dict)
 
     def healthy(self, unit: UnitSpec, now: float, read_journal: bool) -> bool:
         """One look at a starting unit: True once it is healthy; raises when it failed or is
@@ -321,8 +342,7 @@ class _StartWatch:
         if state == "active" and (unit.health_url is None or _healthy(unit.health_url)):
             self.log(f"{name} is healthy after {now - self.started:.1f}s")
             if unit.health_url is not None:
-                for line in after_ready(self.systemd.journal(name, DIAGNOSE_LINES, self.since)):
-                    self.log(f"{name}: {line}")
+                self._served(unit, now)
             return True
         if now > self.deadlines[name]:
             last = self.said.get(name, ("", 0.0))[0] or state
@@ -336,6 +356,19 @@ class _StartWatch:
         if unit.health_url is not None and read_journal:
             self._say_phase(name, state, now)
         return False
+
+    def _served(self, unit: UnitSpec, now: float) -> None:
+        """An engine that just became healthy (and warm): its warm-up and JIT lines, and what
+        it reports of itself: the start time and its KV capacity (hgxserve.release.kvcap)."""
+        assert unit.health_url is not None
+        journal = self.systemd.journal(unit.name, DIAGNOSE_LINES, self.since)
+        for line in after_ready(journal):
+            self.log(f"{unit.name}: {line}")
+        if unit.kind == "proxy":
+            return
+        entry = observation(now - self.started, read_capacity(unit.health_url, journal))
+        self.observed[unit.name] = entry
+        self.log(observed_line(unit.name, entry))
 
     def _check_started(self, name: str, info: dict[str, str], now: float) -> None:
         """Fail when the unit failed, or stopped (or never started) instead of starting."""
@@ -407,7 +440,7 @@ def switch(  # noqa: PLR0913 - the agent's entry point: store, release and keywo
             return f"release {release_id} is already switched, waiting for confirmation"
         current_id = pending["id"]  # a pending switch is what is running now
     if current_id == release_id:
-        return _restart_stopped(new, systemd, log)
+        return _restart_stopped(store, new, systemd, log)
     old = store.load(current_id) if current_id else None
     previous_id = pending["previous"] if pending else current_id
     log(f"switching {new.host} from {current_id or 'nothing'} to {release_id} ({new.topology})")
@@ -467,20 +500,21 @@ def start_proxy(
     return f"release {release_id}: proxy started"
 
 
-def _restart_stopped(spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:
+def _restart_stopped(store: Store, spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:
     """The release is current but some of its units stopped or crashed: start just those."""
     stopped = [u for u in spec.units if systemd.state(u.name) != "active"]
     if not stopped:
         return f"release {spec.id} is already current"
     names = ", ".join(u.name for u in stopped)
     log(f"release {spec.id} is current but {names} not running; starting them")
-    start_units(
+    started = start_units(
         ReleaseSpec(
             spec.id, spec.topology, "", False, spec.host, stopped, {}, spec.health_timeout_s
         ),
         systemd,
         log,
     )
+    _record(store, spec.id, started)
     return f"release {spec.id} is current; restarted {names}"
 
 

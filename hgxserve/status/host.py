@@ -414,6 +414,7 @@ def snapshot(
         )  # fmt: skip
         weights = pool.submit(weights_part, model_path, weights_state_dir) if model_path else None
         caches = pool.submit(cache_part, cache_root, list(cache_keys))
+        observed = store.observed(spec.id) if spec else {}
         unit_list = []
         for unit in units:
             entry: dict[str, Any] = {
@@ -431,6 +432,8 @@ def snapshot(
                 ) if code != 200 else ""  # fmt: skip
             if unit.name in metrics:
                 entry["metrics"] = metrics[unit.name].result()
+            if unit.name in observed:  # start time and KV capacity (hgxserve.release.kvcap)
+                entry["observed"] = observed[unit.name]
             unit_list.append(entry)
         result = {
             "host": socket.gethostname(),

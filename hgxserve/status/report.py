@@ -227,6 +227,9 @@ def _unit_problems(host: str, unit: dict[str, Any]) -> list[Problem]:
         )
     if unit.get("error"):
         problems.append(Problem("degraded", host, name, f"{name}: {unit['error']}"))
+    observed = unit.get("observed") or {}
+    if observed.get("kv_verdict") == "short":  # released under gate.kv_capacity: warn
+        problems.append(Problem("warning", host, name, f"KV capacity: {observed['kv_message']}"))
     return problems
 
 

@@ -29,6 +29,28 @@ def _ranges(indices: list[int]) -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans) or "-"
 
 
+def _tokens(value: int) -> str:
+    """1760000 -> `1.76M`, 4096 -> `4096`."""
+    return f"{value / 1e6:.2f}M" if value >= 1_000_000 else str(value)
+
+
+def _observed_cells(observed: dict[str, Any] | None) -> list[str]:
+    """STARTED IN and KV for an engine: its start time, and the KV capacity it reported (per DP
+    rank) with the ratio to the fit estimate and the verdict against the shapes' need."""
+    if not observed:
+        return ["-", "-"]
+    started = f"{observed['start_s']:.0f}s" if observed.get("start_s") is not None else "-"
+    tokens = observed.get("kv_tokens")
+    if tokens is None:
+        return [started, "not reported"]
+    kv = f"{_tokens(int(tokens))} tok"
+    if observed.get("kv_fit_ratio") is not None:
+        kv += f" ({observed['kv_fit_ratio']:.2f}x fit)"
+    if observed.get("kv_verdict") == "short":
+        kv += f" SHORT of {_tokens(int(observed.get('kv_need_tokens') or 0))}"
+    return [started, kv]
+
+
 def _grid(rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
@@ -126,7 +148,7 @@ def render(report: Report, topo: Topology) -> str:
             [view.name, view.address, release, pending, _weights_cell(view), _cache_cell(view)]
         )
     lines += _grid(rows)
-    units = [["UNIT", "HOST", "ACTIVE", "HEALTH", "RESTARTS", "SINCE", "GPUS"]]
+    units = [["UNIT", "HOST", "ACTIVE", "HEALTH", "RESTARTS", "SINCE", "GPUS", "STARTED IN", "KV"]]
     for view in report.hosts.values():
         for unit in (view.snapshot or {}).get("units") or []:
             active = f"{unit.get('active')}/{unit.get('sub')}"
@@ -140,6 +162,7 @@ def render(report: Report, topo: Topology) -> str:
                     str(unit.get("restarts", 0)),
                     _clock(unit.get("since")),
                     _ranges(unit.get("gpus") or []),
+                    *_observed_cells(unit.get("observed")),
                 ]
             )
     if len(units) > 1:

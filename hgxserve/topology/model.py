@@ -359,6 +359,7 @@ class GatePolicy:
     reasoning: str  # auto | on | off
     tool_call: str  # auto | on | off
     rdma: str  # auto | off
+    kv_capacity: str  # fail | warn | off: the engines' reported KV against the shapes' need
     from_host: str | None
     timeout_s: int
     bench: BenchGate | None = None
@@ -369,7 +370,8 @@ class GatePolicy:
             **_defaulted(
                 data,
                 "gate",
-                "prompt expect max_tokens chat stream reasoning tool_call rdma timeout_s",
+                "prompt expect max_tokens chat stream reasoning tool_call rdma kv_capacity "
+                "timeout_s",
             ),
             expect_regex=data.get("expect_regex"),
             from_host=data.get("from"),

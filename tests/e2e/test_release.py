@@ -245,6 +245,12 @@ def test_pd_over_combined(lab: testbed_hosts.Testbed) -> None:
     assert "hgxserve-prefill-0.service: JIT/compile after ready: none" in text
     assert "decode pulled KV over NIXL" in output(proc)
     assert "chat probe through P/D answered 'PD_OK'" in output(proc)
+    # each engine's own numbers once healthy: its start time and the KV capacity it reports
+    # (simulated default: max_num_seqs 8 x max_model_len 256), checked against the shapes
+    for unit in ("prefill-0", "decode-0", "combined-0"):
+        said = rf"hgxserve-{unit}\.service: served after \d+(\.\d)?s; KV capacity 2,048 tokens"
+        assert re.search(said, text), (unit, text[-4000:])
+        assert f"KV ok: {unit} (hgxserve-{unit}.service) holds 2,048 KV tokens" in text
     # the prefill host sent and the decode host received over its (simulated) RDMA NIC
     rdma = r"RDMA port counters grew: hgx-a sent [1-9]\d* B; hgx-b received"
     assert re.search(rdma, output(proc))
@@ -258,6 +264,41 @@ def test_pd_over_combined(lab: testbed_hosts.Testbed) -> None:
     for host in lab.names:
         state = links(lab, host)
         assert state["previous"] == state["baseline"] != state["current"]
+
+
+def status_json() -> dict:
+    proc = subprocess.run(
+        [str(REPO / ".venv/bin/hgxserve"), "status", str(PD), "--inventory",
+         "inventory/testhosts.py", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.stdout, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_status_shows_each_engines_start_time_and_kv_capacity(lab: testbed_hosts.Testbed) -> None:
+    # the P/D release of test_pd_over_combined: the record each host kept when it switched
+    report = status_json()
+    # the largest shape per engine: demo-pd.bench.yaml's pd-long c4 (a P/D prefill holds the
+    # prompt + 1 token, the decode prompt + output), the warm-up's 128x16x2 for combined-0
+    needs = {
+        ("hgx-a", "hgxserve-prefill-0.service"): 4 * (240 + 1),
+        ("hgx-b", "hgxserve-decode-0.service"): 4 * (240 + 32),
+        ("hgx-c", "hgxserve-combined-0.service"): 2 * (128 + 16),
+    }
+    for (host, name), need in needs.items():
+        unit = next(u for u in report["hosts"][host]["snapshot"]["units"] if u["name"] == name)
+        observed = unit["observed"]
+        assert observed["start_s"] > 0, observed
+        assert (observed["kv_tokens"], observed["kv_source"]) == (8 * 256, "metrics"), observed
+        assert (observed["kv_need_tokens"], observed["kv_verdict"]) == (need, "ok"), observed
+        assert observed["kv_fit_ratio"] is None  # the demo model has no config.json to estimate
+    table = subprocess.run(
+        [str(REPO / ".venv/bin/hgxserve"), "status", str(PD), "--inventory",
+         "inventory/testhosts.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    ).stdout  # fmt: skip
+    assert "STARTED IN" in table and "2048 tok" in table, table
 
 
 def test_front_door_keys_and_an_unprivileged_proxy(lab: testbed_hosts.Testbed) -> None:
@@ -396,6 +437,36 @@ def test_a_model_answering_the_probe_wrongly_is_rolled_back(
     text = output(proc)
     assert "the chat probe (on the combined path) answered" in text and "expected 'PD_OK'" in text
     assert "rolled back to the previous release" in text
+    assert {h: links(lab, h)["current"] for h in lab.names} == current
+
+
+def test_an_engine_whose_kv_cannot_hold_the_shapes_is_rolled_back(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    # the simulated decode reports 128 KV tokens; the warm-up's 128x16x2 needs 2 x (128+16)
+    current = {h: links(lab, h)["current"] for h in lab.names}
+    small = variant(
+        tmp_path,
+        PD,
+        "pd-small-kv",  # written beside no bench file: the warm-up shapes alone
+        {
+            "    port: 8200\n": "    port: 8200\n    env: {HGXSERVE_SIM_KV_TOKENS: 128}\n",
+            "name: demo-pd\n": "name: demo-pd-small-kv\n",
+        },
+    )
+    proc = deploy(lab, "deploys/engines.py", f"topology={small}")
+    assert proc.returncode != 0
+    text = output(proc)
+    assert "hgxserve-decode-0.service: served after" in text
+    assert "KV capacity 128 tokens per DP rank (metrics)" in text
+    short = (
+        "decode-0 (hgxserve-decode-0.service) holds 128 KV tokens (1 DP rank, from its "
+        "metrics), below the 288 its largest shape needs (warm-up 128x16x2: 2 x (128+16))"
+    )
+    assert f"KV SHORT: {short}" in text, text[-4000:]
+    assert "gate not run: hgx-b: KV capacity below the topology's shapes: " in text
+    verdict = "rolled back to the previous release: hgx-b: KV capacity below the topology's "
+    assert f"{verdict}shapes: {short}" in text, text[-4000:]
     assert {h: links(lab, h)["current"] for h in lab.names} == current
 
 

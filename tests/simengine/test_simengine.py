@@ -376,3 +376,34 @@ def test_headless_holds_gpus_without_http(tmp_path: Path) -> None:
         assert list(eng.gpu_dir.glob("*.json")) == []
     finally:
         eng.stop()
+
+
+def test_kv_capacity_reported_as_the_real_engines_do(tmp_path: Path) -> None:
+    from hgxserve.release.kvcap import (
+        read_capacity,
+        sglang_log_capacity,
+        vllm_log_capacity,
+        vllm_metrics_capacity,
+    )
+
+    # default: max_num_seqs x max_model_len (256 x 4096), in vLLM's metrics and start log
+    with SimEngine("vllm", vllm_args(), tmp_path) as eng:
+        reading = vllm_metrics_capacity(eng.metrics())
+        assert reading is not None and (reading.tokens, reading.block_size) == (256 * 4096, 16)
+        log = eng.log_path.read_text()
+        assert "GPU KV cache size: 1,048,576 tokens" in log
+        assert "Maximum concurrency for 4,096 tokens per request: 256.00x" in log
+        assert vllm_log_capacity(log).tokens == 256 * 4096  # type: ignore[union-attr]
+    # a test makes it too small through the engine's environment
+    small = {"HGXSERVE_SIM_KV_TOKENS": "128"}
+    with SimEngine("vllm", vllm_args(), tmp_path, env=small) as eng:
+        assert vllm_metrics_capacity(eng.metrics()).tokens == 128  # type: ignore[union-attr]
+        reading = read_capacity(eng.url + "/health", eng.log_path.read_text())
+        assert reading is not None and (reading.tokens, reading.source) == (128, "metrics")
+    sglang = ["serve", "--model-path", "/models/m", "--context-length", "1024"]
+    with SimEngine("sglang", sglang, tmp_path, env={"HGXSERVE_SIM_KV_TOKENS": "4000"}) as eng:
+        assert sglang_log_capacity(eng.log_path.read_text()).tokens == 4000  # type: ignore[union-attr]
+        status, info = http_json("GET", eng.url + "/get_server_info")
+        assert status == 200 and info["max_total_num_tokens"] == 4000
+        reading = read_capacity(eng.url + "/health", "")
+        assert reading is not None and (reading.tokens, reading.source) == (4000, "server_info")

@@ -213,3 +213,18 @@ def test_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
     assert proc.returncode == 2  # the last verdict: could not tell
     out = "".join(seen) + out
     assert out.count("demo-pd  UNKNOWN") >= 2 and "(every 0.5 s; Ctrl-C to stop)" in out
+
+
+def test_inspect_shows_each_unit_start_time_and_kv_capacity(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "lib"))
+    spec = ReleaseSpec(
+        id="r1", topology="demo", topology_digest="d" * 64, baseline=False, host="hgx-a",
+        units=[UnitSpec("hgxserve-combined-0.service", "engine", None, [0, 1])], files={},
+    )  # fmt: skip
+    (store.release_dir("r1") / "tree").mkdir(parents=True)
+    (store.release_dir("r1") / "release.json").write_text(spec.to_json())
+    store.set_link("current", "r1")
+    store.note_observed("r1", "hgxserve-combined-0.service", {"start_s": 7.5, "kv_tokens": 2048})
+    snap = inspect.snapshot(root=str(store.root))
+    assert snap["units"][0]["observed"] == {"start_s": 7.5, "kv_tokens": 2048}
+    assert snap["release"]["observed"] == store.observed("r1")

@@ -260,3 +260,33 @@ def test_json_report_round_trips(topo: Any) -> None:
     assert data["verdict"] == "healthy" and data["exit_code"] == 0
     assert set(data["hosts"]) == {"hgx-a", "hgx-b", "hgx-c"}
     assert data["hosts"]["hgx-b"]["snapshot"]["units"][0]["name"] == "hgxserve-decode-0.service"
+
+
+def test_start_time_and_kv_capacity_from_the_release_record(topo: Any) -> None:
+    b = healthy(topo, "hgx-b")
+    b["units"][0]["observed"] = {
+        "start_s": 41.2, "kv_tokens": 1_760_000, "kv_source": "metrics", "kv_fit_ratio": 0.97,
+        "kv_need_tokens": 1088, "kv_verdict": "ok", "kv_message": "decode-0 holds ...",
+    }  # fmt: skip
+    a = healthy(topo, "hgx-a")
+    a["units"][0]["observed"] = {
+        "start_s": 3.0, "kv_tokens": 128, "kv_source": "log", "kv_fit_ratio": None,
+        "kv_need_tokens": 964, "kv_verdict": "short",
+        "kv_message": "prefill-0 (hgxserve-prefill-0.service) holds 128 KV tokens ..., below "
+        "the 964 its largest shape needs (bench pd-long c4: 4 x (240+1))",
+    }  # fmt: skip
+    rep = report(topo, answers(topo, hgx_a=a, hgx_b=b))
+    assert rep.exit_code == 0  # released under gate.kv_capacity: warn: said, not degraded
+    assert messages(rep) == [
+        "hgx-a: KV capacity: prefill-0 (hgxserve-prefill-0.service) holds 128 KV tokens ..., "
+        "below the 964 its largest shape needs (bench pd-long c4: 4 x (240+1))"
+    ]
+    text = render(rep, topo)
+    assert "STARTED IN" in text and "KV" in text
+    decode = next(line for line in text.splitlines() if line.startswith("decode-0"))
+    assert "41s" in decode.split() and decode.endswith("1.76M tok (0.97x fit)"), decode
+    prefill = next(line for line in text.splitlines() if line.startswith("prefill-0"))
+    assert "3s" in prefill.split() and prefill.endswith("128 tok SHORT of 964"), prefill
+    data = json.loads(rep.to_json())
+    observed = data["hosts"]["hgx-b"]["snapshot"]["units"][0]["observed"]
+    assert observed["start_s"] == 41.2 and observed["kv_tokens"] == 1_760_000
