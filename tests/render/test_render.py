@@ -162,7 +162,10 @@ def test_container_runtime_podman_cdi_and_env_by_name():
         "/usr/bin/podman", "run", "--pull=never", "--rm", "--name", "hgxserve-prefill-0"
     ]  # fmt: skip
     pairs = flag_pairs(argv)
-    assert [v for f, v in pairs if f == "--device"] == [f"nvidia.com/gpu={i}" for i in range(8)]
+    gpus = [f"nvidia.com/gpu={i}" for i in range(8)]
+    # the GPUs by CDI, then the HCAs: the KV crosses hosts over Mooncake (RDMA)
+    assert [v for f, v in pairs if f == "--device"] == [*gpus, "/dev/infiniband"]
+    assert ("--cap-add", "IPC_LOCK") in pairs
     assert ("--network", "host") in pairs and ("--ipc", "host") in pairs
     assert ("--ulimit", "memlock=-1:-1") in pairs
     assert ("--volume", "/models/DeepSeek-V4-Flash-0731:/models/DeepSeek-V4-Flash-0731:ro") in pairs
