@@ -1,4 +1,5 @@
-"""Provision stage: driver, Fabric Manager, RDMA/UCX + peermem, /dev/shm, memlock, sysctl.
+"""Provision stage: driver, Fabric Manager, RDMA/UCX + peermem, /dev/shm, memlock, sysctl, and
+the host Python's venv package (python3.X-venv, for the agent and the engine runtimes).
 
     pyinfra inventory/lab.py deploys/provision.py --data topology=topologies/h200-dsv32-tp8.yml
 
@@ -14,6 +15,7 @@ from pyinfra import host
 
 from hgxserve.deploy.plans import provision_plan
 from roles.fabric_manager import fabric_manager
+from roles.host_python import host_python
 from roles.host_tuning import DEFAULT_SHM_SIZE, host_tuning
 from roles.nvidia_driver import nvidia_driver
 from roles.preflight import preflight
@@ -31,3 +33,4 @@ host_tuning(
     remount_shm=plan.remount_shm,
     apply_sysctl=plan.load_now,
 )
+host_python()

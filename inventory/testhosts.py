@@ -4,13 +4,15 @@ Bring the hosts up first (``python -m testbed up``), then::
 
     pyinfra inventory/testhosts.py exec -- systemctl is-system-running
 
-Groups: ``testhosts`` (all hosts), ``h200`` / ``h20`` (by simulated GPU kind). Host data keys:
-``ssh_hostname``, ``ssh_user``, ``ssh_key``, ``ssh_known_hosts_file``,
-``ssh_strict_host_key_checking`` (how to reach the host), ``testbed_gpu`` (the simulated GPU
-kind, ``h200`` or ``h20``), and ``runtime_find_links`` / ``runtime_no_index``: the runtime stage
-builds its wheelhouse only from the simulated engine wheels the harness builds
-($HGXSERVE_TESTBED_DIR/wheels), never from an index; ``rdma_sysfs``: where the release's RDMA
-evidence reads port counters (the hosts' SIMULATED counters, not /sys/class/infiniband). The
+Groups: ``testhosts`` (all hosts), ``h200`` / ``h20`` (by simulated GPU kind), ``bookworm`` /
+``trixie`` (by image). Host data keys: ``ssh_hostname``, ``ssh_user``, ``ssh_key``,
+``ssh_known_hosts_file``, ``ssh_strict_host_key_checking`` (how to reach the host),
+``testbed_gpu`` (the simulated GPU kind, ``h200`` or ``h20``), ``testbed_image`` (the Debian
+suite the host booted, ``bookworm`` or ``trixie``: ``python -m testbed up --image``), and
+``runtime_find_links`` / ``runtime_no_index``: the runtime stage builds its wheelhouse only from
+the simulated engine wheels the harness builds ($HGXSERVE_TESTBED_DIR/wheels), never from an
+index; ``rdma_sysfs``: where the release's RDMA evidence reads port counters (the hosts'
+SIMULATED counters, not /sys/class/infiniband). The
 state file is
 $HGXSERVE_TESTBED_DIR/state.json (default /var/lib/hgxserve-testbed/state.json).
 """
@@ -40,6 +42,7 @@ def _hosts() -> list[tuple[str, dict[str, str]]]:
                 "ssh_known_hosts_file": "/dev/null",
                 "ssh_strict_host_key_checking": "no",
                 "testbed_gpu": host["gpu"],
+                "testbed_image": host.get("image", "bookworm"),
                 "runtime_find_links": str(_STATE.parent / "wheels"),
                 "runtime_no_index": True,
                 # simulated RDMA port counters (testbed/hosts.py SIM_RDMA_DIR)
@@ -53,3 +56,5 @@ def _hosts() -> list[tuple[str, dict[str, str]]]:
 testhosts = _hosts()
 h200 = [entry for entry in testhosts if entry[1]["testbed_gpu"] == "h200"]
 h20 = [entry for entry in testhosts if entry[1]["testbed_gpu"] == "h20"]
+bookworm = [entry for entry in testhosts if entry[1]["testbed_image"] == "bookworm"]
+trixie = [entry for entry in testhosts if entry[1]["testbed_image"] == "trixie"]

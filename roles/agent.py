@@ -1,21 +1,34 @@
 """Agent role: install hgxserve into /opt/hgxserve on a host with no internet access, from a
-wheelhouse built on the controller (the host-side commands units and deploys call)."""
+wheelhouse built on the controller for the host's own python3 (the host-side commands units and
+deploys call)."""
 
 from __future__ import annotations
 
 import shlex
 
 from pyinfra import host
-from pyinfra.api import deploy
+from pyinfra.api import DeployError, deploy
 from pyinfra.facts.server import Command
 from pyinfra.operations import server
 
 from hgxserve.base.paths import AGENT_PREFIX, AGENT_STAGING
 from hgxserve.base.runstate import per_run
+from hgxserve.facts.runtime import HostPython
 from hgxserve.operations.wheelhouse import push_wheelhouse
-from hgxserve.runtime.agent_build import wheelhouse
+from hgxserve.runtime.agent_build import python_problem, wheelhouse
+from hgxserve.runtime.wheelhouse import HostPlatform
 
 AGENT_DIR = AGENT_PREFIX
+
+
+def host_platform() -> HostPlatform:
+    """The platform the host's python3 reports; DeployError naming it when the agent cannot run
+    there (outside 3.10 to 3.13, or no python3)."""
+    python = host.get_fact(HostPython)
+    problem = python_problem(python.get("version"))
+    if problem:
+        raise DeployError(f"{host.name}: python3: {problem}")
+    return HostPlatform(python["version"], python["machine"], python["glibc"])
 
 
 @deploy("Install the hgxserve agent")
@@ -23,33 +36,35 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
     """Install (or update) the hgxserve agent venv; nothing happens when it is current.
 
     + prefix: venv directory on the host
-    + python: the host's Python 3.11 used to create the venv
+    + python: the host's python3 (3.10 to 3.13) the venv is created with; the wheels are
+      built for the version, machine and glibc it reports
     """
     # site.py's stages each ask for the agent: handle each host once per run
     handled: set[str] = per_run(host.state, "agent-handled", set)
     if host.name in handled:
         return
     handled.add(host.name)
-    tarball, digest = wheelhouse()
+    tarball, key = wheelhouse(host_platform())
     marker = f"{prefix}/.agent-digest"
     q = shlex.quote
     installed = host.get_fact(Command, command=f"cat {q(marker)} 2>/dev/null || true")
-    if (installed or "").strip() == digest:
-        host.noop(f"hgxserve agent {digest} is already installed")
+    if (installed or "").strip() == key:
+        host.noop(f"hgxserve agent {key} is already installed")
         return
-    pushed = push_wheelhouse("agent", tarball, digest, AGENT_STAGING)
+    pushed = push_wheelhouse("agent", tarball, key, AGENT_STAGING)
     wheels, pip = q(pushed.path), q(prefix + "/bin/pip")
     server.shell(
-        name=f"Install the hgxserve agent {digest} into {prefix}",
+        name=f"Install the hgxserve agent {key} into {prefix}",
         commands=[
             pushed.unpack,
-            f"test -x {pip} || {q(python)} -m venv {q(prefix)}",
+            # a venv whose interpreter went away (the host's Python was upgraded) is made anew
+            f"{pip} --version >/dev/null 2>&1 || {q(python)} -m venv --clear {q(prefix)}",
             # every wheel of the wheelhouse: a dependency added since the installed agent is
             # installed too (asking for `hgxserve` alone would be satisfied by the old one)
             f"{pip} install -q --no-index --find-links {wheels} {wheels}/*.whl",
             f"{pip} install -q --no-index --find-links {wheels} --no-deps --force-reinstall "
             "hgxserve",
-            f"echo {q(digest)} > {q(marker)}",
+            f"echo {q(key)} > {q(marker)}",
             pushed.cleanup,
         ],
     )

@@ -22,8 +22,15 @@ from pyinfra.api import DeployError, deploy
 from hgxserve.deploy.plans import PreflightPlan, plan_or_fields
 from hgxserve.facts import HOST_FACTS
 from hgxserve.facts.preflight import HostExpectation, preflight_problems, preflight_warnings
-from hgxserve.facts.runtime import ContainerFabric, ContainerImage, DriverCuda, VenvRuntimeState
+from hgxserve.facts.runtime import (
+    ContainerFabric,
+    ContainerImage,
+    DriverCuda,
+    HostPython,
+    VenvRuntimeState,
+)
 from hgxserve.facts.weights import ManifestSize
+from hgxserve.runtime.agent_build import python_problem
 from hgxserve.runtime.checks import image_problems, runtime_problems
 from hgxserve.runtime.fabric import fabric_check_problem
 
@@ -80,6 +87,13 @@ def fabric_problems(expect: HostExpectation, image_states: dict[str, dict[str, A
     return problems
 
 
+def python_problems(name: str) -> list[str]:
+    """The host's python3 against the agent's (3.10 to 3.13, its venv and wheels are built for
+    it): one line naming the version when outside, as the other facts' lines read."""
+    problem = python_problem(host.get_fact(HostPython).get("version"))
+    return [f"{name}: python3: {problem}"] if problem else []
+
+
 @deploy("Check the host against the topology")
 def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
     """Raise DeployError naming host, fact, expected and found for every mismatch.
@@ -103,6 +117,7 @@ def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
     for line in preflight_warnings(facts, expect):
         logger.warning(f"{host.print_prefix}preflight: {line}")
     problems = preflight_problems(facts, expect, after_provision=plan.after_provision)
+    problems += python_problems(expect.host)
     if runtimes:
         states = {
             spec.venv: host.get_fact(

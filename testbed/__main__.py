@@ -3,6 +3,7 @@
 Example::
 
     python -m testbed up --hosts 3 --gpu h200,h20,h20
+    python -m testbed up --hosts 2 --image bookworm,trixie
     python -m testbed ssh hgx-a -- nvidia-smi -L
     python -m testbed down
 """
@@ -14,7 +15,7 @@ import json
 import os
 import sys
 
-from testbed import hosts
+from testbed import hosts, rootfs
 from testbed.util import TestbedError
 
 
@@ -26,12 +27,12 @@ def _print_status(as_json: bool) -> int:
     if not rows:
         print("no test hosts are up")
         return 1
-    head = ("NAME", "ADDRESS", "GPU", "PID", "RUNNING", "SSHD", "SYSTEMD", "RAM")
-    print("{:8} {:12} {:5} {:>8} {:8} {:5} {:10} {}".format(*head))
+    head = ("NAME", "ADDRESS", "GPU", "IMAGE", "PID", "RUNNING", "SSHD", "SYSTEMD", "RAM")
+    print("{:8} {:12} {:5} {:9} {:>8} {:8} {:5} {:10} {}".format(*head))
     for r in rows:
         ram = f"{r['ram_mib']:.0f} MiB" if r["ram_mib"] is not None else "-"
         print(
-            f"{r['name']:8} {r['address']:12} {r['gpu']:5} {r['pid'] or '-':>8} "
+            f"{r['name']:8} {r['address']:12} {r['gpu']:5} {r['image']:9} {r['pid'] or '-':>8} "
             f"{'yes' if r['running'] else 'NO':8} {'yes' if r['sshd'] else 'no':5} "
             f"{r['systemd'] or '-':10} {ram}"
         )
@@ -53,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         default="h200",
         help="simulated GPU kind: h200 or h20, one for all hosts or one per host (h200,h20,h20)",
     )
+    p_up.add_argument(
+        "--image",
+        default=rootfs.SUITE,
+        help=f"Debian suite of the root filesystem: {', '.join(rootfs.SUITES)} (Python "
+        f"{', '.join(rootfs.SUITES.values())}), one for all hosts or one per host "
+        "(bookworm,trixie)",
+    )
     p_down = sub.add_parser("down", help="stop and remove everything `up` started")
     p_down.add_argument(
         "--force", action="store_true", help="tear down even while test sessions hold a lease"
@@ -65,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            bed = hosts.up(args.hosts, args.gpu)
+            bed = hosts.up(args.hosts, args.gpu, args.image)
             for host in bed.hosts:
-                print(f"{host.name}\t{host.address}\t{host.gpu}")
+                print(f"{host.name}\t{host.address}\t{host.gpu}\t{host.image}")
             return 0
         if args.command == "down":
             if not hosts.down(force=args.force):

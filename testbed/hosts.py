@@ -97,6 +97,7 @@ class Host:
     dir: str
     pid: int | None = None
     pid_starttime: str | None = None
+    image: str = rootfs.SUITE  # the Debian suite its root filesystem is (rootfs.SUITES)
 
     @property
     def merged(self) -> Path:
@@ -752,6 +753,17 @@ def _gpu_kinds(gpu: str | Sequence[str], count: int) -> list[str]:
     return kinds
 
 
+def _images(image: str | Sequence[str], count: int) -> list[str]:
+    images = [i.strip() for i in image.split(",")] if isinstance(image, str) else list(image)
+    if len(images) == 1:
+        images *= count
+    if len(images) != count:
+        raise TestbedError(f"--image lists {len(images)} images for {count} hosts")
+    for name in images:
+        rootfs.check_suite(name)
+    return images
+
+
 def ssh_key() -> Path:
     """Return the harness's private key, generating it once (kept in the state directory)."""
     key = STATE_DIR / "ssh" / "id_ed25519"
@@ -792,21 +804,26 @@ def _healthy(bed: Testbed) -> list[str]:
     return problems
 
 
-def up(count: int = 3, gpu: str | Sequence[str] = "h200") -> Testbed:
+def up(
+    count: int = 3, gpu: str | Sequence[str] = "h200", image: str | Sequence[str] = rootfs.SUITE
+) -> Testbed:
     """Bring up ``count`` test hosts (reusing running ones that match) and return them.
+
+    ``image`` is the Debian suite of every host, or one per host (``bookworm,trixie``).
 
     Example: ``up(3, "h200,h20,h20").addresses`` -> ``{"hgx-a": "10.77.0.11", ...}``
     """
     if not 1 <= count <= MAX_HOSTS:
         raise TestbedError(f"--hosts must be between 1 and {MAX_HOSTS}")
     kinds = _gpu_kinds(gpu, count)
+    images = _images(image, count)
     preflight()
     with locked():
         bed = load()
         if bed is not None:
             problems = _healthy(bed)
-            wanted = list(zip(host_names(count), kinds, strict=True))
-            same = [(h.name, h.gpu) for h in bed.hosts] == wanted
+            wanted = list(zip(host_names(count), kinds, images, strict=True))
+            same = [(h.name, h.gpu, h.image) for h in bed.hosts] == wanted
             # an nspawn bind cannot be added to a running host: boot it again with the share
             unshared = [h.name for h in bed.hosts if not problems and not _has_ceph_share(h)]
             if not problems and same and not unshared:
@@ -833,7 +850,7 @@ def up(count: int = 3, gpu: str | Sequence[str] = "h200") -> Testbed:
             _down_locked(bed)
         else:
             _sweep_leftovers()
-        return _up_locked(count, kinds)
+        return _up_locked(count, kinds, images)
 
 
 def _warn_simengine(have_engine: bool) -> None:
@@ -844,11 +861,11 @@ def _warn_simengine(have_engine: bool) -> None:
         )
 
 
-def _up_locked(count: int, kinds: list[str]) -> Testbed:
+def _up_locked(count: int, kinds: list[str], images: list[str]) -> Testbed:
     timings: dict[str, float] = {}
     started = time.monotonic()
     rootfs.ensure_cached()
-    lower = rootfs.ensure_rootfs(STATE_DIR)
+    lowers = {image: rootfs.ensure_rootfs(STATE_DIR, image) for image in dict.fromkeys(images)}
     timings["rootfs_s"] = time.monotonic() - started
     key = ssh_key()
     public_key = key.with_suffix(".pub").read_text()
@@ -860,15 +877,16 @@ def _up_locked(count: int, kinds: list[str]) -> Testbed:
             netns=f"{NETNS_PREFIX}{name.removeprefix('hgx-')}",
             veth=f"{VETH_PREFIX}{name.removeprefix('hgx-')}",
             dir=str(STATE_DIR / "hosts" / name),
+            image=image,
         )
-        for i, (name, kind) in enumerate(zip(host_names(count), kinds, strict=True))
+        for i, (name, kind, image) in enumerate(zip(host_names(count), kinds, images, strict=True))
     ]
     bed = Testbed(
         hosts=hosts,
         ssh_key=str(key),
         state_file=str(STATE_FILE),
         boot_id=boot_id(),
-        rootfs=str(lower),
+        rootfs=str(lowers[images[0]]),
     )
     # Record before creating anything, so a failure half-way can still be torn down.
     save(bed)
@@ -878,12 +896,12 @@ def _up_locked(count: int, kinds: list[str]) -> Testbed:
         boot_started = time.monotonic()
         have_engine = True
         for host in hosts:
-            mount_overlay(host, lower)
+            mount_overlay(host, lowers[host.image])
             install_identity(host, hosts, public_key)
             have_engine = install_simulation(host) and have_engine
             setup_network(host)
         for host in hosts:
-            say(f"booting {host.name} ({host.address}, {host.gpu})")
+            say(f"booting {host.name} ({host.address}, {host.gpu}, {host.image})")
             start_host(host)
             save(bed)
         wait_ready(bed)
@@ -987,6 +1005,7 @@ def status() -> list[dict[str, object]]:
             "name": host.name,
             "address": host.address,
             "gpu": host.gpu,
+            "image": host.image,
             "pid": host.pid,
             "running": alive,
             "sshd": alive and _port_open(host.address),

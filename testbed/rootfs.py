@@ -1,12 +1,13 @@
-"""Build, cache and unpack the Debian root filesystem shared by all test hosts.
+"""Build, cache and unpack the Debian root filesystems the test hosts boot, one per image.
 
-The tree is built once with debootstrap, packed as a zstd tarball under
-``/var/cache/hgxserve-testbed/`` and unpacked into the state directory as the read-only
-lower layer of every host's overlayfs.
+An image is a Debian suite (``bookworm``: Python 3.11, ``trixie``: Python 3.13). Each tree is
+built once with debootstrap, packed as a zstd tarball under ``/var/cache/hgxserve-testbed/``
+(named by suite and recipe) and unpacked into the state directory as the read-only lower layer
+of the overlayfs of every host of that image.
 
 Example::
 
-    lower = ensure_rootfs(Path("/var/lib/hgxserve-testbed"))
+    lower = ensure_rootfs(Path("/var/lib/hgxserve-testbed"), "trixie")
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pathlib import Path
 
 from testbed.util import TestbedError, say
 
-SUITE = "bookworm"
+SUITE = "bookworm"  # the default image
+# The images a test host can boot, with the Python each one ships (docs/provision.md's table).
+SUITES = {"bookworm": "3.11", "trixie": "3.13"}
 VARIANT = "minbase"
 # What a test host needs: systemd as PID 1, sshd, a Python for pyinfra facts and the simulated
 # engine, venv/pip for roles that build runtime venvs, the basic tools facts run, Debian's
@@ -78,13 +81,21 @@ d /run/hgxserve-sim/gpus 0755 root root -
 """
 
 
-def stamp() -> str:
-    """Return the version stamp of the rootfs recipe (changes when the package list changes).
+def check_suite(suite: str) -> str:
+    """Return ``suite`` when the testbed builds that image, else fail naming the ones it does."""
+    if suite not in SUITES:
+        known = ", ".join(SUITES)
+        raise TestbedError(f"unknown test-host image {suite!r}: the testbed builds {known}")
+    return suite
 
-    Example: ``stamp()`` -> ``"3f9c0a1b2d4e"``
+
+def stamp(suite: str = SUITE) -> str:
+    """Return the version stamp of a suite's rootfs recipe (changes with the package list).
+
+    Example: ``stamp("bookworm")`` -> ``"3f9c0a1b2d4e"``
     """
     recipe = {
-        "suite": SUITE,
+        "suite": suite,
         "variant": VARIANT,
         "packages": sorted(PACKAGES),
         "recipe": RECIPE_VERSION,
@@ -92,12 +103,12 @@ def stamp() -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def cache_path() -> Path:
-    """Return the path of the cached tarball for the current recipe.
+def cache_path(suite: str = SUITE) -> Path:
+    """Return the path of the cached tarball for a suite's current recipe.
 
     Example: ``/var/cache/hgxserve-testbed/rootfs-bookworm-3f9c0a1b2d4e.tar.zst``
     """
-    return CACHE_DIR / f"rootfs-{SUITE}-{stamp()}.tar.zst"
+    return CACHE_DIR / f"rootfs-{suite}-{stamp(suite)}.tar.zst"
 
 
 def _deb822_mirrors(text: str) -> list[tuple[str, list[str]]]:
@@ -134,7 +145,7 @@ def _one_line_mirrors(text: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-def apt_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
+def apt_mirror(apt_dir: Path = Path("/etc/apt"), suite: str = SUITE) -> str:
     """Return the Debian mirror this machine's apt uses for the main archive.
 
     ``HGXSERVE_TESTBED_MIRROR`` overrides it. Example: ``apt_mirror()`` -> ``"http://deb.debian.org/debian"``
@@ -154,17 +165,17 @@ def apt_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
         match = re.search(r"^VERSION_CODENAME=(\S+)", os_release.read_text(), re.M)
         release = match.group(1).strip('"') if match else ""
     # The main archive carries the bare suite name; -security and -updates archives do not.
-    for wanted in (SUITE, release):
+    for wanted in (suite, release):
         for uri, suites in sources:
             if wanted and wanted in suites:
                 return uri.rstrip("/")
     raise TestbedError(
         "no Debian mirror found in /etc/apt sources (looked for a 'deb' entry with suite "
-        f"'{SUITE}'); set HGXSERVE_TESTBED_MIRROR=http://<mirror>/debian"
+        f"'{suite}'); set HGXSERVE_TESTBED_MIRROR=http://<mirror>/debian"
     )
 
 
-def _post_install(root: Path) -> None:
+def _post_install(root: Path, suite: str) -> None:
     """Make the debootstrapped tree a template: no identity, no apt cache, sshd and journald set."""
     (root / "etc/machine-id").write_text("")
     dbus_id = root / "var/lib/dbus/machine-id"
@@ -187,39 +198,39 @@ def _post_install(root: Path) -> None:
         for link in (root / "etc/systemd/system").glob(f"*.wants/{unit}"):
             link.unlink()
     (root / "etc/hgxserve-testbed").mkdir(exist_ok=True)
-    (root / "etc/hgxserve-testbed/rootfs-stamp").write_text(stamp() + "\n")
+    (root / "etc/hgxserve-testbed/rootfs-stamp").write_text(stamp(suite) + "\n")
 
 
-def build(work_dir: Path) -> Path:
+def build(work_dir: Path, suite: str = SUITE) -> Path:
     """Run debootstrap into ``work_dir/build-<stamp>`` and pack it into the cache; return the tree.
 
-    Example: ``build(Path("/var/lib/hgxserve-testbed"))``
+    Example: ``build(Path("/var/lib/hgxserve-testbed"), "trixie")``
     """
-    mirror = apt_mirror()
-    tree = work_dir / f"build-{stamp()}"
+    mirror = apt_mirror(suite=suite)
+    tree = work_dir / f"build-{stamp(suite)}"
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
-    say(f"building the {SUITE} rootfs with debootstrap from {mirror} (about 2 minutes, once)")
+    say(f"building the {suite} rootfs with debootstrap from {mirror} (about 2 minutes, once)")
     started = time.monotonic()
     cmd = [
         "debootstrap",
         f"--variant={VARIANT}",
         "--include=" + ",".join(PACKAGES),
-        SUITE,
+        suite,
         str(tree),
         mirror,
     ]
-    log = work_dir / "debootstrap.log"
+    log = work_dir / f"debootstrap-{suite}.log"
     with log.open("wb") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
         lines = "\n  ".join(tail)
         raise TestbedError(f"debootstrap failed (log: {log}):\n  {lines}")
-    _post_install(tree)
+    _post_install(tree, suite)
     say(f"debootstrap done in {time.monotonic() - started:.0f} s; packing the cache")
-    pack(tree, cache_path())
+    pack(tree, cache_path(suite))
     return tree
 
 
@@ -288,27 +299,29 @@ def unpack(tarball: Path, target: Path) -> None:
     say(f"unpacked {tarball.name} in {time.monotonic() - started:.1f} s")
 
 
-def ensure_rootfs(work_dir: Path) -> Path:
-    """Return the unpacked lower tree for the current recipe, building or unpacking as needed.
+def ensure_rootfs(work_dir: Path, suite: str = SUITE) -> Path:
+    """Return the unpacked lower tree for a suite's recipe, building or unpacking as needed.
 
     Example: ``ensure_rootfs(Path("/var/lib/hgxserve-testbed"))`` -> ``.../rootfs/3f9c0a1b2d4e``
     """
-    lower = work_dir / "rootfs" / stamp()
+    check_suite(suite)
+    lower = work_dir / "rootfs" / stamp(suite)
     marker = lower / "etc/hgxserve-testbed/rootfs-stamp"
-    if marker.is_file() and marker.read_text().strip() == stamp():
+    if marker.is_file() and marker.read_text().strip() == stamp(suite):
         return lower
     lower.parent.mkdir(parents=True, exist_ok=True)
     # Older recipes' trees are never the lower layer of a running host (down removes hosts
-    # first), so they can go.
+    # first), so they can go; the current tree of every image stays.
+    current = {stamp(name) for name in SUITES}
     for old in lower.parent.iterdir():
-        if old.name != stamp() and not old.name.endswith(".partial"):
+        if old.name not in current and not old.name.endswith(".partial"):
             say(f"removing rootfs of an older recipe: {old}")
             shutil.rmtree(old, ignore_errors=True)
-    tarball = cache_path()
+    tarball = cache_path(suite)
     if tarball.is_file():
         unpack(tarball, lower)
         return lower
-    tree = build(work_dir)
+    tree = build(work_dir, suite)
     if lower.exists():
         shutil.rmtree(lower)
     tree.rename(lower)

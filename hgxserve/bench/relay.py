@@ -90,7 +90,7 @@ class RoundRelay:
                 elif generation:
                     self.counts.failed += 1
                 return response
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
             self.counts.failed += 1
             return web.json_response(
                 {"error": {"message": f"bench relay: {exc}", "code": 502}}, status=502

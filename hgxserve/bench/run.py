@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +147,7 @@ def run_bench(
     topo = spec.topology
     t = metrics.targets(topo, proxy_url=opts.proxy_url, engine_urls=opts.engine_urls)
     gpus = t.gpus()
-    started = datetime.now(UTC)
+    started = datetime.now(timezone.utc)
     run_id = f"{started:%Y%m%dT%H%M%SZ}-{topo.name}"
     run_dir = opts.out_root / run_id
     run_dir.mkdir(parents=True, exist_ok=False)
@@ -202,7 +202,7 @@ def run_bench(
                 misses.append({"scenario": point["scenario"], "point": point["label"], **v})
     result["verdicts"] = misses
     result["passed"] = not misses
-    result["finished"] = datetime.now(UTC).isoformat()
+    result["finished"] = datetime.now(timezone.utc).isoformat()
     _write(run_dir, result)
     return run_dir, result
 

@@ -8,7 +8,7 @@ Example:
 from __future__ import annotations
 
 import shlex
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 from pyinfra import host
 from pyinfra.api import operation
@@ -72,7 +72,7 @@ def pinned_packages(
         mtime = stamp.get("mtime") if stamp else None
         if mtime is not None:
             # File mtimes are naive UTC; read the host clock the same way (as apt.update does).
-            now = datetime.fromtimestamp(host.get_fact(Date).timestamp(), UTC)
+            now = datetime.fromtimestamp(host.get_fact(Date).timestamp(), timezone.utc)
             age = now.replace(tzinfo=None) - mtime
             fresh = age.total_seconds() < cache_time
         if not fresh:

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from hgxserve.base.compat import TIMEOUT_ERRORS
 from hgxserve.proxy.config import Endpoint, ProxyConfig
 
 log = logging.getLogger("hgxserve.proxy")
@@ -165,7 +166,7 @@ class HealthChecker:
                 await resp.read()
                 if resp.status != 200:
                     why = f"HTTP {resp.status}"
-        except TimeoutError:
+        except TIMEOUT_ERRORS:
             why = f"no answer within {self.health.timeout_s:g} s"
         except (aiohttp.ClientError, OSError) as exc:
             why = _connect_error(exc)

@@ -24,6 +24,7 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from hgxserve.base.compat import timeout
 from hgxserve.proxy.body import parse_body, request_id, strip_transfer_fields
 from hgxserve.proxy.config import Limits
 from hgxserve.proxy.metrics import Metrics
@@ -406,12 +407,12 @@ class Admission:
         if length is not None and length <= SMALL_BODY_BYTES:
             if content.is_eof():
                 return await request.read()  # already all here: no timer needed
-            async with asyncio.timeout(limits.body_timeout_s):
+            async with timeout(limits.body_timeout_s):
                 return await request.read()
         # one growing buffer: past 128 KiB it lives in its own mapping, which goes back to the
         # system when the request ends (many small chunks would fragment the heap instead)
         body = bytearray()
-        async with asyncio.timeout(limits.body_timeout_s):
+        async with timeout(limits.body_timeout_s):
             while chunk := await content.readany():
                 if len(body) + len(chunk) > limits.max_body_bytes:
                     raise web.HTTPRequestEntityTooLarge(

@@ -128,7 +128,7 @@ class Proxy:
                     body = await up.read()
                     if up.status == 200:
                         return web.Response(body=body, content_type="application/json")
-            except (TimeoutError, aiohttp.ClientError):
+            except (TimeoutError, asyncio.TimeoutError, aiohttp.ClientError):
                 self.metrics.upstream_error(inst, "connect")
         data = [{"id": self.config.served_model_name, "object": "model", "owned_by": "hgxserve"}]
         return web.json_response({"object": "list", "data": data})

@@ -36,6 +36,8 @@ from collections.abc import AsyncIterator
 from typing import cast
 from urllib.parse import urlsplit
 
+from hgxserve.base.compat import timeout
+
 MAX_HEAD_BYTES = 64 * 1024
 # stop reading from the engine while this much answer waits for a slow client
 PAUSE_BYTES = 1024 * 1024
@@ -464,7 +466,7 @@ class Upstream:
         if deadline is not None:
             limit = max(0.0, min(limit, deadline - origin.loop.time()))
         try:
-            async with asyncio.timeout(limit):
+            async with timeout(limit):
                 _, proto = await origin.loop.create_connection(
                     lambda: _Conn(origin),
                     origin.host,

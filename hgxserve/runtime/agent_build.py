@@ -1,21 +1,50 @@
 """Controller side of the host agent: a wheelhouse of hgxserve and its pinned dependencies,
-packed as one tarball named by its content, so hosts without internet can install it."""
+packed as one tarball named by its content, so hosts without internet can install it.
+
+The wheels are the host's, not the controller's: the dependencies are downloaded for the
+Python, machine and glibc the host's facts report (`pip download --only-binary=:all:`, as the
+runtime wheelhouse does), once per pyproject and platform; hgxserve's own wheel (pure Python) is
+built once per source and goes into every platform's tarball. The agent runs on the host's own
+python3, 3.10 through 3.13 (`AGENT_PYTHONS`).
+
+    >>> tarball, key = wheelhouse(HostPlatform("3.10", "x86_64", "2.35"))  # doctest: +SKIP
+"""
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from functools import cache
 from pathlib import Path
 
+from hgxserve.runtime.wheelhouse import (
+    CACHE,
+    HostPlatform,
+    download_wheels,
+    for_platform,
+    pack_wheels,
+)
+
 REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("HGXSERVE_CONTROLLER_CACHE", "/var/cache/hgxserve-controller"))
 SOURCES = ("pyproject.toml", "hgxserve", "schemas", "files")
+# The host Pythons the agent runs on (pyproject's requires-python; vermin checks the code).
+AGENT_PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+
+
+def python_problem(version: str | None) -> str | None:
+    """Why a host's python3 cannot run the agent (None when it can), as a preflight line's tail.
+
+    >>> python_problem("3.12.3") is None, python_problem("3.9")
+    (True, 'expected Python 3.10 to 3.13 for the hgxserve agent, found Python 3.9')
+    """
+    if version and ".".join(version.split(".")[:2]) in AGENT_PYTHONS:
+        return None
+    found = f"Python {version}" if version else "no python3"
+    supported = f"{AGENT_PYTHONS[0]} to {AGENT_PYTHONS[-1]}"
+    return f"expected Python {supported} for the hgxserve agent, found {found}"
 
 
 def _digest(paths: list[Path]) -> str:
@@ -46,29 +75,58 @@ def _pip_wheel(args: list[str], dest: Path) -> None:
         raise RuntimeError(f"building wheels failed:\n{proc.stderr[-2000:]}")
 
 
+__all__ = ["CACHE", "AGENT_PYTHONS", "pack_wheels", "python_problem", "wheelhouse"]
+
+
 def _runtime_requirements() -> list[str]:
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib  # novermin (3.11 and later)
+    else:  # a 3.10 controller: pip (which builds the wheelhouse) vendors tomli
+        from pip._vendor import tomli as tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     return list(project["dependencies"])
 
 
-@cache
-def wheelhouse() -> tuple[Path, str]:
-    """(tarball, digest): dependency wheels cached per pyproject.toml, hgxserve's per source."""
-    deps_dir = CACHE / "deps" / _digest([REPO / "pyproject.toml"])
+def controller_platform() -> HostPlatform:
+    """The controller's own interpreter and platform (what `wheelhouse()` builds for by default)."""
+    import platform
+
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    return HostPlatform(python, platform.machine(), platform.libc_ver()[1] or None)
+
+
+def _deps(platform: HostPlatform) -> Path:
+    """The folder of dependency wheels for `platform`, downloaded once per pyproject.toml."""
+    deps_dir = CACHE / "deps" / _digest([REPO / "pyproject.toml"]) / platform.tag()
     if not (deps_dir / ".complete").exists():
-        requirements = deps_dir.with_suffix(".txt")
-        requirements.parent.mkdir(parents=True, exist_ok=True)
-        requirements.write_text("\n".join(_runtime_requirements()) + "\n")
-        _pip_wheel(["-r", str(requirements)], deps_dir)
+        download_wheels(for_platform(_runtime_requirements(), platform), platform, deps_dir, [])
         for own in deps_dir.glob("hgxserve-*.whl"):
             own.unlink()
         (deps_dir / ".complete").touch()
+    return deps_dir
+
+
+@cache
+def wheelhouse(platform: HostPlatform | None = None) -> tuple[Path, str]:
+    """(tarball, key) of the agent for `platform` (the controller's own when None): dependency
+    wheels cached per pyproject.toml and platform, hgxserve's own per source; the key names
+    both (`<source digest>-<platform tag>`)."""
+    platform = platform or controller_platform()
+    deps_dir = _deps(platform)
     digest = _digest(source_files())
-    tarball = CACHE / f"agent-{digest}.tar"
+    key = f"{digest}-{platform.tag()}"
+    tarball = CACHE / f"agent-{key}.tar"
     if not tarball.exists():
-        own_dir = CACHE / "own" / digest
+        pack_wheels([*deps_dir.glob("*.whl"), *_own_wheel(digest)], tarball)
+    return tarball, key
+
+
+def _own_wheel(digest: str) -> list[Path]:
+    """hgxserve's own wheel for the current sources, built once (pure Python: every platform)."""
+    own_dir = CACHE / "own" / digest
+    built = sorted(own_dir.glob("hgxserve-*.whl"))
+    if not built:
         with tempfile.TemporaryDirectory(prefix="hgxserve-wheel-") as tmp:
             # build from a copy: setuptools' in-tree build/ dir is not safe to share
             src = Path(tmp) / "src"
@@ -85,18 +143,5 @@ def wheelhouse() -> tuple[Path, str]:
                 elif path.exists():
                     shutil.copy2(path, src / name)
             _pip_wheel(["--no-deps", str(src)], own_dir)
-        pack_wheels([*deps_dir.glob("*.whl"), *own_dir.glob("*.whl")], tarball)
-    return tarball, digest
-
-
-def pack_wheels(wheels: list[Path], tarball: Path) -> None:
-    """One flat, reproducible tar of `wheels` (sorted, no times or owners), written atomically
-    and streamed, so a wheelhouse of several GB never sits in memory."""
-    partial = tarball.with_suffix(".tmp")
-    with tarfile.open(partial, mode="w") as tar:
-        for wheel in sorted(wheels):
-            info = tar.gettarinfo(str(wheel), arcname=wheel.name)
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            with wheel.open("rb") as fh:
-                tar.addfile(info, fh)
-    partial.replace(tarball)
+        built = sorted(own_dir.glob("hgxserve-*.whl"))
+    return built

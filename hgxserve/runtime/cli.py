@@ -5,10 +5,9 @@ hgxserve runtime check-files /etc/hgxserve/files/t.jinja=<sha256>   # ExecStartP
 
 from __future__ import annotations
 
-import hashlib
-
 import click
 
+from hgxserve.base.compat import file_sha256
 from hgxserve.base.errors import cli_errors
 
 
@@ -32,7 +31,7 @@ def check_files(pairs: tuple[str, ...]) -> None:
             raise click.UsageError(f"{pair!r}: expected PATH=SHA256 (64 hex digits)")
         try:
             with open(path, "rb") as fh:
-                got = hashlib.file_digest(fh, "sha256").hexdigest()
+                got = file_sha256(fh)
         except OSError as exc:
             problems.append(f"{path}: {exc.strerror or exc} (the runtime stage ships it)")
             continue

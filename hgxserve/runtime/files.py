@@ -14,6 +14,7 @@ import hashlib
 import urllib.request
 from pathlib import Path
 
+from hgxserve.base.compat import file_sha256
 from hgxserve.runtime.agent_build import CACHE
 from hgxserve.topology.model import TopologyFile
 
@@ -27,7 +28,7 @@ class FileSourceError(RuntimeError):
 
 def _sha256(path: Path) -> str:
     with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+        return file_sha256(fh)
 
 
 def local_copy(spec: TopologyFile, cache: Path | None = None) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,7 +24,20 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hgxserve.runtime.agent_build import CACHE, pack_wheels
+CACHE = Path(os.environ.get("HGXSERVE_CONTROLLER_CACHE", "/var/cache/hgxserve-controller"))
+
+
+def pack_wheels(wheels: list[Path], tarball: Path) -> None:
+    """One flat, reproducible tar of `wheels` (sorted, no times or owners), written atomically
+    and streamed, so a wheelhouse of several GB never sits in memory."""
+    partial = tarball.with_suffix(".tmp")
+    with tarfile.open(partial, mode="w") as tar:
+        for wheel in sorted(wheels, key=lambda path: path.name):
+            info = tar.gettarinfo(str(wheel), arcname=wheel.name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            with wheel.open("rb") as fh:
+                tar.addfile(info, fh)
+    partial.replace(tarball)
 
 
 class WheelhouseError(RuntimeError):
@@ -61,6 +75,38 @@ class HostPlatform:
         for tag in self.platforms():
             args += ["--platform", tag]
         return args
+
+    def tag(self) -> str:
+        """A short name of the platform, for cache paths.
+
+        >>> HostPlatform("3.10", "x86_64", "2.35").tag()
+        'cp310-x86_64-glibc2.35'
+        """
+        return f"cp{self.python.replace('.', '')}-{self.machine}-glibc{self.glibc or 'unknown'}"
+
+    def markers(self) -> dict[str, str]:
+        """PEP 508 marker values of the host (pip evaluates markers for its own interpreter, even
+        under `--python-version`: `async-timeout; python_version < "3.11"` is left out for a 3.10
+        host by a 3.11 controller).
+
+        >>> HostPlatform("3.10", "x86_64", "2.35").markers()["python_full_version"]
+        '3.10.0'
+        """
+        full = f"{self.python}.0"
+        return {
+            "python_version": self.python,
+            "python_full_version": full,
+            "implementation_version": full,
+            "implementation_name": "cpython",
+            "platform_python_implementation": "CPython",
+            "platform_machine": self.machine,
+            "platform_system": "Linux",
+            "platform_release": "",
+            "platform_version": "",
+            "sys_platform": "linux",
+            "os_name": "posix",
+            "extra": "",
+        }
 
     def platforms(self) -> list[str]:
         """Platform tags, most specific first, as pip would compute them on the host itself."""
@@ -128,6 +174,81 @@ def wheelhouse_key(
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _requires(wheel: Path) -> list[str]:
+    """The `Requires-Dist` lines of a wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as whl:
+        name = next((n for n in whl.namelist() if n.endswith(".dist-info/METADATA")), None)
+        text = whl.read(name).decode(errors="replace") if name else ""
+    return [line[14:].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def missing_requirements(wheels: Path, platform: HostPlatform) -> list[str]:
+    """Requirements of the wheels in `wheels` that hold on `platform` (its markers) and that no
+    wheel there provides: what pip, evaluating markers for the controller, left out.
+
+    >>> missing_requirements(Path("/nonexistent"), HostPlatform("3.10", "x86_64", "2.35"))
+    []
+    """
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found = sorted(wheels.glob("*.whl"))
+    have = {canonicalize_name(w.name.split("-")[0]) for w in found}
+    env = platform.markers()
+    missing: set[str] = set()
+    for wheel in found:
+        for line in _requires(wheel):
+            req = Requirement(line)
+            if canonicalize_name(req.name) in have:
+                continue
+            if req.marker is None or req.marker.evaluate(env):
+                req.marker = None
+                missing.add(str(req))
+    return sorted(missing)
+
+
+def for_platform(requirements: list[str], platform: HostPlatform) -> list[str]:
+    """The requirements whose markers hold on `platform`, markers dropped (pip would judge them
+    by the controller's interpreter).
+
+    >>> for_platform(["a==1", "b==2; python_version < '3.11'"], HostPlatform("3.10", "x86_64",
+    ...     "2.35"))
+    ['a==1', 'b==2']
+    """
+    from packaging.requirements import Requirement
+
+    kept = []
+    for line in requirements:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate(platform.markers()):
+            req.marker = None
+            kept.append(str(req))
+    return kept
+
+
+def download_wheels(
+    requirements: list[str], platform: HostPlatform, dest: Path, extra: list[str]
+) -> None:
+    """`pip download` `requirements` and their dependencies for `platform` into `dest`, then the
+    dependencies that only the host's markers ask for (rounds until none is missing).
+
+    + extra: more pip arguments (the index, `-r FILE`)
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check"]
+    cmd += ["--dest", str(dest), *platform.pip_args(), *extra]
+    wanted = list(requirements)
+    for _ in range(5):
+        proc = subprocess.run([*cmd, *wanted], capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
+            raise WheelhouseError(f"pip download {' '.join(wanted or extra)} failed:\n{tail}")
+        wanted = missing_requirements(dest, platform)
+        if not wanted:
+            return
+    raise WheelhouseError(f"pip download: still missing for Python {platform.python}: {wanted}")
+
+
 def build_wheelhouse(
     requirements: tuple[str, ...],
     platform: HostPlatform,
@@ -144,17 +265,11 @@ def build_wheelhouse(
     if tarball.exists():
         return tarball, key
     wheels = root / key
-    wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check"]
-    cmd += ["--dest", str(wheels), *platform.pip_args(), *index.pip_args(), *requirements]
     started = time.monotonic()
     if log:
         print(f"runtime wheelhouse: downloading {' '.join(requirements)} for Python "
               f"{platform.python} {platform.machine}", file=sys.stderr, flush=True)  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
-        raise WheelhouseError(f"pip download {' '.join(requirements)} failed:\n{tail}")
+    download_wheels(list(requirements), platform, wheels, index.pip_args())
     files = sorted(p for p in wheels.iterdir() if p.suffix == ".whl")
     pack_wheels(files, tarball)
     if log:

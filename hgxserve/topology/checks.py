@@ -8,13 +8,13 @@ the line where the user wrote them (`ports.setting_path`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Iterator
 from typing import Any
 
 from hgxserve.base.cachelayout import ENV_SUBDIRS
+from hgxserve.base.compat import file_sha256
 from hgxserve.base.paths import CONFIG_DIR, TOPOLOGY_FILES_DIR
 from hgxserve.topology.engine_args import arg_of_flag
 from hgxserve.topology.model import Engine, Proxy, Topology, is_loopback
@@ -1089,7 +1089,7 @@ def file_source(topo: Topology) -> Iterator[Finding]:
         written = topo.raw.get("files", {}).get(name, {}).get("source", spec.source)
         try:
             with open(spec.source, "rb") as fh:
-                actual = hashlib.file_digest(fh, "sha256").hexdigest()
+                actual = file_sha256(fh)
         except OSError as exc:
             yield (
                 ("files", name, "source"),

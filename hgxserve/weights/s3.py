@@ -159,7 +159,7 @@ class Signer:
         method, query = call.method, call.query
         payload_sha256 = hashlib.sha256(call.body).hexdigest() if call.body else EMPTY_SHA256
         access_key, secret_key, token = self.credentials.get()
-        now = dt.datetime.now(dt.UTC)
+        now = dt.datetime.now(dt.timezone.utc)
         amz_date = now.strftime("%Y%m%dT%H%M%SZ")
         date = amz_date[:8]
         out = dict(call.headers)

@@ -202,6 +202,26 @@ def test_rootfs_stamp_changes_with_the_package_list(monkeypatch):
     assert rootfs.stamp() in str(rootfs.cache_path())
 
 
+def test_rootfs_per_image():
+    """Each image (Debian suite) has its own recipe stamp and cached tarball; bookworm's is the
+    default's, so adding images rebuilt nothing."""
+    assert rootfs.stamp("bookworm") == rootfs.stamp()
+    assert rootfs.stamp("trixie") != rootfs.stamp("bookworm")
+    assert rootfs.cache_path("trixie").name.startswith("rootfs-trixie-")
+    assert rootfs.SUITES == {"bookworm": "3.11", "trixie": "3.13"}
+    with pytest.raises(hosts.TestbedError, match="unknown test-host image 'sid'"):
+        rootfs.check_suite("sid")
+
+
+def test_image_per_host():
+    assert hosts._images("trixie", 2) == ["trixie", "trixie"]
+    assert hosts._images("bookworm,trixie", 2) == ["bookworm", "trixie"]
+    with pytest.raises(hosts.TestbedError, match="--image lists 2 images for 3 hosts"):
+        hosts._images("bookworm,trixie", 3)
+    with pytest.raises(hosts.TestbedError, match="unknown test-host image"):
+        hosts._images("jammy", 1)
+
+
 # ------------------------------------------------------------------ real hosts
 
 
@@ -222,7 +242,9 @@ def test_up_refuses_to_replace_hosts_another_session_uses(tmp_path, monkeypatch)
     monkeypatch.setattr(hosts, "_healthy", lambda bed: [])
     replaced: list[str] = []
     monkeypatch.setattr(hosts, "_down_locked", lambda bed: replaced.append("down"))
-    monkeypatch.setattr(hosts, "_up_locked", lambda count, kinds: replaced.append(f"up {count}"))
+    monkeypatch.setattr(
+        hosts, "_up_locked", lambda count, kinds, images: replaced.append(f"up {count}")
+    )
     other = subprocess.Popen(["sleep", "30"])
     try:
         hosts.take_lease(other.pid)

@@ -279,6 +279,10 @@ def _fact_table(facts: dict, model_path: str) -> dict:
     table.setdefault(names["kernel_module"], {"loaded": None})
     table.setdefault(names["os"], {"ID": "debian"})
     table.setdefault(names["held_packages"], [])
+    table.setdefault(
+        "hgxserve.facts.runtime.HostPython",
+        facts.get("python", {"version": "3.11", "machine": "x86_64", "glibc": "2.36"}),
+    )
     return table
 
 
@@ -305,6 +309,25 @@ def test_preflight_role_raises_before_any_operation(capture):
         )
         == []
     )
+
+
+def test_a_python_the_agent_cannot_run_on_is_one_line(capture):
+    """The agent is a venv of the host's python3, 3.10 to 3.13: outside, preflight names it."""
+    harness = _harness()
+    from roles.preflight import preflight
+
+    facts = healthy_facts(capture)
+    facts["python"] = {"version": "3.9", "machine": "x86_64", "glibc": "2.31"}
+    with pytest.raises(Exception) as raised:
+        harness.run_deploy(preflight, {"expect": H200}, _fact_table(facts, H200.model_path))
+    assert str(raised.value) == (
+        "preflight failed on h200-a (1 problem):\n"
+        "  h200-a: python3: expected Python 3.10 to 3.13 for the hgxserve agent, found Python 3.9"
+    )
+    for version in ("3.10", "3.12", "3.13"):
+        facts["python"] = {"version": version, "machine": "x86_64", "glibc": "2.35"}
+        table = _fact_table(facts, H200.model_path)
+        assert harness.run_deploy(preflight, {"expect": H200}, table) == []
 
 
 def test_role_sizes_the_disk_check_from_the_manifest_on_the_host(capture):
