@@ -274,8 +274,8 @@ def _bench_need(topo: Topology, engine: Engine, bench: list[BenchShape]) -> list
 
 
 def topology_needs(topo: Topology, bench: list[BenchShape]) -> dict[str, KvNeed]:
-    """Engine name -> its largest shape's KV need and the fit estimate (engines without a
-    warm-up or bench shape are left out)."""
+    """Engine name -> its largest shape's KV need (0 without a warm-up or bench shape that
+    reaches it) and the fit estimate."""
     try:
         _, fits = topology_fit(topo)
     except (HgxserveError, ValueError):  # a broken model config: no estimate to compare
@@ -283,9 +283,7 @@ def topology_needs(topo: Topology, bench: list[BenchShape]) -> dict[str, KvNeed]
     needs = {}
     for engine in topo.engines.values():
         shapes = _warmup_need(topo, engine) + _bench_need(topo, engine, bench)
-        if not shapes:
-            continue
-        tokens, shape = max(shapes)
+        tokens, shape = max(shapes) if shapes else (0, "no warm-up or bench shape")
         fit = fits.get(engine.name)
         needs[engine.name] = KvNeed(
             engine.name, tokens, shape, max(1, engine.dp), fit.kv_tokens if fit else None
@@ -321,6 +319,51 @@ def kv_needs_by_host(
     topology's scenarios at their highest concurrency: hgxserve.bench.scenario.kv_shapes)."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, need in topology_needs(topo, bench).items():
+        if not need.need_tokens:
+            continue  # no shape reaches it: nothing to hold
         engine = topo.engines[name]
         out.setdefault(engine.head, {})[unit_name(name)] = asdict(need)
     return out
+
+
+# -- for `plan`: the last release's numbers against this topology ----------------------------
+
+
+def observed_from(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Unit -> its record, from a `hgxserve status --json` report (each unit's `observed`), a
+    bench `run.json` (`engines_observed`) or one host's `hgxserve release status` (`observed`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for view in (doc.get("hosts") or {}).values():
+        for unit in ((view or {}).get("snapshot") or {}).get("units") or []:
+            if unit.get("observed"):
+                out[unit["name"]] = unit["observed"]
+    for records in (doc.get("engines_observed") or {}).values():
+        out.update(records)
+    out.update(doc.get("observed") or {})
+    return out
+
+
+def last_release(
+    topo: Topology, doc: dict[str, Any], bench: list[BenchShape]
+) -> dict[str, dict[str, Any]]:
+    """Engine -> what it reported in the release `doc` records (start time, KV capacity),
+    checked against this topology's needs and fit estimate (the next run's)."""
+    records = observed_from(doc)
+    out = {}
+    for name, need in topology_needs(topo, bench).items():
+        entry = records.get(unit_name(name))
+        if entry is None:
+            continue
+        _, fields = kv_check(unit_name(name), entry, need)
+        out[name] = {**{k: entry.get(k) for k in ("start_s", "kv_tokens", "kv_source")}, **fields}
+    return out
+
+
+def last_release_lines(source: str, engines: dict[str, dict[str, Any]]) -> list[str]:
+    """`plan`'s text for `last_release`: one line per engine."""
+    lines = ["", f"last release ({source}): start time and KV capacity against this topology"]
+    if not engines:
+        lines.append("  no engine of this topology in it")
+    for name, entry in engines.items():
+        lines.append(f"  {name}: started in {entry.get('start_s')}s; {entry['kv_message']}")
+    return lines

@@ -11,6 +11,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -496,6 +497,33 @@ def _fit_terms_text(est: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _last_release(topo: Topology, path: str) -> dict[str, Any]:
+    """The engines' numbers kept by the last release (docs/releases.md "The engines' own
+    numbers"), checked against this topology's shapes and fit estimate."""
+    from hgxserve.bench.scenario import kv_shapes
+    from hgxserve.release.kvcap import last_release
+
+    doc = json.loads(Path(path).read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not a status report, bench run or release status")
+    return {"from": path, "engines": last_release(topo, doc, kv_shapes(topo.source_file))}
+
+
+def _echo_plan(data: dict[str, Any], warnings: Sequence[Any], fmt: str) -> None:
+    """The plan as JSON, or as text (warnings on stderr, then the last release's numbers)."""
+    if fmt == "json":
+        click.echo(json.dumps(data, indent=2))
+        return
+    for problem in warnings:
+        click.echo(problem.text(), err=True)
+    click.echo("\n".join(_plan_text(data)))
+    last = data.get("last_release")
+    if last is not None:
+        from hgxserve.release.kvcap import last_release_lines
+
+        click.echo("\n".join(last_release_lines(last["from"], last["engines"])))
+
+
 @click.command("plan")
 @click.argument("file", type=click.Path(dir_okay=False))
 @FORMAT
@@ -505,7 +533,14 @@ def _fit_terms_text(est: dict[str, Any]) -> list[str]:
     type=click.Path(dir_okay=False),
     help="Also write a Graphviz diagram: out.dot, out.svg or out.png (svg/png need graphviz).",
 )
-def plan(file: str, fmt: str, diagram_out: str | None) -> None:
+@click.option(
+    "--last",
+    "last_file",
+    type=click.Path(dir_okay=False, exists=True),
+    help="The last release's record (a `status --json` report, a bench run.json or a host's "
+    "`release status`): show each engine's start time and KV capacity against this topology.",
+)
+def plan(file: str, fmt: str, diagram_out: str | None, last_file: str | None) -> None:
     """Show per host the GPU map, listeners, engine commands and the P/D wiring.
 
     \b
@@ -529,12 +564,9 @@ def plan(file: str, fmt: str, diagram_out: str | None) -> None:
     try:
         data = build_plan(topo)
         data["warnings"] = [p.to_json() for p in result.warnings]
-        if fmt == "json":
-            click.echo(json.dumps(data, indent=2))
-        else:
-            for problem in result.warnings:
-                click.echo(problem.text(), err=True)
-            click.echo("\n".join(_plan_text(data)))
+        if last_file:
+            data["last_release"] = _last_release(topo, last_file)
+        _echo_plan(data, result.warnings, fmt)
         if diagram_out:
             from hgxserve.topology.diagram import topology_dot, write_diagram
 

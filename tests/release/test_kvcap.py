@@ -287,3 +287,39 @@ def test_no_bench_scenarios_means_no_bench_shapes(tmp_path: Path) -> None:
     copy = tmp_path / "pd.yml"
     copy.write_text(PD.read_text())
     assert kv_shapes(copy) == [] and kv_shapes(None) == []
+
+
+def test_plan_shows_the_last_release_numbers_against_this_topology(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hgxserve.topology.cli import plan
+
+    decode = {"start_s": 41.2, "kv_tokens": 512, "kv_source": "metrics"}
+    prefill = {"start_s": 30.0, "kv_tokens": 2048, "kv_source": "log"}
+    report = {  # a `status --json` report, and the same record as a bench run.json keeps it
+        "hosts": {
+            "hgx-b": {"snapshot": {"units": [{"name": "hgxserve-decode-0.service",
+                                              "observed": decode}]}},
+            "hgx-a": {"snapshot": {"units": [{"name": "hgxserve-proxy.service"}]}},
+        },
+        "engines_observed": {"hgx-a": {"hgxserve-prefill-0.service": prefill}},
+    }  # fmt: skip
+    last = tmp_path / "status.json"
+    last.write_text(json.dumps(report))
+    text = CliRunner().invoke(plan, [str(PD), "--last", str(last)])
+    assert text.exit_code == 0, text.output
+    assert f"last release ({last}): start time and KV capacity against this topology" in text.output
+    assert (
+        "  decode-0: started in 41.2s; decode-0 (hgxserve-decode-0.service) holds 512 KV tokens "
+        "(1 DP rank, from its metrics), below the 1,088 its largest shape needs (bench pd-long "
+        "c4: 4 x (240+32))"
+    ) in text.output
+    assert "  prefill-0: started in 30.0s; prefill-0 (hgxserve-prefill-0.service) holds 2,048" in (
+        text.output
+    )
+    data = json.loads(
+        CliRunner().invoke(plan, [str(PD), "--last", str(last), "--format", "json"]).output
+    )
+    engines = data["last_release"]["engines"]
+    assert set(engines) == {"decode-0", "prefill-0"}
+    assert engines["decode-0"]["kv_verdict"] == "short" and engines["decode-0"]["start_s"] == 41.2
