@@ -1,5 +1,6 @@
-"""Provision stage: driver, Fabric Manager, RDMA/UCX + peermem, /dev/shm, memlock, sysctl, and
-the host Python's venv package (python3.X-venv, for the agent and the engine runtimes).
+"""Provision stage: driver (and the nvidia module's IBGDA options where DeepEP spans hosts),
+Fabric Manager, RDMA/UCX + peermem, /dev/shm, memlock, sysctl, and the host Python's venv
+package (python3.X-venv, for the agent and the engine runtimes).
 
     pyinfra inventory/lab.py deploys/provision.py --data topology=topologies/h200-dsv32-tp8.yml
 
@@ -23,7 +24,8 @@ from roles.rdma import rdma
 
 plan = provision_plan(host)
 preflight(plan=plan.preflight)
-nvidia_driver(version=plan.driver_version, branch=plan.driver_branch, source=plan.apt_source)
+# ibgda: DeepEP across hosts needs the nvidia module's IBGDA options (applied at reboot)
+nvidia_driver(version=plan.driver_version, source=plan.apt_source, ibgda=plan.ibgda)
 if plan.fabric_manager:
     fabric_manager(version=plan.driver_version, require_nvswitch=plan.require_nvswitch)
 if plan.rdma:

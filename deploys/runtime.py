@@ -16,6 +16,10 @@ mirror; `image_archive_prefix=s3://bucket/prefix/` loads `<prefix>/sha256-<hex>.
 `image_s3_env_file`, `image_s3_addressing` override it). See docs/runtime.md; every key:
 `hgxserve deploy-data` (docs/deploy-data.md).
 
+`runtime.wheels` (kernels built in-house) come from the weights' S3 (`url`, fetched by the agent)
+or from the controller (`file`), each checked against its sha256 before `pip install --no-deps
+--no-index`.
+
 The topology's `files:` (chat templates, tool-parser plugins, configs) go to
 /etc/hgxserve/files/<name> on every host that runs an engine, checked against their sha256.
 """
@@ -29,10 +33,10 @@ from roles.engine_files import engine_files
 from roles.runtime import runtime_venv
 
 plan = runtime_plan(host)
+if plan.agent:
+    agent()  # it fetches and checks image archives and runtime.wheels urls (`hgxserve runtime`)
 for venv in plan.venvs:
     runtime_venv(plan=venv)
-if plan.image_agent:
-    agent()  # image archives are fetched and verified by the agent (`hgxserve runtime fetch-image`)
 for image in plan.images:
     container_runtime(plan=image)
 if plan.files:

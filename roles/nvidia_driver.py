@@ -15,6 +15,11 @@ branch, and `cuda-drivers-<branch>` depends on `>=` versions), and the packages 
 The role never reboots: when the loaded module differs from the installed one it says
 "reboot required".
 
+With `ibgda=True` (a host whose engine runs DeepEP across hosts) it writes the nvidia module
+options IBGDA needs to /etc/modprobe.d/hgxserve-nvidia-ibgda.conf (and removes them when not
+asked for); a change rebuilds the initramfs and says "reboot required", since the
+options are read when the module loads.
+
 Example:
     from roles.nvidia_driver import nvidia_driver
     nvidia_driver(branch="570", version="570.158.01")
@@ -27,7 +32,7 @@ from pathlib import Path
 
 from pyinfra import host, logger
 from pyinfra.api import DeployError, deploy
-from pyinfra.operations import apt, files, python, systemd
+from pyinfra.operations import apt, files, python, server, systemd
 
 import hgxserve
 from hgxserve.facts.gpu import NvidiaKernelModule
@@ -38,6 +43,7 @@ from hgxserve.topology.cuda import DRIVER_BRANCH, DRIVER_VERSION
 NVIDIA_SOURCE_FILE = "/etc/apt/sources.list.d/hgxserve-nvidia.list"
 NVIDIA_PIN_FILE = "/etc/apt/preferences.d/hgxserve-nvidia"
 NVIDIA_KEYRING = "/etc/apt/keyrings/nvidia-cuda.asc"
+IBGDA_CONF = "/etc/modprobe.d/hgxserve-nvidia-ibgda.conf"
 CUDA_REPO = "https://developer.download.nvidia.com/compute/cuda/repos/{distro}/x86_64/"
 # NVIDIA's CUDA repository signing key since the 2022 rotation.
 CUDA_REPO_KEY = CUDA_REPO + "3bf863cc.pub"
@@ -108,24 +114,27 @@ def apt_source(source_line: str, path: str, keyring_url: str | None = None):
 
 
 @deploy("Install the NVIDIA driver")
-def nvidia_driver(
-    branch: str = DRIVER_BRANCH,
+def nvidia_driver(  # noqa: PLR0913 - a deploy: one keyword per option of the provision plan
+    branch: str | None = None,
     version: str = DRIVER_VERSION,
     source: str | None = None,
     persistence: bool = True,
     cache_time: int = APT_CACHE_SECONDS,
+    ibgda: bool = False,
 ) -> None:
     """Install the driver at `version` from NVIDIA's CUDA repository and enable persistence.
 
-    + branch: driver branch (`570`); must be the first part of `version`
+    + branch: driver branch (`570`); must be the first part of `version` (default: that part)
     + version: exact upstream driver version (`570.158.01`)
     + source: apt source line to use instead of NVIDIA's repository (a local mirror)
     + persistence: enable and start nvidia-persistenced
     + cache_time: seconds the apt lists count as fresh
+    + ibgda: set the nvidia module options IBGDA needs (DeepEP across hosts); remove them if not
 
     Example:
         nvidia_driver(version="570.158.01", source="deb [trusted=yes] file:/srv/repo ./")
     """
+    branch = branch or version.split(".")[0]
     if version.split(".")[0] != branch:
         raise DeployError(f"{host.name}: driver version {version} is not on branch {branch}")
     os_release = host.get_fact(OsRelease)
@@ -173,6 +182,7 @@ def nvidia_driver(
             ),
             _if=install.did_change,
         )
+    _ibgda_options(ibgda)
     if persistence:
         systemd.service(
             name="Enable the NVIDIA persistence daemon",
@@ -180,3 +190,33 @@ def nvidia_driver(
             running=True,
             enabled=True,
         )
+
+
+def _ibgda_options(enabled: bool) -> None:
+    """Write (or remove) the nvidia module options IBGDA needs; a change rebuilds the initramfs
+    and says "reboot required" (the module reads them when it loads)."""
+    if enabled:
+        conf = files.put(
+            name="Set the nvidia module options for IBGDA (DeepEP across hosts)",
+            src=str(TEMPLATES / "modprobe-nvidia-ibgda.conf"),
+            dest=IBGDA_CONF,
+            mode="644",
+        )
+    else:
+        conf = files.file(
+            name="No IBGDA module options (no DeepEP across hosts)",
+            path=IBGDA_CONF,
+            present=False,
+        )
+    server.shell(
+        name="Rebuild the initramfs with the nvidia module options",
+        commands=["update-initramfs -u"],
+        _if=conf.did_change,
+    )
+    python.call(
+        name="Report that the nvidia module options need a reboot",
+        function=_warn_reboot,
+        message=f"reboot required: the nvidia module options in {IBGDA_CONF} changed "
+        "(IBGDA for DeepEP); they apply when the module loads",
+        _if=conf.did_change,
+    )

@@ -17,10 +17,10 @@ import urllib.parse
 
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
-from pyinfra.operations import server
+from pyinfra.operations import files, server
 
-from hgxserve.base.paths import RUNTIME_STAGING
-from hgxserve.deploy.plans import VenvPlan
+from hgxserve.base.paths import AGENT, RUNTIME_STAGING
+from hgxserve.deploy.plans import VenvPlan, WheelS3
 from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
 from hgxserve.operations.wheelhouse import push_wheelhouse
 from hgxserve.runtime.checks import cuda_line
@@ -39,6 +39,13 @@ def installed_requirements(state: dict[str, object]) -> set[str]:
     return {str(r) for r in reqs} if isinstance(reqs, list) else set()
 
 
+def installed_wheels(state: dict[str, object]) -> set[str]:
+    """The sha256 of the wheels the runtime stage recorded in the venv's marker."""
+    marker = state.get("marker")
+    wheels = marker.get("wheels") if isinstance(marker, dict) else None
+    return {str(w) for w in wheels} if isinstance(wheels, list) else set()
+
+
 def runtime_current(spec: VenvRuntime, state: dict[str, object]) -> bool:
     """Whether the venv already holds `spec`: every pin recorded as installed (a venv shared by
     a baseline and a P/D topology holds both sets), the engine version, every import."""
@@ -47,6 +54,7 @@ def runtime_current(spec: VenvRuntime, state: dict[str, object]) -> bool:
     imports = state.get("imports")
     return (
         set(spec.requirements) <= installed_requirements(state)
+        and {w.sha256 for w in spec.wheels} <= installed_wheels(state)
         and spec.version is not None
         and version_matches(spec.version, state.get("engine_version"))  # type: ignore[arg-type]
         and isinstance(imports, dict)
@@ -106,6 +114,10 @@ def runtime_venv(
         install += ["--no-index", "--find-links", pushed.path]
         cleanup = [pushed.cleanup]
     commands.append(_quote(*install, *spec.requirements))
+    if spec.wheels:
+        wheel_commands, cleanup_wheels = _wheels(plan, staging)
+        commands += wheel_commands
+        cleanup = [*cleanup, cleanup_wheels]
     if spec.imports:
         check = "; ".join(f"import {m}" for m in spec.imports)
         commands.append(_quote(py, "-c", check))
@@ -113,7 +125,11 @@ def runtime_venv(
     names = {parse_pin(r)[0].lower() for r in spec.requirements}
     earlier = {r for r in installed_requirements(state) if parse_pin(r)[0].lower() not in names}
     held = sorted(earlier | set(spec.requirements))
-    marker = json.dumps({"requirements": held, "source": source}, sort_keys=True)
+    record: dict[str, object] = {"requirements": held, "source": source}
+    wheels = sorted(installed_wheels(state) | {w.sha256 for w in spec.wheels})
+    if wheels:
+        record["wheels"] = wheels
+    marker = json.dumps(record, sort_keys=True)
     commands.append(
         f"printf '%s\\n' {shlex.quote(marker)} > {shlex.quote(spec.marker + '.tmp')} && "
         f"mv {shlex.quote(spec.marker + '.tmp')} {shlex.quote(spec.marker)}"
@@ -123,3 +139,36 @@ def runtime_venv(
         name=f"Install {' '.join(spec.requirements)} into {spec.venv} from {source}",
         commands=commands,
     )
+
+
+def _wheels(plan: VenvPlan, staging: str) -> tuple[list[str], str]:
+    """Commands that bring `plan.spec.wheels` to `staging`/wheels (the agent fetches s3://
+    urls; files are pushed now), check each sha256, and install them --no-deps --no-index."""
+    spec, s3 = plan.spec, plan.s3 or WheelS3()
+    where = f"{staging.rstrip('/')}/wheels"
+    commands, paths = [f"mkdir -p {shlex.quote(where)}"], []
+    for wheel in spec.wheels:
+        dest = f"{where}/{wheel.filename}"
+        paths.append(dest)
+        if wheel.url:
+            fetch = [AGENT, "runtime", "fetch-wheel", wheel.url, wheel.sha256, "--out", dest]
+            if s3.env_file:
+                fetch += ["--env-file", s3.env_file]
+            if s3.endpoint:
+                fetch += ["--endpoint-url", s3.endpoint]
+            commands.append(shlex.join([*fetch, "--addressing", s3.addressing]))
+        else:
+            files.put(
+                name=f"Push wheel {wheel.filename} for {spec.venv}",
+                src=str(wheel.path),
+                dest=dest,
+                mode="644",
+                create_remote_dir=True,
+            )
+        commands.append(f"echo {shlex.quote(wheel.sha256 + '  ' + dest)} | sha256sum -c --quiet")
+    pip = f"{spec.venv.rstrip('/')}/bin/pip"
+    commands.append(
+        _quote(pip, "install", "-q", "--disable-pip-version-check", "--no-cache-dir",
+               "--no-deps", "--no-index", *paths)
+    )  # fmt: skip
+    return commands, f"rm -rf {shlex.quote(where)}"

@@ -59,6 +59,7 @@ from hgxserve.runtime.wheelhouse import (
     build_wheelhouse,
 )
 from hgxserve.topology import Topology, TopologyError, load_topology
+from hgxserve.topology.kernels import deepep_across_hosts
 from hgxserve.topology.model import Host as TopologyHost
 from hgxserve.topology.model import Model, S3Source, TopologyFile
 from hgxserve.topology.placement import pin_digest
@@ -184,6 +185,7 @@ class ProvisionPlan:
     load_now: bool
     remount_shm: bool
     shm: int | None  # the topology's /dev/shm size (None: the role's default)
+    ibgda: bool = False  # an engine here runs DeepEP across hosts: the nvidia IBGDA options
 
 
 def provision_plan(host: Host) -> ProvisionPlan:
@@ -202,6 +204,7 @@ def provision_plan(host: Host) -> ProvisionPlan:
         load_now=data.get("load_now"),
         remount_shm=data.get("remount_shm"),
         shm=spec.shm,
+        ibgda=bool(deepep_across_hosts(topology, host.name)),
     )
 
 
@@ -214,6 +217,28 @@ class VenvPlan:
     wheelhouse: Callable[[], tuple[Path, str]]  # built on the controller when the role needs it
     index_url: str | None  # `runtime_source=index`: the hosts install from this mirror
     planned_driver: str | None  # the driver a provision stage of this run installs
+    s3: WheelS3 | None = None  # where `runtime.wheels` with an s3:// url come from
+
+
+@dataclass(frozen=True)
+class WheelS3:
+    """The S3 the agent fetches `runtime.wheels` urls from: the weights' (as image archives)."""
+
+    env_file: str | None = None
+    endpoint: str | None = None
+    addressing: str = "auto"
+
+
+def _wheel_s3(topology: Topology) -> WheelS3:
+    weights_s3 = topology.model.source if isinstance(topology.model.source, S3Source) else None
+    if weights_s3 is None:
+        return WheelS3()
+    creds = weights_s3.credentials
+    return WheelS3(
+        env_file=creds[1] if creds and creds[0] == "env_file" else None,
+        endpoint=weights_s3.endpoint,
+        addressing=weights_s3.addressing,
+    )
 
 
 @dataclass(frozen=True)
@@ -231,7 +256,7 @@ class ImagePlan:
 class RuntimePlan:
     venvs: tuple[VenvPlan, ...]
     images: tuple[ImagePlan, ...]
-    image_agent: bool  # image archives are fetched and verified by the agent
+    agent: bool  # image archives / `runtime.wheels` urls are fetched and checked by the agent
     files: tuple[tuple[TopologyFile, Path], ...]
 
 
@@ -319,9 +344,13 @@ def runtime_plan(host: Host) -> RuntimePlan:
     images = _images(topology, host, data)
     driver = _planned_driver(host, data)
     return RuntimePlan(
-        venvs=_venvs(host, specs, index, host_index_url, driver),
+        venvs=tuple(
+            replace(v, s3=_wheel_s3(topology))
+            for v in _venvs(host, specs, index, host_index_url, driver)
+        ),
         images=images,
-        image_agent=bool(images) and data.given("image_archive_prefix"),
+        agent=(bool(images) and data.given("image_archive_prefix"))
+        or any(w.url for s in specs for w in s.wheels),
         files=_files(topology, host),
     )
 

@@ -94,6 +94,50 @@ def fetch_image(  # noqa: PLR0913 - a click command: one parameter per option
     click.echo(f"{dest}: {size} bytes from {url}, holds {digest}")
 
 
+@runtime.command("fetch-wheel")
+@click.argument("url")
+@click.argument("sha256")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Wheel path.")
+@click.option("--env-file", help="KEY=VALUE file with the S3 credentials (0600).")
+@click.option("--endpoint-url", help="S3 endpoint (default: the AWS settings).")
+@click.option("--addressing", default="auto", type=click.Choice(["auto", "path", "virtual"]))
+@cli_errors
+def fetch_wheel(  # noqa: PLR0913 - a click command: one parameter per option
+    url: str, sha256: str, out: str, env_file: str | None, endpoint_url: str | None, addressing: str
+) -> None:
+    """Download a wheel (`runtime.wheels[].url`) from S3 and check its SHA256.
+
+    Nothing is left at --out unless the file has the pinned sha256; one already there with it
+    is not downloaded again.
+
+    \b
+    hgxserve runtime fetch-wheel s3://wheels/deep_ep-1.2.1-cp312-cp312-linux_x86_64.whl \\
+        <sha256> --out /var/tmp/hgxserve-runtime/wheels/deep_ep-1.2.1-....whl
+    """
+    from pathlib import Path
+
+    from hgxserve.runtime.images import fetch_archive
+    from hgxserve.weights.credentials import apply_env_file
+
+    dest = Path(out)
+    if dest.is_file():
+        with open(dest, "rb") as fh:
+            if file_sha256(fh) == sha256:
+                click.echo(f"{dest}: already holds sha256 {sha256}")
+                return
+        dest.unlink()
+    apply_env_file(env_file)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fetch_archive(url, dest, endpoint_url=endpoint_url, region=None, addressing=addressing)
+    with open(dest, "rb") as fh:
+        got = file_sha256(fh)
+    if got != sha256:
+        dest.unlink(missing_ok=True)
+        click.echo(f"{url}: sha256 {got}, the topology pins {sha256}", err=True)
+        raise SystemExit(1)
+    click.echo(f"{dest}: from {url}, sha256 {sha256}")
+
+
 @runtime.command("verify-image")
 @click.argument("archive", type=click.Path(exists=True, dir_okay=False))
 @click.argument("digest")

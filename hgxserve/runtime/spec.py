@@ -3,7 +3,9 @@
 One `VenvRuntime` per venv path on a host: the engine distribution pinned at the topology's
 `version`, the extras its engines' P/D transfer needs (NIXL for vLLM's NixlConnector and for
 SGLang's `nixl` backend, Mooncake's transfer engine for `mooncake`), any `runtime.packages` the
-topology adds, and the modules that must import. Versions of the extras are pinned here, once.
+topology adds, the sha256-pinned `runtime.wheels` (kernels built in-house), and the modules that
+must import (the extras' and the kernels hgxserve.topology.kernels says the engine needs).
+Versions of the extras are pinned here, once.
 
     >>> spec = VenvRuntime("/opt/vllm-0.26", "vllm", "0.26.0", ("nixl==1.5.1",), ("nixl._api",))
     >>> spec.requirements
@@ -13,11 +15,13 @@ topology adds, and the modules that must import. Versions of the extras are pinn
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass, field
 
 from hgxserve.base.paths import RUNTIME_MARKER
-from hgxserve.topology.model import Engine, Topology
+from hgxserve.topology.kernels import kernel_imports
+from hgxserve.topology.model import Engine, RuntimeWheel, Topology
 
 # The distribution each engine is installed as.
 ENGINE_DIST = {"vllm": "vllm", "sglang": "sglang"}
@@ -42,6 +46,29 @@ class RuntimeSpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class WheelFile:
+    """One `runtime.wheels` entry: from S3 (`url`) or the controller (`path`, resolved)."""
+
+    sha256: str
+    filename: str
+    url: str | None = None
+    path: str | None = None
+
+
+def wheel_file(wheel: RuntimeWheel, source_file: str = "") -> WheelFile:
+    """The entry with its `file` resolved against the topology's folder.
+
+    >>> wheel_file(RuntimeWheel("ab" * 32, file="w/x-1-py3-none-any.whl"), "/t/a.yml").path
+    '/t/w/x-1-py3-none-any.whl'
+    """
+    path = None
+    if wheel.file is not None:
+        base = os.path.dirname(os.path.abspath(source_file)) if source_file else os.getcwd()
+        path = os.path.join(base, wheel.file)
+    return WheelFile(wheel.sha256, wheel.filename, url=wheel.url, path=path)
+
+
+@dataclass(frozen=True)
 class VenvRuntime:
     """One venv on one host: the engine at its version plus extras that must import."""
 
@@ -52,6 +79,7 @@ class VenvRuntime:
     imports: tuple[str, ...] = ()
     why: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     cuda: str | None = None  # the topology's runtime.cuda, when it declares one
+    wheels: tuple[WheelFile, ...] = ()  # installed after the requirements, --no-deps --no-index
 
     @property
     def dist(self) -> str:
@@ -66,8 +94,10 @@ class VenvRuntime:
 
     @property
     def digest(self) -> str:
-        """Names the venv's content: changes exactly when its requirements change."""
+        """Names the venv's content: changes exactly when its requirements or wheels change."""
         text = "\n".join(sorted(self.requirements)) + "\n"
+        if self.wheels:
+            text += "".join(f"{w.sha256}\n" for w in sorted(self.wheels, key=lambda w: w.sha256))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
@@ -113,6 +143,17 @@ def _engine_extras(engine: Engine, topo: Topology) -> list[tuple[tuple[str, str]
     return extras
 
 
+def _add_wheels(entry: dict[str, object], engine: Engine, topo: Topology) -> None:
+    """Record the engine's `runtime.wheels` in the venv's entry, and their dists' kernels."""
+    wheels: dict[str, WheelFile] = entry["wheels"]  # type: ignore[assignment]
+    why: dict[str, str] = entry["why"]  # type: ignore[assignment]
+    assert engine.runtime is not None
+    for wheel in engine.runtime.wheels:
+        wheels[wheel.sha256] = wheel_file(wheel, topo.source_file)
+    for module, reason in kernel_imports(topo, engine):
+        why.setdefault(module, reason)
+
+
 def venv_runtimes(topo: Topology, host: str, require_version: bool = True) -> list[VenvRuntime]:
     """The venv runtimes `host` needs for its engines, one per venv path (sorted).
 
@@ -135,7 +176,7 @@ def venv_runtimes(topo: Topology, host: str, require_version: bool = True) -> li
         entry = by_venv.setdefault(
             runtime.venv,
             {"engine": engine.engine, "version": engine.version, "by": engine.name,
-             "extras": {}, "why": {}, "cuda": runtime.cuda},
+             "extras": {}, "why": {}, "cuda": runtime.cuda, "wheels": {}},
         )  # fmt: skip
         if (entry["engine"], entry["version"]) != (engine.engine, engine.version):
             problems.append(
@@ -149,6 +190,7 @@ def venv_runtimes(topo: Topology, host: str, require_version: bool = True) -> li
         for (pin, module), reason in _engine_extras(engine, topo):
             extras[parse_pin(pin)[0].lower()] = pin
             why.setdefault(module, reason)
+        _add_wheels(entry, engine, topo)
         for pin in runtime.packages:
             name, _ = parse_pin(pin)
             if name.lower() == ENGINE_DIST[engine.engine]:
@@ -164,6 +206,7 @@ def venv_runtimes(topo: Topology, host: str, require_version: bool = True) -> li
     for venv, entry in sorted(by_venv.items()):
         extras = entry["extras"]  # type: ignore[assignment]
         why = entry["why"]  # type: ignore[assignment]
+        wheels: dict[str, WheelFile] = entry["wheels"]  # type: ignore[assignment]
         out.append(
             VenvRuntime(
                 venv=venv,
@@ -173,6 +216,7 @@ def venv_runtimes(topo: Topology, host: str, require_version: bool = True) -> li
                 imports=tuple(sorted(why)),
                 why=dict(why),
                 cuda=str(entry["cuda"]) if entry["cuda"] else None,
+                wheels=tuple(wheels[k] for k in sorted(wheels)),
             )
         )
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -143,6 +144,46 @@ class Model:
     digest: str | None = None  # pinned manifest digest (sha256:...)
 
 
+# A wheel's file name: distribution, version, optional build tag, python, abi, platform.
+_WHEEL_NAME = re.compile(
+    r"^([A-Za-z0-9][A-Za-z0-9._]*)-([A-Za-z0-9.+!_]+)(-[^-]+)?-[^-]+-[^-]+-[^-]+\.whl$"
+)
+
+
+def normalize_dist(name: str) -> str:
+    """A distribution name as PEP 503 compares them.
+
+    >>> normalize_dist("Deep_GEMM")
+    'deep-gemm'
+    """
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class RuntimeWheel:
+    """`runtime.wheels[]`: one wheel file pinned by sha256, from the weights' S3 (`url`) or
+    from the controller (`file`, resolved against the topology's folder when installing)."""
+
+    sha256: str
+    url: str | None = None  # s3://bucket/key.whl
+    file: str | None = None  # as written in the topology
+
+    @property
+    def filename(self) -> str:
+        return str(self.url or self.file).rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def dist(self) -> str:
+        """The wheel's distribution name, normalised (`deep-ep` for deep_ep-1.2.1-...whl)."""
+        match = _WHEEL_NAME.match(self.filename)
+        return normalize_dist(match.group(1)) if match else ""
+
+    @property
+    def version(self) -> str:
+        match = _WHEEL_NAME.match(self.filename)
+        return match.group(2) if match else ""
+
+
 @dataclass(frozen=True)
 class Runtime:
     venv: str | None = None
@@ -150,6 +191,12 @@ class Runtime:
     tool: ContainerTool | None = None
     cuda: str | None = None  # CUDA version the runtime was built for
     packages: tuple[str, ...] = ()
+    wheels: tuple[RuntimeWheel, ...] = ()
+
+    def provides(self) -> set[str]:
+        """Normalised distribution names `packages` and `wheels` put into the venv."""
+        names = {normalize_dist(p.split("==", 1)[0]) for p in self.packages}
+        return names | {w.dist for w in self.wheels}
 
     @property
     def is_container(self) -> bool:
@@ -484,6 +531,10 @@ def _runtime(data: dict[str, Any] | None) -> Runtime | None:
             venv=data["venv"],
             cuda=data.get("cuda"),
             packages=tuple(data.get("packages", ())),
+            wheels=tuple(
+                RuntimeWheel(w["sha256"], url=w.get("url"), file=w.get("file"))
+                for w in data.get("wheels", ())
+            ),
         )
     return Runtime(
         image=data["image"], tool=_get(data, "imageRuntime", "tool"), cuda=data.get("cuda")

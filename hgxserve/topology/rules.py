@@ -1,6 +1,7 @@
 """Semantic rules: what the schema cannot say (GPU overlap, port clashes, P/D agreement...).
 
-The rules live in hgxserve.topology.checks, engine_rules, render_rules and address_rules,
+The rules live in hgxserve.topology.checks, engine_rules, render_rules, address_rules and
+kernels,
 registered in hgxserve.topology.registry; this module runs them and turns their findings into
 positioned Problems.
 """
@@ -12,6 +13,7 @@ from hgxserve.topology import (  # noqa: F401
     address_rules,
     checks,
     engine_rules,
+    kernels,
     render_rules,
 )
 from hgxserve.topology.loader import Document

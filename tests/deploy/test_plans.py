@@ -3,6 +3,7 @@ from the topology and `--data`, and the errors an operator sees before anything 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,6 +77,35 @@ def test_provision_defaults_and_settings():
     _, hosts = run({"load_now": "nah"})
     with pytest.raises(DeployError, match=r"--data load_now='nah': not a boolean"):
         plans.provision_plan(hosts["hgx-a"])
+
+
+def test_provision_sets_ibgda_where_deepep_spans_hosts():
+    _, hosts = run({})
+    assert plans.provision_plan(hosts["hgx-a"]).ibgda is False  # the demo has no DeepEP
+    names = ["h200-a", "h200-e"]
+    _, hosts = run({"topology": "topologies/h200-dsv32-2p1d.yml"}, names)
+    assert all(plans.provision_plan(hosts[n]).ibgda for n in names)
+
+
+def test_runtime_wheels_come_from_the_weights_s3(tmp_path):
+    wheel = "deep_ep-1.2.1-cp311-cp311-linux_x86_64.whl"
+    text = (
+        Path(TOPOLOGY)
+        .read_text()
+        .replace(
+            "  runtime: {venv: /opt/vllm-sim}",
+            f"  runtime:\n    venv: /opt/vllm-sim\n    wheels:\n"
+            f"      - {{url: s3://wheels/{wheel}, sha256: {'a' * 64}}}",
+        )
+    )
+    path = tmp_path / "t.yml"
+    path.write_text(text)
+    _, hosts = run({"topology": str(path)})
+    plan = plans.runtime_plan(hosts["hgx-a"])
+    assert plan.agent
+    (venv,) = plan.venvs
+    assert venv.spec.wheels[0].filename == "deep_ep-1.2.1-cp311-cp311-linux_x86_64.whl"
+    assert venv.s3 is not None and venv.s3.endpoint
 
 
 def test_site_stages_reach_the_preflight_of_the_same_run_only():
