@@ -7,8 +7,9 @@ simulated three times over: the local version label `+sim`, the metadata Summary
 (`vllm/__init__.py` says SIMULATED and `SIMULATED = True`). The engine wheels carry
 testbed/simengine.py as `<engine>/simulated_engine.py` and a console script `vllm` / `sglang`
 that runs it; `nixl` provides `nixl._api` and `mooncake-transfer-engine` `mooncake.engine`, as
-the real ones do, and nothing else (no transfer happens through them: the simulated engine does
-its own KV "transfer" over its side channel).
+the real ones do, and `deep-gemm` provides `deep_gemm` (what preflight imports), and nothing else
+(no transfer happens through them: the simulated engine does its own KV "transfer" over its side
+channel).
 
     python -m testbed.simwheels /var/lib/hgxserve-testbed/wheels     # build into a directory
 """
@@ -30,6 +31,9 @@ ENGINES = {"vllm": "0.26.0+sim", "sglang": "0.5.6.post2+sim"}
 EXTRAS = {
     "nixl": ("1.5.1+sim", "nixl", ("_api",)),
     "mooncake-transfer-engine": ("0.3.13.post1+sim", "mooncake", ("engine",)),
+    # the kernel the shipped SGLang DeepSeek-V3.2 topology pins (kernel-required): importable,
+    # nothing else, as preflight checks it
+    "deep-gemm": ("2.1.1+sim", "deep_gemm", ()),
 }
 SUMMARY = "SIMULATED {what} for hgxserve test hosts: test equipment, not the real package"
 
