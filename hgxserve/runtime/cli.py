@@ -5,6 +5,8 @@ hgxserve runtime check-files /etc/hgxserve/files/t.jinja=<sha256>   # ExecStartP
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 from hgxserve.base.compat import file_sha256
@@ -44,14 +46,33 @@ def check_files(pairs: tuple[str, ...]) -> None:
     click.echo(f"{len(pairs)} file(s) as the topology pins them")
 
 
+def _s3_fetch_options(what: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The options of a command that fetches one object from the weights' S3 to --out."""
+
+    def apply(func: Callable[..., None]) -> Callable[..., None]:
+        for option in reversed(
+            (
+                click.option(
+                    "--out", "out", required=True, type=click.Path(dir_okay=False), help=what
+                ),
+                click.option("--env-file", help="KEY=VALUE file with the S3 credentials (0600)."),
+                click.option("--endpoint-url", help="S3 endpoint (default: the AWS settings)."),
+                click.option("--region", help="S3 region (default: the AWS settings)."),
+                click.option(
+                    "--addressing", default="auto", type=click.Choice(["auto", "path", "virtual"])
+                ),
+            )
+        ):
+            func = option(func)
+        return func
+
+    return apply
+
+
 @runtime.command("fetch-image")
 @click.argument("url")
 @click.argument("digest")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Archive path.")
-@click.option("--env-file", help="KEY=VALUE file with the S3 credentials (0600).")
-@click.option("--endpoint-url", help="S3 endpoint (default: the AWS settings).")
-@click.option("--region", help="S3 region (default: the AWS settings).")
-@click.option("--addressing", default="auto", type=click.Choice(["auto", "path", "virtual"]))
+@_s3_fetch_options("Archive path.")
 @cli_errors
 def fetch_image(  # noqa: PLR0913 - a click command: one parameter per option
     url: str,
@@ -97,13 +118,16 @@ def fetch_image(  # noqa: PLR0913 - a click command: one parameter per option
 @runtime.command("fetch-wheel")
 @click.argument("url")
 @click.argument("sha256")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Wheel path.")
-@click.option("--env-file", help="KEY=VALUE file with the S3 credentials (0600).")
-@click.option("--endpoint-url", help="S3 endpoint (default: the AWS settings).")
-@click.option("--addressing", default="auto", type=click.Choice(["auto", "path", "virtual"]))
+@_s3_fetch_options("Wheel path.")
 @cli_errors
 def fetch_wheel(  # noqa: PLR0913 - a click command: one parameter per option
-    url: str, sha256: str, out: str, env_file: str | None, endpoint_url: str | None, addressing: str
+    url: str,
+    sha256: str,
+    out: str,
+    env_file: str | None,
+    endpoint_url: str | None,
+    region: str | None,
+    addressing: str,
 ) -> None:
     """Download a wheel (`runtime.wheels[].url`) from S3 and check its SHA256.
 
@@ -128,7 +152,7 @@ def fetch_wheel(  # noqa: PLR0913 - a click command: one parameter per option
         dest.unlink()
     apply_env_file(env_file)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fetch_archive(url, dest, endpoint_url=endpoint_url, region=None, addressing=addressing)
+    fetch_archive(url, dest, endpoint_url=endpoint_url, region=region, addressing=addressing)
     with open(dest, "rb") as fh:
         got = file_sha256(fh)
     if got != sha256:
