@@ -23,8 +23,8 @@ from hgxserve.deploy.plans import PreflightPlan, plan_or_fields
 from hgxserve.facts import HOST_FACTS
 from hgxserve.facts.preflight import HostExpectation, preflight_problems, preflight_warnings
 from hgxserve.facts.runtime import (
-    ContainerFabric,
     ContainerImage,
+    ContainerImageCheck,
     DriverCuda,
     HostPython,
     VenvRuntimeState,
@@ -32,7 +32,7 @@ from hgxserve.facts.runtime import (
 from hgxserve.facts.weights import ManifestSize
 from hgxserve.runtime.agent_build import python_problem
 from hgxserve.runtime.checks import image_problems, runtime_problems
-from hgxserve.runtime.fabric import fabric_check_problem
+from hgxserve.runtime.image_check import image_check_problems as judge_image
 
 __all__ = ["HostExpectation", "gather_facts", "preflight", "preflight_problems"]
 
@@ -71,20 +71,31 @@ def sized_from_host(expect: HostExpectation) -> HostExpectation:
     return replace(expect, model_size_from=why)
 
 
-def fabric_problems(expect: HostExpectation, image_states: dict[str, dict[str, Any]]) -> list[str]:
-    """One line per loaded engine image that needs the host's HCAs and does not see them when
-    run as the engine runs (hgxserve.runtime.fabric; `--rm --pull=never`, nothing changes)."""
-    problems = []
-    for image, tool in expect.fabric_images:
-        state = image_states.get(image) or {}
-        if state.get("digest") != image.rpartition("@")[2]:
+def image_check_problems(
+    expect: HostExpectation, image_states: dict[str, dict[str, Any]]
+) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of each loaded engine image that needs the host's HCAs or kernel
+    packages, run once as the engine runs (hgxserve.runtime.image_check; `--rm --pull=never`,
+    nothing changes): one line for missing HCAs, one for kernels that do not import."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    for check in expect.image_checks:
+        state = image_states.get(check.image) or {}
+        if state.get("digest") != check.image.rpartition("@")[2]:
             continue  # not loaded: image_problems says so
+        devices = expect.rdma_devices if check.fabric else ()
         output = host.get_fact(
-            ContainerFabric, tool=f"/usr/bin/{tool}", image=image, devices=expect.rdma_devices
+            ContainerImageCheck,
+            tool=f"/usr/bin/{check.tool}",
+            image=check.image,
+            devices=devices,
+            modules=check.modules,
+            gpu=check.gpu,
         )
-        line = fabric_check_problem(expect.host, image, expect.rdma_devices, output)
-        problems.extend([line] if line else [])
-    return problems
+        found, advised = judge_image(expect.host, check, devices, output)
+        problems += found
+        warnings += advised
+    return problems, warnings
 
 
 def python_problems(name: str) -> list[str]:
@@ -106,7 +117,8 @@ def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
       runtime_installs: the runtime stage runs later in this deploy (missing parts are fine);
       planned_driver: the driver version a later provision stage installs (for the CUDA check);
       images: (image, tool) container runtimes that must be loaded (and, for those whose
-      engines need the host's HCAs, that see them: expect.fabric_images)
+      engines need the host's HCAs or kernel packages, that see and import them:
+      expect.image_checks)
 
     Example:
         preflight(expect=HostExpectation(host="h20-a", gpu_kind="H20", gpu_count=8))
@@ -139,7 +151,10 @@ def preflight(*, plan: PreflightPlan | None = None, **fields: Any) -> None:
             for image, tool in images
         }
         problems += image_problems(expect.host, list(images), image_states)
-        problems += fabric_problems(expect, image_states)
+        found, advised = image_check_problems(expect, image_states)
+        problems += found
+        for line in advised:
+            logger.warning(f"{host.print_prefix}preflight: {line}")
     if problems:
         raise DeployError(
             f"preflight failed on {expect.host} ({len(problems)} problem"

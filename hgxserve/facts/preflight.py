@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hgxserve.base.sizes import format_size
-from hgxserve.runtime.fabric import fabric_images
+from hgxserve.runtime.image_check import ImageCheck, image_checks
 
 # a mismatch: (fact, expected, found)
 _Report = Callable[[str, str, str], None]
@@ -59,9 +59,9 @@ class HostExpectation:
     model_copied: bool = True  # False: the weights are read in place (CephFS without stage)
     driver_version: str | None = None
     memlock_infinity: bool = True
-    # container images (image, tool) whose engines need the host's HCAs inside the container
-    # (hgxserve.runtime.fabric): preflight runs each with the engine's fabric flags
-    fabric_images: tuple[tuple[str, str], ...] = ()
+    # container images whose engines need the host's HCAs or kernel packages inside the
+    # container (hgxserve.runtime.image_check): preflight runs each once and looks
+    image_checks: tuple[ImageCheck, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
 
@@ -337,7 +337,7 @@ def expectation_from_topology(topo: Any, host_name: str) -> HostExpectation:
         shm_bytes=host.shm,
         model_path=topo.model.path,
         model_size_bytes=topo.model.size,
-        fabric_images=tuple(fabric_images(topo, host_name)),
+        image_checks=tuple(image_checks(topo, host_name)),
         model_manifest=topo.model.manifest,
         model_copied=not (hasattr(source, "stage") and not source.stage),
     )

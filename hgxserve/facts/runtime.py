@@ -26,7 +26,7 @@ from hgxserve.parsers.probes import (
     driver_cuda_from_lines,
     venv_state_from_lines,
 )
-from hgxserve.runtime.fabric import fabric_check_argv
+from hgxserve.runtime.image_check import image_check_argv
 
 # Runs inside the venv's Python; prints one JSON line. Standard library only.
 PROBE = r"""
@@ -205,19 +205,28 @@ class ContainerImage(FactBase):
         return {"tool": True, "digest": digest}
 
 
-class ContainerFabric(FactBase):
-    """What RDMA an engine image sees when run as the engine runs (hgxserve.runtime.fabric):
-    the output lines of `fabric_check_argv`, for `fabric_check_problem` to judge. It runs the
-    image with `--rm --pull=never`, so it changes nothing and needs the image already loaded.
+class ContainerImageCheck(FactBase):
+    """What an engine image sees when run as the engine runs (hgxserve.runtime.image_check):
+    the output lines of `image_check_argv` (the HCAs it lists, which kernel modules its python3
+    imports), for `image_check_problems` to judge. It runs the image with `--rm --pull=never`,
+    so it changes nothing and needs the image already loaded.
 
     Example:
-        >>> host.get_fact(ContainerFabric, tool="/usr/bin/podman", image="r/e@sha256:...",
-        ...               devices=("mlx5_0",))  # doctest: +SKIP
-        ['hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing=']
+        >>> host.get_fact(ContainerImageCheck, tool="/usr/bin/podman", image="r/e@sha256:...",
+        ...               devices=("mlx5_0",), modules=("deep_ep",), gpu=0)  # doctest: +SKIP
+        ['hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing=', 'hgxserve-import: deep_ep ok']
     """
 
-    def command(self, tool: str, image: str, devices: tuple[str, ...] = ()) -> str:
-        return shlex.join(fabric_check_argv(tool, image, tuple(devices))) + " 2>&1 || true"
+    def command(
+        self,
+        tool: str,
+        image: str,
+        devices: tuple[str, ...] = (),
+        modules: tuple[str, ...] = (),
+        gpu: int | None = None,
+    ) -> str:
+        argv = image_check_argv(tool, image, tuple(devices), tuple(modules), gpu)
+        return shlex.join(argv) + " 2>&1 || true"
 
     @staticmethod
     def default() -> list[str]:

@@ -1,5 +1,6 @@
 """RDMA inside engine containers: which container engines need the host's HCAs, the `run` flags
-that hand them over, and a preflight check that runs in the image itself (pure, no I/O).
+that hand them over, and the fabric part of the preflight check that runs in the image itself
+(hgxserve.runtime.image_check; pure, no I/O).
 
 A container gets the GPUs the CDI spec names and nothing else from /dev: without the uverbs and
 rdma_cm devices, UCX (NIXL), Mooncake and NCCL see no HCA and fall back to TCP or fail to
@@ -14,8 +15,8 @@ on a host whose `rdma` lists HCAs, gets:
   host's /dev/shm, sized by the host's `shm` setting (provision), is the container's, so no
   `--shm-size` (it does not apply to a container in the host's IPC namespace).
 
-    >>> fabric_check_argv("/usr/bin/podman", "r/sglang@sha256:" + "a" * 64, ("mlx5_0",))[:4]
-    ['/usr/bin/podman', 'run', '--rm', '--pull=never']
+    >>> FABRIC_RUN_ARGS
+    ('--device', '/dev/infiniband', '--cap-add', 'IPC_LOCK')
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ FABRIC_RUN_ARGS = ("--device", INFINIBAND_DEVICES, "--cap-add", "IPC_LOCK")
 # the flags every container engine runs with (hgxserve.render), repeated by the check
 COMMON_RUN_ARGS = ("--network", "host", "--ipc", "host", "--ulimit", "memlock=-1:-1")
 
-# The check, run by /bin/sh inside the image with the devices it expects as arguments: the HCAs
-# the kernel shows, the uverbs nodes that came through, one line starting with FABRIC_MARK.
+# The fabric part of the in-image check (hgxserve.runtime.image_check), run by /bin/sh inside
+# the image with the devices it expects in $devs: the HCAs the kernel shows, the uverbs nodes
+# that came through, one line starting with FABRIC_MARK.
 FABRIC_MARK = "hgxserve-fabric:"
-_CHECK = (
+FABRIC_SCRIPT = (
     'hcas=$(ls /sys/class/infiniband 2>/dev/null | tr "\\n" " "); '
     'verbs=$(ls /dev/infiniband 2>/dev/null | grep uverbs | tr "\\n" " "); '
-    'missing=""; for d in "$@"; do case " $hcas " in *" $d "*) ;; *) missing="$missing $d";; '
+    'missing=""; for d in $devs; do case " $hcas " in *" $d "*) ;; *) missing="$missing $d";; '
     "esac; done; "
-    f'echo "{FABRIC_MARK} hcas=$hcas; uverbs=$verbs; missing=$missing"'
+    f'echo "{FABRIC_MARK} hcas=$hcas; uverbs=$verbs; missing=$missing"; '
 )
 
 
@@ -63,26 +65,6 @@ def fabric_reasons(topo: Topology, engine: Engine, host: str) -> list[str]:
     return reasons
 
 
-def fabric_check_argv(tool: str, image: str, devices: tuple[str, ...]) -> list[str]:
-    """`podman|docker run` of `image` with the engine's fabric flags, printing what HCAs it sees:
-    never pulls (the runtime stage loads images by digest), changes nothing on the host."""
-    return [
-        tool,
-        "run",
-        "--rm",
-        "--pull=never",
-        *COMMON_RUN_ARGS,
-        *FABRIC_RUN_ARGS,
-        "--entrypoint",
-        "/bin/sh",
-        image,
-        "-c",
-        _CHECK,
-        "hgxserve-fabric-check",
-        *devices,
-    ]
-
-
 def _field(line: str, name: str) -> list[str]:
     for part in line.split(";"):
         key, _, value = part.strip().partition("=")
@@ -95,7 +77,7 @@ def fabric_check_problem(
     host: str, image: str, devices: tuple[str, ...], output: list[str]
 ) -> str | None:
     """One `HOST: FACT: expected X, found Y` line when the image does not see the host's HCAs
-    (None when it sees every one of `devices`); `output` is what fabric_check_argv printed.
+    (None when it sees every one of `devices`); `output` is what image_check_argv printed.
 
     >>> fabric_check_problem("h20-a", "img", ("mlx5_0",),
     ...     ["hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing="]) is None
@@ -121,14 +103,3 @@ def fabric_check_problem(
         f"{host}: container.fabric: expected {want} (run with --device {INFINIBAND_DEVICES} "
         f"--cap-add IPC_LOCK), found {found}: KV and NCCL would fall back to TCP or fail"
     )
-
-
-def fabric_images(topo: Topology, host: str) -> list[tuple[str, str]]:
-    """(image, tool) of each container engine image on `host` that needs the fabric, sorted,
-    as `container_images` names them (tool: podman or docker)."""
-    out = set()
-    for engine in topo.engines_on(host):
-        runtime = engine.runtime
-        if runtime is not None and runtime.image and fabric_reasons(topo, engine, host):
-            out.add((runtime.image, runtime.tool or "podman"))
-    return sorted(out)

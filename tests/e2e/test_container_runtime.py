@@ -6,7 +6,9 @@ filesystem (nothing downloaded), published as an OCI archive in the weights' S3 
 server). The role fetches it with the agent, verifies it against the pinned digest, `podman
 load`s it and checks the digest podman reports; a tampered archive and an archive of another
 image are refused before anything is loaded; a second run changes nothing; a unit runs the image
-with `--pull=never` and it serves.
+with `--pull=never` and it serves. Preflight runs the in-image check (hgxserve.runtime.image_check)
+for a topology whose engine needs DeepEP: the image's python3 cannot import `deep_ep`, the run
+fails with that one line, and nothing changes on the host.
 
 What the test hosts cannot have, and what stands in for it (docs/runtime.md, "Where the container
 path stops"): NVIDIA's Container Toolkit is not reachable from here (its apt repository is NVIDIA's
@@ -218,3 +220,89 @@ def test_image_loaded_from_s3_by_digest_and_served(lab) -> None:
     assert f"Generate the CDI spec for driver {DRIVER} (was 565.57.01)" in text, text[-3000:]
     assert re.search(r"nvidia-ctk: (command )?not found", text), text[-3000:]
     assert bed.ssh(HOST, f"cat {STAMP}").stdout.strip() == "565.57.01"
+
+
+# The in-image preflight check on a test host needs two stand-ins, each for what the test hosts
+# cannot have (docs/runtime.md, "The in-image check on the test hosts"): a CDI spec naming the
+# GPUs (there is no nvidia-ctk to generate one; its GPUs only set a variable, as there are no
+# /dev/nvidia* nodes), and `cgroups = "disabled"` for podman (crun loads its eBPF device-cgroup
+# filter by raising RLIMIT_MEMLOCK, which the test hosts cannot).
+CDI_STAND_IN = "\n".join(
+    [
+        'cdiVersion: "0.3.0"',
+        "kind: nvidia.com/gpu",
+        "devices:",
+        *(
+            f'  - {{name: "{gpu}", containerEdits: {{env: [HGXSERVE_STAND_IN_GPU={gpu}]}}}}'
+            for gpu in range(8)
+        ),
+        "",
+    ]
+)
+CONTAINERS_CONF = "/etc/containers/containers.conf"
+NO_CGROUPS = 'cgroups = "disabled"\n'
+# what must not change: engine units, releases, containers, images
+HOST_STATE = (
+    "ls -A /etc/systemd/system | grep '^hgxserve-'; ls -A /var/lib/hgxserve; "
+    "podman ps --all --format '{{.Names}}'; podman images --noheading --format '{{.ID}}'; true"
+)
+
+
+def write(bed: testbed_hosts.Testbed, path: str, text: str) -> None:
+    proc = subprocess.run(bed.ssh_argv(HOST, f"cat > {path}"), input=text.encode(),
+                          capture_output=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+
+
+def deepep_topology(work: Path, image: str) -> Path:
+    """The container topology with a deepep all-to-all backend: DeepEP required, NVSHMEM advised
+    (hgxserve/topology/kernels.py); the simulated image has neither."""
+    text = topology(work, image).read_text()
+    old = "    max_num_seqs: 8\n"
+    assert old in text
+    path = work / "container-deepep.yml"
+    path.write_text(text.replace(old, old + "    all2all_backend: deepep_low_latency\n"))
+    return path
+
+
+def test_preflight_imports_the_kernels_inside_the_image(lab) -> None:
+    bed, work = lab
+    archive, digest = simimage.cached_image(Path(bed.rootfs), testbed_hosts.STATE_DIR / "images")
+    image = f"{simimage.REPO_NAME}@{digest}"
+    s3_client().upload_file(
+        str(archive), demo.BUCKET, f"{PREFIX}{digest.replace(':', '-')}.oci.tar"
+    )
+    bed.ssh(HOST, f"mkdir -p /etc/cdi && echo {DRIVER} > {STAMP}", check=True)
+    code, text = runtime_stage(bed, topology(work, image))  # loads it (or finds it loaded)
+    assert code == 0, text[-4000:]
+    write(bed, CDI, CDI_STAND_IN)
+    conf = bed.ssh(HOST, f"cat {CONTAINERS_CONF}", check=True).stdout
+    assert "[containers]\n" in conf
+    write(bed, CONTAINERS_CONF, conf.replace("[containers]\n", "[containers]\n" + NO_CGROUPS))
+    try:
+        before = bed.ssh(HOST, HOST_STATE, check=True).stdout
+        started = time.monotonic()
+        topo = deepep_topology(work, image)
+        proc = bed.pyinfra("deploys/preflight.py", "--limit", HOST, "--data", f"topology={topo}")
+        took = time.monotonic() - started
+        text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+        after = bed.ssh(HOST, HOST_STATE, check=True).stdout
+    finally:
+        write(bed, CONTAINERS_CONF, conf)
+    assert proc.returncode != 0
+    why = "for args.all2all_backend deepep_low_latency"
+    assert (
+        f"hgx-a: container.kernels: expected deep_ep (DeepEP {why}) importable in {image}, "
+        "found deep_ep: ModuleNotFoundError: No module named 'deep_ep': the engine cannot start"
+    ) in text, text[-4000:]
+    # NVSHMEM is advised only: a warning, not a refusal
+    assert (
+        f"hgx-a: container.kernels: expected nvidia.nvshmem (NVSHMEM {why}) importable in "
+        f"{image}, found nvidia.nvshmem: ModuleNotFoundError: No module named 'nvidia': "
+        "the engine runs on slower paths without them"
+    ) in text, text[-4000:]
+    assert "container.fabric" not in text and "Traceback" not in text
+    # nothing changed: no unit, no release, no container left behind, the same images
+    assert after == before
+    assert bed.ssh(HOST, "ls /etc/systemd/system/ | grep -c '^hgxserve-'").stdout.strip() == "0"
+    assert took < 120, took

@@ -1,7 +1,8 @@
 """Container engines see the fabric: an engine whose KV or DP/EP crosses hosts, or that names
 RDMA devices, runs with the host's /dev/infiniband, IPC_LOCK, unlimited memlock and the host's
 IPC namespace (its /dev/shm); a preflight check runs the image the same way and says in one line
-when the HCAs are not visible inside it."""
+when the HCAs are not visible inside it, and in one line which kernel packages the engine needs
+(hgxserve.topology.kernels) do not import with the image's python3."""
 
 from __future__ import annotations
 
@@ -11,15 +12,21 @@ from pathlib import Path
 import pytest
 
 from hgxserve.facts.preflight import expectation_from_topology
-from hgxserve.facts.runtime import ContainerFabric
+from hgxserve.facts.runtime import ContainerImageCheck
 from hgxserve.render import render_host
 from hgxserve.runtime.fabric import (
     COMMON_RUN_ARGS,
     FABRIC_RUN_ARGS,
-    fabric_check_argv,
     fabric_check_problem,
-    fabric_images,
     fabric_reasons,
+)
+from hgxserve.runtime.image_check import (
+    ImageCheck,
+    KernelImport,
+    image_check_argv,
+    image_check_problems,
+    image_checks,
+    kernel_check_problems,
 )
 from hgxserve.topology import load_topology
 
@@ -76,11 +83,11 @@ def test_venv_engines_are_left_alone() -> None:
 
 
 def test_the_check_runs_the_image_as_the_engine_runs_without_pulling() -> None:
-    argv = fabric_check_argv("/usr/bin/podman", IMAGE, RAILS)
+    argv = image_check_argv("/usr/bin/podman", IMAGE, RAILS)
     assert argv[:4] == ["/usr/bin/podman", "run", "--rm", "--pull=never"]
     i = argv.index(IMAGE)
     assert argv[i - 2 : i] == ["--entrypoint", "/bin/sh"]
-    assert argv[-4:] == list(RAILS)
+    assert argv[-5:] == [*RAILS, "--"]
     # every run option of the check is one the rendered engine unit has
     topo = _topo("topologies/h20-v4flash-1p1d-2node.yml")
     engine_run = _pairs(render_host(topo, "h20-a").units[0].argv)
@@ -89,13 +96,14 @@ def test_the_check_runs_the_image_as_the_engine_runs_without_pulling() -> None:
         assert (flag, value) in engine_run
 
 
-def test_fabric_images_lists_each_image_once_with_its_tool() -> None:
+def test_image_checks_list_each_image_once_with_its_tool() -> None:
     topo = _topo("topologies/h20-v4flash-1p1d-2node.yml")
-    assert fabric_images(topo, "h20-a") == [(IMAGE, "podman")]
-    assert expectation_from_topology(topo, "h20-b").fabric_images == ((IMAGE, "podman"),)
+    (check,) = image_checks(topo, "h20-a")
+    assert (check.image, check.tool, check.fabric) == (IMAGE, "podman", True)
+    assert expectation_from_topology(topo, "h20-b").image_checks[0].image == IMAGE
     docker = load_topology(REPO / "tests/render/topologies/vllm-dp-two-nodes-docker.yml")
-    assert fabric_images(docker, "h200-a") == []
-    assert expectation_from_topology(docker, "h200-a").fabric_images == ()
+    assert image_checks(docker, "h200-a") == []
+    assert expectation_from_topology(docker, "h200-a").image_checks == ()
 
 
 def _run_check(tmp_path: Path, hcas: list[str], verbs: list[str], devices: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -105,7 +113,7 @@ def _run_check(tmp_path: Path, hcas: list[str], verbs: list[str], devices: tuple
         base.mkdir(exist_ok=True)
         for name in names:
             (base / name).touch()
-    argv = fabric_check_argv("/usr/bin/podman", IMAGE, devices)
+    argv = image_check_argv("/usr/bin/podman", IMAGE, devices)
     i = argv.index("-c")
     script = argv[i + 1].replace("/sys/class/infiniband", str(sys_dir))
     script = script.replace("/dev/infiniband", str(dev_dir))
@@ -145,10 +153,10 @@ def test_a_check_that_could_not_run_says_why() -> None:
 
 
 def test_fact_command_never_fails_the_fact_and_keeps_the_lines() -> None:
-    fact = ContainerFabric()
-    command = fact.command(tool="/usr/bin/podman", image=IMAGE, devices=RAILS)
+    fact = ContainerImageCheck()
+    command = fact.command(tool="/usr/bin/podman", image=IMAGE, devices=RAILS, modules=("deep_ep",))
     assert command.startswith("/usr/bin/podman run --rm --pull=never")
-    assert command.endswith(" 2>&1 || true")
+    assert command.endswith(" -- deep_ep 2>&1 || true")
     assert fact.process(["", "hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing="]) == [
         "hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing="
     ]
@@ -163,7 +171,7 @@ def test_preflight_runs_the_check_for_loaded_images_that_need_the_fabric(
 
     class FakeHost:
         def get_fact(self, cls: type, **kwargs: object) -> list[str]:
-            assert cls is ContainerFabric
+            assert cls is ContainerImageCheck
             asked.append(kwargs)
             return ["Error: crun: device /dev/infiniband: no such file or directory"]
 
@@ -171,13 +179,155 @@ def test_preflight_runs_the_check_for_loaded_images_that_need_the_fabric(
     topo = _topo("topologies/h20-v4flash-1p1d-2node.yml")
     expect = expectation_from_topology(topo, "h20-a")
     loaded = {IMAGE: {"tool": True, "digest": IMAGE.rpartition("@")[2]}}
-    (line,) = role.fabric_problems(expect, loaded)
-    assert asked == [{"tool": "/usr/bin/podman", "image": IMAGE, "devices": RAILS}]
+    (line,), warnings = role.image_check_problems(expect, loaded)
+    assert warnings == []
+    assert asked == [
+        {"tool": "/usr/bin/podman", "image": IMAGE, "devices": RAILS, "modules": (), "gpu": 0}
+    ]
     assert line.startswith("h20-a: container.fabric: expected RDMA HCAs mlx5_0,mlx5_1,mlx5_2")
     assert line.endswith(
         "could not run: Error: crun: device /dev/infiniband: no such file or directory"
     )
     # an image that is not loaded is image_problems' line, and not run
     asked.clear()
-    assert role.fabric_problems(expect, {IMAGE: {"tool": True, "digest": None}}) == []
+    assert role.image_check_problems(expect, {IMAGE: {"tool": True, "digest": None}}) == ([], [])
     assert asked == []
+
+
+# --- kernels: the modules KERNEL_RULES names, imported with the image's python3 -----------------
+
+SIM = "localhost/hgxserve-sim/vllm@sha256:" + "b" * 64
+
+
+def _deepep_topology(tmp_path: Path) -> Path:
+    """The demo baseline with an image runtime and a deepep all-to-all backend (DeepEP required,
+    NVSHMEM advised); the demo hosts list no rdma, so the fabric is not asked for."""
+    text = (REPO / "topologies/demo/demo-baseline.yml").read_text()
+    text = text.replace(
+        "runtime: {venv: /opt/vllm-sim}", f"runtime: {{image: {SIM}, tool: podman}}"
+    )
+    text = text.replace(
+        "    max_num_seqs: 8\n", "    max_num_seqs: 8\n    all2all_backend: deepep_low_latency\n"
+    )
+    path = tmp_path / "deepep-image.yml"
+    path.write_text(text)
+    return path
+
+
+def test_an_image_engine_that_needs_kernels_gets_a_check_without_the_fabric(tmp_path: Path) -> None:
+    topo = load_topology(_deepep_topology(tmp_path))
+    (check,) = image_checks(topo, "hgx-a")
+    assert (check.image, check.fabric, check.gpu, check.modules) == (
+        SIM, False, 0, ("deep_ep", "nvidia.nvshmem"),
+    )  # fmt: skip
+    assert [k.required for k in check.kernels] == [True, False]
+    assert image_checks(topo, "hgx-b") == []  # no engine there
+    argv = image_check_argv("/usr/bin/podman", SIM, (), check.modules, check.gpu)
+    assert argv[:6] == [
+        "/usr/bin/podman",
+        "run",
+        "--rm",
+        "--pull=never",
+        "--device",
+        "nvidia.com/gpu=0",
+    ]
+    assert "/dev/infiniband" not in argv and "IPC_LOCK" not in argv
+    assert argv[argv.index(SIM) - 2 : argv.index(SIM)] == ["--entrypoint", "/bin/sh"]
+    assert argv[-3:] == ["--", "deep_ep", "nvidia.nvshmem"]
+
+
+def _imports(modules: tuple[str, ...], devices: tuple[str, ...] = ()) -> list[str]:
+    """What the check's shell prints here, with this machine's python3 as the image's."""
+    argv = image_check_argv("/usr/bin/podman", SIM, devices, modules, 0)
+    i = argv.index("-c")
+    done = subprocess.run(["sh", *argv[i:]], capture_output=True, text=True, check=True)
+    return done.stdout.splitlines()
+
+
+DEEP_EP = KernelImport("deep_ep", "DeepEP for args.all2all_backend deepep_low_latency", True)
+NVSHMEM = KernelImport(
+    "nvidia.nvshmem", "NVSHMEM for args.all2all_backend deepep_low_latency", False
+)
+
+
+def test_a_missing_kernel_module_is_one_line_naming_host_image_and_module() -> None:
+    output = _imports(("json", "deep_ep"))
+    assert output == [
+        "hgxserve-import: json ok",
+        "hgxserve-import: deep_ep ModuleNotFoundError: No module named 'deep_ep'",
+    ]
+    json_ok = KernelImport("json", "FlashInfer for args.attention_backend FLASHINFER", True)
+    problems, warnings = kernel_check_problems("hgx-a", SIM, (json_ok, DEEP_EP), output)
+    assert warnings == []
+    assert problems == [
+        f"hgx-a: container.kernels: expected deep_ep (DeepEP for args.all2all_backend "
+        f"deepep_low_latency) importable in {SIM}, found deep_ep: ModuleNotFoundError: No module "
+        "named 'deep_ep': the engine cannot start (build the image with them, or pin one that "
+        "has them)"
+    ]
+
+
+def test_kernels_all_present_say_nothing_and_an_advised_one_is_a_warning() -> None:
+    present = (KernelImport("json", "a", True), KernelImport("importlib.util", "b", False))
+    assert kernel_check_problems("hgx-a", SIM, present, _imports(("json", "importlib.util"))) == (
+        [], [],
+    )  # fmt: skip
+    # NVSHMEM is advised: a warning, printed as the check prints it
+    output = ["hgxserve-import: nvidia.nvshmem ModuleNotFoundError: No module named 'nvidia'"]
+    problems, (warning,) = kernel_check_problems("hgx-a", SIM, (DEEP_EP, NVSHMEM), [
+        "hgxserve-import: deep_ep ok", *output,
+    ])  # fmt: skip
+    assert problems == []
+    assert warning.startswith("hgx-a: container.kernels: expected nvidia.nvshmem (NVSHMEM for")
+    assert warning.endswith("found nvidia.nvshmem: ModuleNotFoundError: No module named "
+                            "'nvidia': the engine runs on slower paths without them")  # fmt: skip
+
+
+def test_no_python3_and_a_check_that_could_not_run_are_one_line_each() -> None:
+    no_python = ["hgxserve-import: - no python3 on the image's PATH"]
+    (line,), _ = kernel_check_problems("hgx-a", SIM, (DEEP_EP,), no_python)
+    assert line.endswith(f"importable in {SIM}, found no python3 on the image's PATH")
+    said = "Error: setting up CDI devices: unresolvable CDI devices nvidia.com/gpu=0"
+    (line,), _ = kernel_check_problems("hgx-a", SIM, (DEEP_EP,), [said])
+    assert line.endswith(f"found the check could not run: {said}")
+    # with the fabric asked for too, a run that failed is said once (the fabric's line)
+    both = ImageCheck(SIM, "podman", fabric=True, kernels=(DEEP_EP,), gpu=0)
+    (line,), _ = image_check_problems("hgx-a", both, ("mlx5_0",), [said])
+    assert line.startswith("hgx-a: container.fabric:") and line.endswith(said)
+
+
+def test_fabric_and_kernels_in_one_run_give_one_line_each() -> None:
+    both = ImageCheck(SIM, "podman", fabric=True, kernels=(DEEP_EP,), gpu=0)
+    output = _imports(("deep_ep",), ("mlx5_0",))  # this machine lists no HCA
+    assert output[0].startswith("hgxserve-fabric: hcas=;")
+    fabric, kernels = image_check_problems("hgx-a", both, ("mlx5_0",), output)
+    assert kernels == [] and len(fabric) == 2
+    assert fabric[0].startswith("hgx-a: container.fabric: expected RDMA HCAs mlx5_0 visible")
+    assert fabric[1].startswith("hgx-a: container.kernels: expected deep_ep (DeepEP")
+
+
+def test_preflight_runs_the_check_for_an_image_that_needs_kernels(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import roles.preflight as role
+
+    asked: list[dict[str, object]] = []
+    printed = [
+        "hgxserve-import: deep_ep ModuleNotFoundError: No module named 'deep_ep'",
+        "hgxserve-import: nvidia.nvshmem ok",
+    ]
+
+    class FakeHost:
+        def get_fact(self, cls: type, **kwargs: object) -> list[str]:
+            asked.append(kwargs)
+            return printed
+
+    monkeypatch.setattr(role, "host", FakeHost())
+    expect = expectation_from_topology(load_topology(_deepep_topology(tmp_path)), "hgx-a")
+    loaded = {SIM: {"tool": True, "digest": SIM.rpartition("@")[2]}}
+    (line,), warnings = role.image_check_problems(expect, loaded)
+    assert warnings == []
+    assert asked == [{"tool": "/usr/bin/podman", "image": SIM, "devices": (),
+                      "modules": ("deep_ep", "nvidia.nvshmem"), "gpu": 0}]  # fmt: skip
+    assert line.startswith("hgx-a: container.kernels: expected deep_ep (DeepEP for args.")
+    assert f"importable in {SIM}, found deep_ep: ModuleNotFoundError" in line
