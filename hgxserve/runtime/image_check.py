@@ -10,7 +10,8 @@ Before anything changes, preflight runs each engine image on its host once, with
 - the kernels (hgxserve.topology.kernels, the table the venv preflight reads), when an engine of
   the image needs DeepEP, DeepGEMM, NVSHMEM, FlashInfer or FlashMLA: the image's `python3`
   imports each module and prints which failed, with the engine's first CDI GPU, so the driver
-  libraries the kernels link (libcuda) are mounted as they are for the engine.
+  libraries the kernels link (libcuda) are mounted as they are for the engine (and, without the
+  fabric, `--network none`: importing needs no network).
 
 Each finding is one `HOST: FACT: expected X, found Y` line: `container.fabric` for missing HCAs,
 `container.kernels` for modules that do not import (a kernel the engine cannot start without
@@ -128,7 +129,8 @@ def image_check_argv(
     """`podman|docker run --rm --pull=never` of `image` printing the HCAs it sees (when
     `devices` are expected: it then runs with the engine's fabric flags) and which `modules`
     import with its python3 (with CDI GPU `gpu`). Never pulls, changes nothing on the host."""
-    options = [*COMMON_RUN_ARGS, *FABRIC_RUN_ARGS] if devices else []
+    # importing needs no network, IPC or locked memory: none set up
+    options = [*COMMON_RUN_ARGS, *FABRIC_RUN_ARGS] if devices else ["--network", "none"]
     if gpu is not None:
         options = ["--device", f"nvidia.com/gpu={gpu}", *options]
     script = _ARGS + (FABRIC_SCRIPT if devices else "") + (_IMPORTS if modules else "true")
