@@ -358,6 +358,7 @@ def test_simulated_engine_comes_as_wheels_not_preplaced(testbed):
     assert hosts.build_engine_wheels()
     wheels = {p.name: p for p in hosts.WHEELS_DIR.glob("*.whl")}
     assert sorted(wheels) == [
+        "deep_gemm-2.1.1+sim-py3-none-any.whl",
         "mooncake_transfer_engine-0.3.13.post1+sim-py3-none-any.whl",
         "nixl-1.5.1+sim-py3-none-any.whl",
         "sglang-0.5.6.post2+sim-py3-none-any.whl",
