@@ -3,7 +3,8 @@
 The container runtime role (roles/container_runtime.py) loads engine images by digest from an
 OCI archive in the weights' S3. On the test hosts it loads this one: a single-layer image made
 from the test hosts' own root filesystem (Debian's python3, the shared libraries it and its
-extension modules link, the standard library without tests/IDLE/Tk) plus the simulated engine
+extension modules link, the standard library without tests/IDLE/Tk, /bin/sh with ls, tr and
+grep) plus the simulated engine
 (testbed/simengine.py, packaged as in testbed/simwheels.py) and a `vllm` / `sglang` command that
 runs it. Nothing is downloaded. It is marked as simulated in its tag (`*-sim`), its config
 labels and its code.
@@ -32,6 +33,9 @@ REPO_NAME = "localhost/hgxserve-sim/vllm"  # localhost/: no registry holds it
 TAG = "0.26.0-sim"
 PYTHON = "usr/bin/python3.11"
 STDLIB = "usr/lib/python3.11"
+# a shell and what preflight's in-image check runs with it (hgxserve.runtime.image_check), as
+# an engine image (Ubuntu-based) has them
+SHELL = ("usr/bin/dash", "usr/bin/ls", "usr/bin/tr", "usr/bin/grep")
 # parts of the standard library an engine never imports (and that make up most of its size)
 PRUNE = (
     "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data",
@@ -168,9 +172,11 @@ def build_image(rootfs: Path, out: Path, engine: str = "vllm") -> str:
     dynload = sorted(
         p.relative_to(rootfs).as_posix() for p in (rootfs / STDLIB / "lib-dynload").glob("*.so")
     )
-    for lib in sorted(_needed_libraries(rootfs, [PYTHON, *dynload])):
+    for lib in sorted(_needed_libraries(rootfs, [PYTHON, *SHELL, *dynload])):
         layer.copy(lib)
     layer.copy("usr/bin/python3")
+    for name in ("bin/sh", *SHELL):
+        layer.copy(name)
     layer.tree(STDLIB)
     for name in ("etc", "tmp", "var/tmp", "run", "proc", "sys", "dev", "root"):
         layer.directory(name, 0o1777 if name.endswith("tmp") else 0o755)

@@ -11,7 +11,7 @@ Before anything changes, preflight runs each engine image on its host once, with
   the image needs DeepEP, DeepGEMM, NVSHMEM, FlashInfer or FlashMLA: the image's `python3`
   imports each module and prints which failed, with the engine's first CDI GPU, so the driver
   libraries the kernels link (libcuda) are mounted as they are for the engine (and, without the
-  fabric, `--network none`: importing needs no network).
+  fabric, only the engine's `--network host`: no network namespace is set up).
 
 Each finding is one `HOST: FACT: expected X, found Y` line: `container.fabric` for missing HCAs,
 `container.kernels` for modules that do not import (a kernel the engine cannot start without
@@ -129,8 +129,8 @@ def image_check_argv(
     """`podman|docker run --rm --pull=never` of `image` printing the HCAs it sees (when
     `devices` are expected: it then runs with the engine's fabric flags) and which `modules`
     import with its python3 (with CDI GPU `gpu`). Never pulls, changes nothing on the host."""
-    # importing needs no network, IPC or locked memory: none set up
-    options = [*COMMON_RUN_ARGS, *FABRIC_RUN_ARGS] if devices else ["--network", "none"]
+    # importing needs no IPC or locked memory; the host's network, as the engine's, sets none up
+    options = [*COMMON_RUN_ARGS, *FABRIC_RUN_ARGS] if devices else ["--network", "host"]
     if gpu is not None:
         options = ["--device", f"nvidia.com/gpu={gpu}", *options]
     script = _ARGS + (FABRIC_SCRIPT if devices else "") + (_IMPORTS if modules else "true")

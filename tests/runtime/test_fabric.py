@@ -232,7 +232,7 @@ def test_an_image_engine_that_needs_kernels_gets_a_check_without_the_fabric(tmp_
         "nvidia.com/gpu=0",
     ]
     assert "/dev/infiniband" not in argv and "IPC_LOCK" not in argv
-    assert argv[6:8] == ["--network", "none"] and "--ulimit" not in argv
+    assert argv[6:8] == ["--network", "host"] and "--ulimit" not in argv
     assert argv[argv.index(SIM) - 2 : argv.index(SIM)] == ["--entrypoint", "/bin/sh"]
     assert argv[-3:] == ["--", "deep_ep", "nvidia.nvshmem"]
 
