@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from hgxserve.base.errors import UsageError
 from hgxserve.remote.tunnel import Tunnels
-from hgxserve.topology import Topology
+from hgxserve.topology import Topology, ports
 from hgxserve.topology.ports import engine_url
 
 
@@ -51,7 +51,6 @@ def open_reach(
         if from_host is not None:
             raise UsageError("--from HOST needs --inventory (how to reach HOST over SSH)")
         return Reach(proxy_url, dict(engine_urls), "controller")
-    from hgxserve.release.plan import proxy_url_from
     from hgxserve.remote.inventory import InventoryError, load_inventory
 
     if topo.proxy is None:
@@ -74,7 +73,7 @@ def open_reach(
             reach.engine_urls[engine.name] = _through(tunnels, engine.head, own)
             reach.via[engine.name] = f"{own} on {engine.head}"
         if from_host is not None:
-            target = proxy_url_from(topo, topo.proxy, from_host)
+            target = ports.proxy_url(topo, from_host)
             reach.proxy_url = _through(tunnels, from_host, target)
             reach.origin = f"{from_host} (SSH tunnel from the controller to {target})"
             reach.via["proxy"] = f"{target} from {from_host}"

@@ -45,12 +45,6 @@ def gate_host(topo: Topology) -> str | None:
     return topo.gate.from_host or topo.proxy.host
 
 
-def proxy_url_from(topo: Topology, proxy: Proxy, gate_host_name: str) -> str:
-    """The proxy (`topo.proxy`) as a host (the gate's, a bench's `--from`) reaches it: the
-    topology's one rule, `hgxserve.topology.ports.proxy_url`."""
-    return proxy_url(topo, gate_host_name)
-
-
 def _enabled(setting: str, engines: list[Engine], *args: str) -> bool:
     if setting != "auto":
         return setting == "on"
