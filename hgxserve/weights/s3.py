@@ -12,6 +12,7 @@ worker thread, `readinto` straight into the part buffer. TLS verification is alw
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import hashlib
 import hmac
@@ -55,6 +56,20 @@ CREDENTIAL_CODES = {
 # Body bytes are received in slices of this size when a consumer writes them out as they come:
 # the slice is still in the CPU cache when it is written to the page cache (see transfer.py).
 RECV_SLICE = 64 << 10
+# Bounds on what one S3 answer may make this process hold or wait for: every store's answer is
+# untrusted input. A ListObjectsV2 page of 1000 keys is 0.3-0.5 MB (keys, ETags, checksum
+# fields); a published manifest of a 163-shard model ~40 KB; tokenizer.json of a 150k vocabulary
+# ~11 MB; an S3 error document < 1 KB.
+LIST_PAGE_MAX = 16 << 20
+LIST_TOTAL_MAX = 256 << 20  # all pages of one listing together: ~500k keys, past any model tree
+SMALL_OBJECT_MAX = 64 << 20  # a whole-object GET (get_bytes: manifests, configs)
+ERROR_BODY_MAX = 64 << 10  # what is read of an error answer (the rest is dropped)
+# Each request's whole answer must arrive within REQUEST_BASE_S plus its size at MIN_RATE. The
+# socket timeout bounds one recv only, so a store that trickles a byte every few seconds would
+# otherwise hold a worker forever. A healthy S3 GET moves 50-100+ MB/s per connection (the
+# transfer benchmark's figures); 1 MiB/s is a store or link that is broken, not slow.
+REQUEST_BASE_S = 60.0
+MIN_RATE = 1 << 20  # bytes per second
 _UNRESERVED = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~"
 
 
@@ -116,6 +131,42 @@ class S3Call:
     into: memoryview | None = None
     ok: tuple[int, ...] = (200,)
     on_data: Callable[[int, int], None] | None = None
+    limit: int = SMALL_OBJECT_MAX  # the most body bytes a good answer may have (not `into`)
+    kind: str = "object"  # what the answer is, for the error naming a bound
+
+    def budget_s(self) -> float:
+        """Seconds the whole request may take: REQUEST_BASE_S plus its body at MIN_RATE."""
+        size = len(self.into) if self.into is not None else self.limit
+        return REQUEST_BASE_S + (0 if self.method == "HEAD" else size) / MIN_RATE
+
+
+class _Watchdog:
+    """Shuts a connection's socket down when a request runs past its budget, so a blocked or
+    trickling read ends; `fired` says it did."""
+
+    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
+        self.conn = conn
+        self.fired = False
+        self.seconds = seconds
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = getattr(self.conn, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def reason(self) -> str:
+        return (
+            f"no complete answer within {self.seconds:.0f}s (slower than "
+            f"{MIN_RATE >> 20} MiB/s after {REQUEST_BASE_S:.0f}s)"
+        )
 
 
 class S3RequestError(WeightsError):
@@ -395,23 +446,29 @@ class S3Client:
         with self._count_lock:
             self.request_count += 1
         conn = self._connection()
+        watchdog = _Watchdog(conn, call.budget_s())
         try:
             conn.request(call.method, url, body=call.body or None, headers=signed)
             resp = conn.getresponse()
             status = resp.status
             resp_headers = {k.lower(): v for k, v in resp.getheaders()}
             if status in call.ok:
-                return status, resp_headers, self._read_body(resp, resp_headers, call)
-            data = resp.read()
-        except _Retry:
-            raise
+                return status, resp_headers, self._read_body(resp, resp_headers, call, what)
+            data, _ = self._read_capped(resp, ERROR_BODY_MAX)
+        except _Retry as retry:
+            raise _Retry(watchdog.reason()) if watchdog.fired else retry from None
         except WeightsError:
-            # The consumer failed (e.g. the disk is full) in the middle of a body.
+            # The consumer failed (e.g. the disk is full) in the middle of a body, or the
+            # answer is over its bound.
             self._drop_connection()
             raise
         except (OSError, http.client.HTTPException) as exc:
             self._drop_connection()
+            if watchdog.fired:
+                raise _Retry(watchdog.reason()) from None
             raise self._transport_error(exc, what) from None
+        finally:
+            watchdog.cancel()
         if resp_headers.get("connection", "").lower() == "close":
             self._drop_connection()
         code, message = _parse_error(data)
@@ -421,13 +478,44 @@ class S3Client:
             status, code or http.client.responses.get(status, ""), message, what, resp_headers
         )
 
+    def _read_capped(self, resp: http.client.HTTPResponse, limit: int) -> tuple[bytes, bool]:
+        """(at most `limit` bytes of the body, chunked or not; whether there was more). A
+        longer body is cut there and its connection dropped: the rest is never read."""
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limit:
+            chunk = resp.read(min(RECV_SLICE, limit + 1 - total))
+            if not chunk:
+                return b"".join(chunks), False
+            total += len(chunk)
+            chunks.append(chunk)
+        self._drop_connection()
+        return b"".join(chunks)[:limit], True
+
     def _read_body(
-        self, resp: http.client.HTTPResponse, headers: dict[str, str], call: S3Call
+        self, resp: http.client.HTTPResponse, headers: dict[str, str], call: S3Call, what: str
     ) -> bytes:
-        """A good answer's body: whole, or b"" once it is read into `call.into` in slices."""
+        """A good answer's body: whole (at most `call.limit` bytes, else a SourceError), or b""
+        once it is read into `call.into` in slices."""
         into = call.into
         if into is None:
-            return resp.read()
+            declared = headers.get("content-length", "")
+            if call.method != "HEAD" and declared.isdigit() and int(declared) > call.limit:
+                self._drop_connection()
+                raise SourceError(
+                    f"{what}: the answer announces {int(declared)} bytes, over the "
+                    f"{call.limit}-byte bound for {call.kind}"
+                )
+            body, more = self._read_capped(resp, call.limit)
+            if more:
+                raise SourceError(
+                    f"{what}: the answer is longer than the {call.limit}-byte bound for "
+                    f"{call.kind} (stopped reading there)"
+                )
+            if call.method != "HEAD" and declared.isdigit() and len(body) != int(declared):
+                self._drop_connection()
+                raise _Retry(f"connection closed after {len(body)} of {declared} bytes")
+            return body
         length = int(headers.get("content-length", "-1"))
         if length != len(into):
             resp.close()
@@ -502,14 +590,22 @@ class S3Client:
         """
         token: str | None = None
         seen: set[str] = set()
-        pages = 0
+        pages = listed = 0
         what = f"listing of s3://{self.bucket}/{prefix}"
         while True:
             query = {"list-type": "2", "prefix": prefix}
             if token:
                 query["continuation-token"] = token
-            _, _, body = self.request(S3Call("GET", None, query=query))
+            _, _, body = self.request(
+                S3Call("GET", None, query=query, limit=LIST_PAGE_MAX, kind="a listing page")
+            )
             pages += 1
+            listed += len(body)
+            if listed > LIST_TOTAL_MAX:
+                raise SourceError(
+                    f"{what}: {pages} pages came to more than {LIST_TOTAL_MAX >> 20} MiB of "
+                    "listing; is the prefix right?"
+                )
             try:
                 root = ET.fromstring(body)
             except ET.ParseError as exc:
@@ -552,8 +648,8 @@ class S3Client:
         )
 
     def get_bytes(self, key: str) -> bytes:
-        """GET a small object whole."""
-        return self.request(S3Call("GET", key))[2]
+        """GET a small object whole (at most SMALL_OBJECT_MAX bytes, else a SourceError)."""
+        return self.request(S3Call("GET", key, kind="a whole-object GET"))[2]
 
     def get_range_into(
         self,
@@ -626,7 +722,7 @@ class S3Options:
 
 
 # 1000 keys a page: a model tree is a few thousand objects at most
-MAX_LIST_PAGES = 10_000
+MAX_LIST_PAGES = 1_000
 
 
 def _listed_size(text: str | None, what: str) -> int:

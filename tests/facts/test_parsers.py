@@ -539,3 +539,20 @@ def test_parse_size(text, size):
 def test_parse_size_rejects_words():
     with pytest.raises(ValueError, match="not a size: 'lots'"):
         sizes.parse_size("lots")
+
+
+@pytest.mark.parametrize("word", ["a" * 48000, "x_" * 24000, "1" * 48000, "a " * 24000])
+def test_every_diagnosis_pattern_is_linear_on_long_words(word: str) -> None:
+    """A 48,000-character word once took one pattern 6-19 s (`\\w+ with \\w+ …` tried at every
+    position); `release diagnose` runs before `release revert`, so each must stay fast."""
+    import time
+
+    from hgxserve.parsers.outputs import _DIAGNOSES
+
+    for code, _, pattern, _ in _DIAGNOSES:
+        started = time.perf_counter()
+        pattern.search(word)
+        assert time.perf_counter() - started < 0.25, code
+    started = time.perf_counter()
+    assert parsers.diagnose_errors((word + "\n") * 20) == []
+    assert time.perf_counter() - started < 2
