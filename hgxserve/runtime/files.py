@@ -15,11 +15,12 @@ import urllib.request
 from pathlib import Path
 
 from hgxserve.base.compat import file_sha256
+from hgxserve.base.digests import MAX_SHIPPED_FILE_BYTES, shipped_file_sha256
 from hgxserve.runtime.agent_build import CACHE
 from hgxserve.topology.model import TopologyFile
 
 FETCH_TIMEOUT_S = 60
-MAX_FILE_BYTES = 64 << 20  # templates, plugins and configs are small; refuse anything else
+MAX_FILE_BYTES = MAX_SHIPPED_FILE_BYTES  # templates, plugins and configs are small
 
 
 class FileSourceError(RuntimeError):
@@ -36,7 +37,7 @@ def local_copy(spec: TopologyFile, cache: Path | None = None) -> Path:
     if not spec.is_url:
         path = Path(spec.source)
         try:
-            actual = _sha256(path)
+            actual = shipped_file_sha256(spec.source)
         except OSError as exc:
             detail = exc.strerror or str(exc)
             raise FileSourceError(f"files.{spec.name}: cannot read {path}: {detail}") from None

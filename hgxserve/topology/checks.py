@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hgxserve.base.cachelayout import ENV_SUBDIRS
-from hgxserve.base.compat import file_sha256
+from hgxserve.base.digests import shipped_file_sha256
 from hgxserve.base.paths import CONFIG_DIR, TOPOLOGY_FILES_DIR
 from hgxserve.topology.engine_args import arg_of_flag
 from hgxserve.topology.model import Engine, Proxy, Topology, is_loopback
@@ -1088,8 +1088,7 @@ def file_source(topo: Topology) -> Iterator[Finding]:
             continue  # fetched by the controller at deploy time and checked against sha256
         written = topo.raw.get("files", {}).get(name, {}).get("source", spec.source)
         try:
-            with open(spec.source, "rb") as fh:
-                actual = file_sha256(fh)
+            actual = shipped_file_sha256(spec.source)
         except OSError as exc:
             yield (
                 ("files", name, "source"),
