@@ -17,8 +17,11 @@ import and gevent cost more than the SSH round trip this view is meant to cost).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import shlex
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -67,12 +70,25 @@ class _AcceptNew:
     def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
         client.get_host_keys().add(hostname, key.get_name(), key)
         filename = getattr(client, "_hgxserve_known_hosts", None)
+        # Trusting a key on first use is a decision a user must see (OpenSSH says it as well).
+        print(new_host_key_line(hostname, key, filename), file=sys.stderr)
         if filename:
             try:
                 with open(filename, "a", encoding="utf-8") as fh:
                     fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
             except OSError:
                 pass
+
+
+def new_host_key_line(hostname: str, key: Any, known_file: str | None) -> str:
+    """The line printed when a host key is trusted on first use: host, type, SHA256
+    fingerprint (as `ssh-keygen -lf` prints it) and where it was remembered."""
+    digest = base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+    where = f"added to {known_file}" if known_file else "not remembered"
+    return (
+        f"ssh: {hostname}: new host key {key.get_name()} SHA256:{digest} trusted on first use "
+        f"({where}; ssh_strict_host_key_checking=yes refuses unknown keys)"
+    )
 
 
 def _host_key_policy(client: Any, data: dict[str, Any], config: dict[str, Any]) -> None:
