@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
 import tarfile
 from pathlib import Path
@@ -83,8 +84,9 @@ def _scan_archive(
     index: dict[str, Any] | None = None
     try:
         with tarfile.open(path, mode="r|*") as tar:
+            seen: set[str] = set()
             for member in tar:
-                name = member.name.removeprefix("./")
+                name = _member_name(path, member, seen)
                 fh = tar.extractfile(member) if member.isfile() else None
                 if fh is None:
                     continue
@@ -100,6 +102,29 @@ def _scan_archive(
             "`podman save --format oci-archive` or `skopeo copy ... oci-archive:`)"
         )
     return index, hashes
+
+
+def _member_name(path: str | os.PathLike[str], member: tarfile.TarInfo, seen: set[str]) -> str:
+    """The member's name as an extractor reads it, refusing what could make the extracted
+    image differ from the checked one: a name that is not canonical (`blobs//sha256/x`,
+    `././blobs/…`, `..`, absolute: an extractor normalises them onto a checked name), a second
+    member of the same name (the later one wins on extraction), and a link or device where
+    index.json or a blob belongs."""
+    raw = member.name
+    name = raw[2:] if raw.startswith("./") else raw
+    if name.startswith("/") or name != posixpath.normpath(name) or name.split("/")[0] == "..":
+        raise ImageArchiveError(
+            f"{path}: member {raw!r} has a non-canonical name (an extractor reads it as "
+            f"{posixpath.normpath(name)!r}): refused"
+        )
+    if name in seen and name != ".":
+        raise ImageArchiveError(f"{path}: member {name!r} appears twice: refused")
+    seen.add(name)
+    if (name == "index.json" or name.startswith("blobs/")) and not (
+        member.isfile() or member.isdir()
+    ):
+        raise ImageArchiveError(f"{path}: member {name!r} is a link or device: refused")
+    return name
 
 
 def _hash_stream(fh: IO[bytes]) -> tuple[str, int]:

@@ -84,3 +84,34 @@ def test_names() -> None:
     assert archive_name(digest) == "sha256-" + "ab" * 32 + ".oci.tar"
     with pytest.raises(ImageArchiveError, match="not pinned by digest"):
         image_digest("docker.io/vllm/vllm-openai:v0.26.0")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["blobs//sha256/{h}", "././blobs/sha256/{h}", "blobs/sha256/../sha256/{h}",
+     "/blobs/sha256/{h}", "blobs/sha256/{h}", "./blobs/sha256/{h}"],
+)  # fmt: skip
+def test_a_second_copy_of_a_blob_under_any_spelling_is_refused(tmp_path: Path, extra: str) -> None:
+    """An extractor normalises `blobs//sha256/x` and `././blobs/…` onto the checked name and
+    keeps the later member: a tampered copy under another spelling must not pass."""
+    digest = oci_archive(tmp_path / "a.tar")
+    with tarfile.open(tmp_path / "a.tar") as tar:
+        layer = next(m for m in tar.getmembers() if m.size > 10000)
+    evil = b"evil layer"
+    with tarfile.open(tmp_path / "a.tar", "a") as tar:
+        info = tarfile.TarInfo(extra.format(h=layer.name.rsplit("/", 1)[1]))
+        info.size = len(evil)
+        tar.addfile(info, io.BytesIO(evil))
+    with pytest.raises(ImageArchiveError, match="non-canonical name|appears twice"):
+        verify_archive(tmp_path / "a.tar", digest)
+
+
+def test_a_link_where_a_blob_belongs_is_refused(tmp_path: Path) -> None:
+    digest = oci_archive(tmp_path / "a.tar")
+    with tarfile.open(tmp_path / "a.tar", "a") as tar:
+        info = tarfile.TarInfo("blobs/sha256/" + "f" * 64)
+        info.type = tarfile.SYMTYPE
+        info.linkname = "/etc/shadow"
+        tar.addfile(info)
+    with pytest.raises(ImageArchiveError, match="is a link or device"):
+        verify_archive(tmp_path / "a.tar", digest)
