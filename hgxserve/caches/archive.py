@@ -14,6 +14,7 @@ it was.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO, cast
 
+import jsonschema
 import zstandard
 
 from hgxserve.base.cachelayout import (
@@ -165,8 +167,8 @@ def _walk(src: str) -> tuple[list[str], list[str], list[tuple[str, str]]]:
         rel_top = os.path.relpath(top, src)
         for name in list(subdirs) + names:
             rel = name if rel_top == "." else posixpath.join(rel_top, name)
-            if rel in (RESTORE_MARKER, MANIFEST_NAME):
-                continue
+            if rel == MANIFEST_NAME or rel.split("/")[0].startswith(RESTORE_MARKER):
+                continue  # the host's marker (and its temporaries): a restore refuses them
             full = os.path.join(src, rel)
             st = os.lstat(full)
             if stat.S_ISLNK(st.st_mode):
@@ -310,11 +312,18 @@ def expected_digest(archive: str, given: str | None) -> str | None:
 
 
 def write_marker(dest: str, marker: dict[str, Any]) -> None:
-    tmp = os.path.join(dest, RESTORE_MARKER + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(marker, fh, sort_keys=True, indent=1)
-        fh.write("\n")
-    os.replace(tmp, os.path.join(dest, RESTORE_MARKER))
+    """Write dest's restore marker atomically, through a fresh temporary file (whatever an
+    archive left in dest, even an entry named like a temporary, is never written through)."""
+    fd, tmp = tempfile.mkstemp(prefix=RESTORE_MARKER + ".", suffix=".tmp", dir=dest)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(marker, fh, sort_keys=True, indent=1)
+            fh.write("\n")
+        os.replace(tmp, os.path.join(dest, RESTORE_MARKER))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _safe_member_name(name: str) -> str:
@@ -373,8 +382,11 @@ class _Unpacker:
 
     def write(self, tar: tarfile.TarFile, member: tarfile.TarInfo, name: str) -> None:
         """Write one admitted member (not the manifest) into tmp."""
-        if name == RESTORE_MARKER:
-            raise ArchiveError(f"{self.archive}: carries a host restore marker; refusing it")
+        if name.split("/")[0].startswith(RESTORE_MARKER):
+            raise ArchiveError(
+                f"{self.archive}: carries {name!r}, named like the host's restore marker; "
+                "refusing it"
+            )
         target_path = os.path.join(self.tmp, name)
         if member.isdir():
             os.makedirs(target_path, exist_ok=True)
@@ -462,7 +474,48 @@ def _parse_manifest(archive: str, body: bytes | None) -> tuple[dict[str, Any], b
         raise ArchiveError(f"{archive}: manifest is not JSON: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArchiveError(f"{archive}: manifest format is not {FORMAT}")
+    problem = next(iter(_MANIFEST_VALIDATOR.iter_errors(manifest)), None)
+    if problem is not None:
+        where = "$" + "".join(
+            f"[{p}]" if isinstance(p, int) else f".{p}" for p in problem.absolute_path
+        )
+        raise ArchiveError(f"{archive}: manifest is malformed at {where}: {problem.message}")
     return manifest, body
+
+
+# What _check_against_manifest reads of a manifest: anything else is refused with its place.
+_MANIFEST_VALIDATOR = jsonschema.Draft202012Validator(
+    {
+        "type": "object",
+        "required": ["format", "files"],
+        "properties": {
+            "files": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["path", "size", "sha256"],
+                    "properties": {
+                        "path": {"type": "string", "maxLength": 4096},
+                        "size": {"type": "integer", "minimum": 0},
+                        "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                    },
+                },
+            },
+            "dirs": {"type": "array", "items": {"type": "string", "maxLength": 4096}},
+            "symlinks": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["path", "target"],
+                    "properties": {
+                        "path": {"type": "string", "maxLength": 4096},
+                        "target": {"type": "string", "maxLength": 4096},
+                    },
+                },
+            },
+        },
+    }
+)
 
 
 def _free_bytes(path: str) -> int:

@@ -125,3 +125,49 @@ def test_store_digest_is_the_controllers_own_hash(tmp_path: Path) -> None:
     traversal = _Host({"archive_sha256": "../../etc/x"}, body, tmp_path)
     with pytest.raises(OperationError, match="names archive"):
         _fetch_baked(None, traversal, "k", "fk3", "/var/cache/hgxserve", str(store))
+
+
+@pytest.mark.parametrize(
+    ("files", "where"),
+    [
+        ([["a.bin", 1, "0" * 64]], r"\$\.files\[0\]"),
+        ([{"path": "a.bin", "size": "1", "sha256": "0" * 64}], r"\$\.files\[0\]\.size"),
+        ([{"path": "a.bin", "size": 1}], r"\$\.files\[0\]"),
+        ([{"path": "a.bin", "size": 1, "sha256": "zz"}], r"\$\.files\[0\]\.sha256"),
+        ({"a.bin": 1}, r"\$\.files"),
+    ],
+)
+def test_a_malformed_manifest_is_a_clear_error(tmp_path: Path, files: object, where: str) -> None:
+    """A manifest of the right format with entries of the wrong shape: an ArchiveError naming
+    the place, never a KeyError or TypeError traceback; the old cache stays."""
+    info = tarfile.TarInfo("a.bin")
+    info.size = 1
+    bad = tmp_path / "bad.tar.zst"
+    _write(bad, [(info, b"a")], {"format": archive.FORMAT, "files": files})
+    dest = _old(tmp_path)
+    with pytest.raises(ArchiveError, match=f"manifest is malformed at {where}"):
+        restore_archive(str(bad), str(dest))
+    assert sorted(os.listdir(dest)) == ["kept.bin"]
+
+
+def test_an_entry_named_like_the_marker_or_its_temporary_is_refused(tmp_path: Path) -> None:
+    """A directory `.hgxserve-cache.json.tmp` in an archive once made the marker's write a
+    traceback; names starting like the marker are refused, and the marker is written through
+    a fresh temporary."""
+    marker = archive.RESTORE_MARKER
+    for name in (marker, marker + ".tmp", marker + ".x/y"):
+        bad = tmp_path / "marker.tar.zst"
+        top = name.split("/")[0]
+        members = [_dir(top)] if "/" in name or name.endswith(".tmp") else []
+        if not members:
+            info = tarfile.TarInfo(name)
+            info.size = 2
+            members = [(info, b"{}")]
+        _write(bad, members, {"format": archive.FORMAT, "files": [], "dirs": [top]})
+        with pytest.raises(ArchiveError, match="named like the host's restore marker"):
+            restore_archive(str(bad), str(_old(tmp_path / name.replace("/", "_"))))
+    dest = tmp_path / "plain"
+    dest.mkdir()
+    (dest / (marker + ".tmp")).mkdir()  # left there by anything: the write does not care
+    archive.write_marker(str(dest), {"archive_sha256": "a" * 64})
+    assert json.loads((dest / marker).read_text()) == {"archive_sha256": "a" * 64}
