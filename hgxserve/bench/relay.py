@@ -32,6 +32,12 @@ _SKIP = {
 }
 
 
+# What the load generator sends (AIPerf's chat and completions endpoints, and the model list).
+RELAYED = frozenset(
+    {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models")}
+)
+
+
 @dataclass
 class RelayCounts:
     sent: int = 0
@@ -63,7 +69,15 @@ class RoundRelay:
         self._serial = 0
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        generation = request.method == "POST"  # GET /v1/models etc. reach no engine
+        if (request.method, request.path) not in RELAYED:
+            # The relay adds the proxy's key: it forwards only what the generator sends, not
+            # whatever another local process asks of the proxy (or its engines) in its name.
+            return web.json_response(
+                {"error": {"message": f"bench relay: {request.method} {request.path} is not "
+                           "a load generator request; not forwarded", "code": 403}},
+                status=403,
+            )  # fmt: skip
+        generation = request.method == "POST"  # GET /v1/models reaches no engine
         if generation:
             self.counts.sent += 1
         self._serial += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -63,3 +64,29 @@ def test_every_request_gets_the_round_prefix_and_the_key() -> None:
     ]  # fmt: skip
     assert {h["authorization"] for h in SEEN} == {"Bearer k3y-secret"}
     assert SEEN[0]["path"] == "/v1/completions"
+
+
+def test_only_the_generators_requests_are_forwarded_with_the_key() -> None:
+    """Any local process could reach the relay: it must not lend the proxy's key to other
+    methods or paths (`/invocations`, `/metrics`, `DELETE …`)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    upstream = f"http://127.0.0.1:{server.server_address[1]}"
+    SEEN.clear()
+    try:
+        with RoundRelay(upstream, "r", api_key="k3y-secret") as relay:
+            for method, path in [
+                ("POST", "/invocations"), ("GET", "/metrics"), ("POST", "/v1/models"),
+                ("GET", "/v1/completions"), ("DELETE", "/v1/chat/completions"),
+                ("POST", "/v1/completions/../../tokenize"),
+            ]:  # fmt: skip
+                req = urllib.request.Request(relay.url + path, data=b"{}", method=method)
+                try:
+                    urllib.request.urlopen(req, timeout=10)
+                    raise AssertionError(f"{method} {path} was forwarded")
+                except urllib.error.HTTPError as exc:
+                    assert exc.code == 403, (method, path)
+            assert relay.counts.sent == 0
+    finally:
+        server.shutdown()
+    assert SEEN == []
