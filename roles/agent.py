@@ -15,8 +15,8 @@ from hgxserve.base.paths import AGENT_PREFIX, AGENT_STAGING
 from hgxserve.base.runstate import per_run
 from hgxserve.facts.runtime import HostPython
 from hgxserve.operations.wheelhouse import push_wheelhouse
-from hgxserve.runtime.agent_build import python_problem, wheelhouse
-from hgxserve.runtime.wheelhouse import HostPlatform
+from hgxserve.runtime.agent_build import OWN_LOCK, python_problem, wheelhouse
+from hgxserve.runtime.wheelhouse import LOCK_NAME, HostPlatform
 
 AGENT_DIR = AGENT_PREFIX
 
@@ -53,17 +53,21 @@ def agent(*, prefix: str = AGENT_DIR, python: str = "python3") -> None:
         return
     pushed = push_wheelhouse("agent", tarball, key, AGENT_STAGING)
     wheels, pip = q(pushed.path), q(prefix + "/bin/pip")
+    install = (
+        f"{pip} install -q --disable-pip-version-check --only-binary=:all: --no-index "
+        f"--find-links {wheels} --require-hashes"
+    )
     server.shell(
         name=f"Install the hgxserve agent {key} into {prefix}",
         commands=[
             pushed.unpack,
             # a venv whose interpreter went away (the host's Python was upgraded) is made anew
             f"{pip} --version >/dev/null 2>&1 || {q(python)} -m venv --clear {q(prefix)}",
-            # every wheel of the wheelhouse: a dependency added since the installed agent is
-            # installed too (asking for `hgxserve` alone would be satisfied by the old one)
-            f"{pip} install -q --no-index --find-links {wheels} {wheels}/*.whl",
-            f"{pip} install -q --no-index --find-links {wheels} --no-deps --force-reinstall "
-            "hgxserve",
+            # every wheel of the wheelhouse, each by the sha256 the controller's lock names (a
+            # dependency added since the installed agent is installed too), binary wheels only
+            f"{install} -r {wheels}/{LOCK_NAME}",
+            # hgxserve's own version stays 0.1.0 across sources: reinstalled, by its hash
+            f"{install} --no-deps --force-reinstall -r {wheels}/{OWN_LOCK}",
             f"echo {q(key)} > {q(marker)}",
             pushed.cleanup,
         ],

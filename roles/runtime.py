@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shlex
 import urllib.parse
+from dataclasses import dataclass, field
 
 from pyinfra import host
 from pyinfra.api import DeployError, deploy
@@ -25,7 +26,7 @@ from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
 from hgxserve.operations.wheelhouse import push_wheelhouse
 from hgxserve.runtime.checks import cuda_line
 from hgxserve.runtime.spec import VenvRuntime, parse_pin, version_matches
-from hgxserve.runtime.wheelhouse import wheelhouse_torch
+from hgxserve.runtime.wheelhouse import LOCK_NAME, wheelhouse_lock_digest, wheelhouse_torch
 
 
 def _quote(*words: str) -> str:
@@ -77,7 +78,7 @@ def runtime_venv(
     + python: the host's Python used to create the venv
     + staging: host directory the wheelhouse is unpacked in (removed after installing)
     """
-    spec, index_url = plan.spec, plan.index_url
+    spec = plan.spec
     state = host.get_fact(VenvRuntimeState, venv=spec.venv, dist=spec.dist, imports=spec.imports)
     if runtime_current(spec, state):
         host.noop(f"runtime {spec.venv} already holds {' '.join(spec.requirements)}")
@@ -89,31 +90,14 @@ def runtime_venv(
             f"found {found} (a runtime venv is not changed in place; give it its own venv)"
         )
     venv, py = spec.venv.rstrip("/"), spec.python
-    pip = f"{venv}/bin/pip"
     commands = [f"test -x {shlex.quote(py)} || {_quote(python, '-m', 'venv', venv)}"]
-    install = [pip, "install", "-q", "--disable-pip-version-check", "--no-cache-dir"]
-    if index_url:
-        source = f"index {index_url}"
-        install += ["--index-url", index_url]
-        if index_url.startswith("http://"):
-            # a lab mirror without TLS: pip ignores it unless its host is named trusted
-            install += ["--trusted-host", urllib.parse.urlsplit(index_url).netloc]
-        cleanup: list[str] = []
-    else:
-        tarball, key = plan.wheelhouse()
-        torch = wheelhouse_torch(tarball)
-        if torch:  # before anything is pushed: a CUDA this driver cannot run stops here
-            line = cuda_line(
-                host.name, spec.venv, *torch, host.get_fact(DriverCuda), plan.planned_driver
-            )
-            if line:
-                raise DeployError(f"runtime wheelhouse {key}:\n  {line}")
-        source = f"wheelhouse {key}"
-        pushed = push_wheelhouse("runtime", tarball, key, staging)
-        commands.append(pushed.unpack)
-        install += ["--no-index", "--find-links", pushed.path]
-        cleanup = [pushed.cleanup]
-    commands.append(_quote(*install, *spec.requirements))
+    source = _source(plan, staging)
+    commands += source.before
+    # binary wheels only: an sdist would run its build code as root on the host
+    install = [f"{venv}/bin/pip", "install", "-q", "--disable-pip-version-check",
+               "--no-cache-dir", "--only-binary=:all:", *source.args]  # fmt: skip
+    cleanup = list(source.cleanup)
+    commands.append(_quote(*install))
     if spec.wheels:
         wheel_commands, cleanup_wheels = _wheels(plan, staging)
         commands += wheel_commands
@@ -125,7 +109,9 @@ def runtime_venv(
     names = {parse_pin(r)[0].lower() for r in spec.requirements}
     earlier = {r for r in installed_requirements(state) if parse_pin(r)[0].lower() not in names}
     held = sorted(earlier | set(spec.requirements))
-    record: dict[str, object] = {"requirements": held, "source": source}
+    record: dict[str, object] = {"requirements": held, "source": source.name}
+    if source.lock:
+        record["lock"] = source.lock
     wheels = sorted(installed_wheels(state) | {w.sha256 for w in spec.wheels})
     if wheels:
         record["wheels"] = wheels
@@ -136,9 +122,48 @@ def runtime_venv(
     )
     commands += cleanup
     server.shell(
-        name=f"Install {' '.join(spec.requirements)} into {spec.venv} from {source}",
+        name=f"Install {' '.join(spec.requirements)} into {spec.venv} from {source.name}",
         commands=commands,
     )
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a venv's packages come from: its name for the log and marker, the commands that
+    bring it to the host, pip's arguments (with what to install), and the cleanup after."""
+
+    name: str
+    args: list[str]
+    before: list[str] = field(default_factory=list)
+    cleanup: list[str] = field(default_factory=list)
+    lock: str | None = None  # sha256 of the wheelhouse's hash lock
+
+
+def _source(plan: VenvPlan, staging: str) -> _Source:
+    spec, index_url = plan.spec, plan.index_url
+    if index_url:
+        args = ["--index-url", index_url]
+        if index_url.startswith("http://"):
+            # a lab mirror without TLS: pip ignores it unless its host is named trusted
+            args += ["--trusted-host", urllib.parse.urlsplit(index_url).netloc]
+        return _Source(f"index {index_url}", [*args, *spec.requirements])
+    tarball, key = plan.wheelhouse()
+    torch = wheelhouse_torch(tarball)
+    if torch:  # before anything is pushed: a CUDA this driver cannot run stops here
+        line = cuda_line(
+            host.name, spec.venv, *torch, host.get_fact(DriverCuda), plan.planned_driver
+        )
+        if line:
+            raise DeployError(f"runtime wheelhouse {key}:\n  {line}")
+    pushed = push_wheelhouse("runtime", tarball, key, staging)
+    # exactly the wheels the controller downloaded, each by its sha256: the wheelhouse's lock
+    # pins every transitive dependency too
+    args = ["--no-index", "--find-links", pushed.path, "--require-hashes",
+            "-r", f"{pushed.path}/{LOCK_NAME}"]  # fmt: skip
+    return _Source(
+        f"wheelhouse {key}", args, [pushed.unpack], [pushed.cleanup],
+        wheelhouse_lock_digest(tarball),
+    )  # fmt: skip
 
 
 def _wheels(plan: VenvPlan, staging: str) -> tuple[list[str], str]:

