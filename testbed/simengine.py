@@ -86,6 +86,7 @@ Simulated-only debug endpoint: GET /sim/requests (recent requests: id, kind, KV 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -1531,8 +1532,11 @@ def multinode_role(args: dict[str, Any]) -> tuple[str, str, int, int]:
         return "single", "", 0, 0
     host, _, port = str(args.get("--dist-init-addr") or ":").rpartition(":")
     rank = int(args.get("--node-rank") or 0)
-    return ("worker" if rank > 0 else "head"), host.strip("[]"), int(port or 0), (
-        1 if rank > 0 else nnodes - 1
+    return (
+        ("worker" if rank > 0 else "head"),
+        host.strip("[]"),
+        int(port or 0),
+        (1 if rank > 0 else nnodes - 1),
     )
 
 
@@ -1606,10 +1610,8 @@ async def join_head(host: str, port: int, units: int, stop: asyncio.Event) -> No
                 raise OSError("the head did not accept")
         except (OSError, TimeoutError) as exc:
             log(f"head {host}:{port} not reachable yet ({exc}); retrying")
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1)
-            except TimeoutError:
-                pass
             continue
         log(f"joined the head at {host}:{port} with {units} DP rank(s)")
         lost = asyncio.ensure_future(reader.read())

@@ -33,7 +33,6 @@ from hgxserve.caches.key import cache_key
 from hgxserve.caches.warmup import Shape, shapes_arg, warmup_plan
 from hgxserve.render.engines import NodePlan, engine_args, engine_program, node_plan
 from hgxserve.render.proxy import render_proxy
-from hgxserve.render.watch import render_watch
 from hgxserve.render.types import (
     CONTAINER_TOOLS,
     CredentialSpec,
@@ -46,6 +45,7 @@ from hgxserve.render.types import (
     unit_name,
     watch_unit_name,
 )
+from hgxserve.render.watch import render_watch
 from hgxserve.runtime.fabric import FABRIC_RUN_ARGS, INFINIBAND_DEVICES, fabric_reasons
 from hgxserve.topology.model import Engine, SecretRef, Topology
 from hgxserve.topology.placement import check_marker_args, serving_mounts, serving_tree
