@@ -212,6 +212,22 @@ def test_status_tells_the_story(lab: testbed_hosts.Testbed) -> None:
         check=False,
     ).stdout
     assert "2 restarts" in table and "hgx-a+hgx-b" in table, table
+    print("\n" + table)
+    logs = subprocess.run(
+        [HGXSERVE, "logs", str(TOPOLOGY), "combined-0", "--inventory", "inventory/testhosts.py",
+         "-n", "400"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    ).stdout  # fmt: skip
+    # the hosts' lines and the watchers' interleaved by time, each with its host
+    hosts = [line.split(" | ", 1)[0].strip() for line in logs.splitlines() if " | " in line]
+    assert {"hgx-a", "hgx-b"} <= set(hosts)
+    switches = sum(a != b for a, b in zip(hosts, hosts[1:], strict=False))
+    assert switches >= 2, "the hosts' lines are not interleaved"
+    assert "engine-down" in logs and "restart-worker" in logs
 
 
 def test_a_second_deploy_changes_nothing(lab: testbed_hosts.Testbed) -> None:
