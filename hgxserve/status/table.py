@@ -261,6 +261,10 @@ def _multinode_lines(report: Report, topo: Topology) -> list[str]:
             if host == engine.head:
                 watch = (units.get(f"hgxserve-{name}-watch.service") or {}).get("watch")
         events = (watch or {}).get("events") or []
+        downs = [e for e in events if e.get("kind") == "engine-down"]
+        last = _event_cell(events[-1] if events else None)
+        if downs and events[-1] is not downs[-1]:
+            last += f" after {_event_cell(downs[-1])}"  # the story: what went down, and why
         rows.append(
             [
                 name,
@@ -268,7 +272,7 @@ def _multinode_lines(report: Report, topo: Topology) -> list[str]:
                 ", ".join(parts),
                 f"gen {watch.get('generation')} {watch.get('phase')}" if watch else "NOT RUNNING",
                 f"{watch.get('restarts', 0)} restarts" if watch else "-",
-                _event_cell(events[-1] if events else None),
+                last,
             ]
         )
     return ["", *_grid(rows)] if len(rows) > 1 else []

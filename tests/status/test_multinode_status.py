@@ -74,3 +74,15 @@ def test_logs_read_the_engine_and_its_watcher_together() -> None:
         "journalctl", "-u", "hgxserve-combined-0.service",
         "-u", "hgxserve-combined-0-watch.service",
     ]  # fmt: skip
+
+
+def test_the_last_event_tells_what_went_down_before_the_recovery() -> None:
+    down = {"at": NOW - 30, "kind": "engine-down", "generation": 3,
+            "reason": "head unit hgxserve-combined-0.service on hgx-a is failed"}  # fmt: skip
+    back = {"at": NOW - 20, "kind": "engine-recovered", "generation": 3, "restarts": 3}
+    watch = {"generation": 3, "phase": "watching", "restarts": 3, "events": [down, back]}
+    row = _multinode_lines(
+        _report(_view("hgx-a", "active", watch), _view("hgx-b", "active", {})), MULTI
+    )[2]
+    assert "engine-recovered" in row and "after engine-down" in row
+    assert row.endswith("(head unit hgxserve-combined-0.service on hgx-a is failed)")
