@@ -201,6 +201,11 @@ def unchanged_units(store: Store, old: ReleaseSpec | None, new: ReleaseSpec) -> 
         if unit.kind in ("proxy", "watch") and not others_same:
             continue
         keep.add(unit.name)
+    engines = {u.name for u in new.units if u.kind in ("engine", "worker")}
+    if not engines <= keep:
+        # an engine restarts: its watcher must not see that as a death (stopped before the
+        # engines, started once they serve)
+        keep -= {u.name for u in new.units if u.kind == "watch"}
     return frozenset(keep)
 
 

@@ -198,10 +198,12 @@ class Watcher:
             return
         generation = int(leader["generation"])
         if not self.adopted:
-            # first contact with no state of its own: the worker runs for the leader's generation
             self.adopted = True
-            self.state.generation = generation
-            return
+            if leader.get("phase") != "waiting-followers":
+                # first contact with no state of its own: the worker runs for this generation
+                self.state.generation = generation
+                return
+            # the leader waits for the workers of a new generation: this one may be an old one
         if generation == self.state.generation:
             return
         self._note("restart-worker", now, to_generation=generation, unit=self.config.unit)

@@ -408,3 +408,25 @@ def test_watchers_start_after_their_engines_and_stop_before_them(store: Store) -
     sd.calls.clear()
     switch(store, "r2", confirm_within_s=None, systemd=sd, log=lambda m: None)
     assert [c[1] for c in sd.calls if c[0] == "stop"] == list(reversed(units))
+
+
+def test_a_watcher_is_restarted_with_its_engine_even_when_its_own_files_did_not_change(
+    store: Store,
+) -> None:
+    engine, watch = "hgxserve-decode-0.service", "hgxserve-decode-0-watch.service"
+    old = {f"{UNITS}/{engine}": "[Service]\nExecStart=/bin/a\n", f"{UNITS}/{watch}": "w\n"}
+    new = {**old, f"{UNITS}/{engine}": "[Service]\nExecStart=/bin/b\n"}
+    stage_files(store, "r1", old, [engine, watch])
+    stage_files(store, "r2", new, [engine, watch])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd.calls.clear()
+    switch(store, "r2", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    assert [c for c in sd.calls if c[0] in ("stop", "start")] == [
+        ("stop", watch), ("stop", engine), ("start", engine), ("start", watch),
+    ]  # fmt: skip
+    sd.calls.clear()
+    stage_files(store, "r3", {**new, "/etc/hgxserve/proxy.json": "{}"}, [engine, watch])
+    switch(store, "r3", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    # the engine kept: its watcher restarts only for its own config (here: another file changed)
+    assert ("stop", engine) not in sd.calls

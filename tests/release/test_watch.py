@@ -247,3 +247,13 @@ def test_config_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "c.json"
     path.write_text(watcher.config.to_json())
     assert WatchConfig.load(str(path)) == watcher.config
+
+
+def test_a_follower_without_state_restarts_its_worker_when_the_leader_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    watcher, members = follower(tmp_path)
+    members.peers["http://10.0.0.1:13346/state"] = {"generation": 3, "phase": "waiting-followers"}
+    watcher.step(0.0)
+    assert members.calls == [("reset-failed", HEAD), ("restart", HEAD)]
+    assert watcher.state.generation == 3
