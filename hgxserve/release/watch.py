@@ -316,10 +316,23 @@ class Watcher:
                 self.state.phase = "watching"
             self._note("engine-recovered", now, restarts=self.state.restarts)
             return
+        stopped = self._stopped_workers()
         if unit_state not in RUNNING and unit_state != "inactive":
             self._give_up(now, f"head unit {self.config.unit} is {unit_state} while starting")
+        elif stopped:
+            # the head would wait for it until the start timeout (minutes on real engines)
+            self._give_up(now, f"worker on {', '.join(stopped)} stopped while the head started")
         elif now > self.deadline:
             self._give_up(now, "head not healthy within the engine's start timeout")
+
+    def _stopped_workers(self) -> list[str]:
+        """Followers that answer and report their worker not running."""
+        out = []
+        for peer, url in self.config.followers.items():
+            state = self.members.peer_state(url)
+            if state is not None and state.get("unit_state") not in RUNNING:
+                out.append(peer)
+        return out
 
     def _give_up(self, now: float, why: str) -> None:
         """A recovery failed: back to watching; the next one waits `backoff_s`."""

@@ -257,3 +257,19 @@ def test_a_follower_without_state_restarts_its_worker_when_the_leader_waits_for_
     watcher.step(0.0)
     assert members.calls == [("reset-failed", HEAD), ("restart", HEAD)]
     assert watcher.state.generation == 3
+
+
+def test_a_worker_that_dies_while_the_head_starts_fails_the_recovery_at_once(
+    tmp_path: Path,
+) -> None:
+    watcher, members, _ = leader(tmp_path)
+    members.units[HEAD] = "failed"
+    watcher.step(0.0)
+    members.peers[FOLLOWER_URL] = {"generation": 1, "unit_state": "active", "unit": HEAD}
+    members.health = False
+    watcher.step(2.0)
+    members.units[HEAD] = "activating"
+    members.peers[FOLLOWER_URL] = {"generation": 1, "unit_state": "failed", "unit": HEAD}
+    watcher.step(4.0)
+    assert kinds(watcher)[-1] == "recovery-failed"
+    assert "worker on h-b stopped" in watcher.state.events[-1]["reason"]
