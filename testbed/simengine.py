@@ -76,9 +76,10 @@ Engines that span hosts (simulated as the real ones behave): the head of a multi
 only once every worker joined (vLLM's DP handshake, torch.distributed's rendezvous): vLLM waits
 for the remaining DP ranks, SGLang for nnodes-1 nodes. A worker (--headless / --node-rank > 0)
 joins the head there, retrying until it answers, and holds the connection. A worker that dies
-after the head served: the head logs vLLM's engine-death lines ("Engine core ... died
-unexpectedly", EngineDeadError) and exits 1. A head that dies: the worker keeps running and
-serves nothing, as a real worker hangs in NCCL, until SIGTERM.
+after the head served: the head logs the engine's death lines (vLLM: "Engine core ... died
+unexpectedly", EngineDeadError; SGLang: "Received sigquit from a child process") and exits 1.
+A head that dies: the worker keeps running and serves nothing, as a real worker hangs in NCCL,
+until SIGTERM.
 
 Simulated-only debug endpoint: GET /sim/requests (recent requests: id, kind, KV outcome, aborted).
 """
@@ -1569,10 +1570,15 @@ async def head_rpc(
     if s.stopping:
         return
     if s.ready:
-        # vllm/v1/engine/core_client.py and exceptions.py, as a head whose DP engine died logs
-        log(f"ERROR Engine core proc {name} died unexpectedly, shutting down client.")
-        log("ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. "
-            "See stack trace (above) for the root cause.")  # fmt: skip
+        if s.engine == "vllm":
+            # vllm/v1/engine/core_client.py and exceptions.py, as a head whose DP engine died
+            log(f"ERROR Engine core proc {name} died unexpectedly, shutting down client.")
+            log("ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an "
+                "issue. See stack trace (above) for the root cause.")  # fmt: skip
+        else:
+            # sglang/srt/entrypoints/engine.py, when a scheduler's collective peer went away
+            log(f"node {name} left the process group")
+            log("Received sigquit from a child process. It usually means the child failed.")
         s.engine_dead = True
         stop.set()
     else:

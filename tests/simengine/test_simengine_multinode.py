@@ -60,3 +60,18 @@ def test_a_worker_hangs_when_its_head_dies(tmp_path: Path) -> None:
         wait_for(lambda: "lost the head" in worker.log())
         time.sleep(1.0)
         assert worker.proc.poll() is None  # still there, serving nothing
+
+
+def test_an_sglang_head_waits_for_its_other_nodes(tmp_path: Path) -> None:
+    rpc = free_port()
+    node = ["serve", "--model-path", "/models/m", "--tp", "4", "--nnodes", "2",
+            "--dist-init-addr", f"127.0.0.1:{rpc}"]  # fmt: skip
+    with SimEngine("sglang", [*node, "--node-rank", "0"], tmp_path, wait=False) as head:
+        wait_for(lambda: "remote core engine proc(s) to start" in head.log())
+        assert not port_open("127.0.0.1", head.port)
+        worker_argv = [*node, "--node-rank", "1"]
+        with SimEngine("sglang", worker_argv, tmp_path, wait=False, headless=True) as worker:
+            head.wait_ready()
+            assert worker.proc is not None and head.proc is not None
+            worker.proc.send_signal(signal.SIGKILL)
+            assert head.proc.wait(timeout=15) == 1
