@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("hgxserve.caches.cli:cache", "Key, bake, pack and restore JIT/compile caches."),
     "proxy": ("hgxserve.proxy.cli:proxy", "Run the P/D proxy (OpenAI-compatible endpoint)."),
     "release": ("hgxserve.release.cli:release", "Host-side release switch, health gate, rollback."),
+    "engine": ("hgxserve.release.cli:engine", "Watch a multi-node engine (run by its units)."),
     "facts": ("hgxserve.facts.cli:facts", "Print this host's GPU/RDMA/shm facts as JSON."),
     "bench": ("hgxserve.bench.cli:bench", "SLA load tests of a deployed topology; compare runs."),
     "gpus": ("hgxserve.gpus.cli:gpus", "Check or wait until GPUs hold no memory (used by units)."),

@@ -50,7 +50,8 @@ STATE = testbed_hosts.STATE_DIR / "demo-s3.json"
 # Make a test host look as if it never ran an hgxserve release (tests start from and leave this).
 FORGET_RELEASES = (
     "systemctl stop 'hgxserve-*' 2>/dev/null; "
-    "rm -f /etc/systemd/system/hgxserve-*; rm -rf /var/lib/hgxserve /etc/hgxserve/proxy.json; "
+    "rm -f /etc/systemd/system/hgxserve-*; rm -rf /var/lib/hgxserve /etc/hgxserve/proxy.json "
+    "/etc/hgxserve/watch; "
     "systemctl daemon-reload; systemctl reset-failed"
 )
 

@@ -70,12 +70,24 @@ Prompts understood specially (deterministic, temperature 0):
   a prompt containing SIM_DROP_REQUEST         -> the connection is closed without an answer (one
                                                   request dropped; the engine stays up)
 
+Engines that span hosts (simulated as the real ones behave): the head of a multi-node engine
+(vLLM: --data-parallel-size-local below --data-parallel-size, not --headless; SGLang: --nnodes N,
+--node-rank 0) listens on its --data-parallel-rpc-port / --dist-init-addr port and opens its API
+only once every worker joined (vLLM's DP handshake, torch.distributed's rendezvous): vLLM waits
+for the remaining DP ranks, SGLang for nnodes-1 nodes. A worker (--headless / --node-rank > 0)
+joins the head there, retrying until it answers, and holds the connection. A worker that dies
+after the head served: the head logs the engine's death lines (vLLM: "Engine core ... died
+unexpectedly", EngineDeadError; SGLang: "Received sigquit from a child process") and exits 1.
+A head that dies: the worker keeps running and serves nothing, as a real worker hangs in NCCL,
+until SIGTERM.
+
 Simulated-only debug endpoint: GET /sim/requests (recent requests: id, kind, KV outcome, aborted).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -399,6 +411,11 @@ class State:
         self.sgl_xfer_ms = Histogram(SGL_LAT_MS_BUCKETS)
         self.slots: asyncio.Semaphore | None = None
         self.jit_buckets: set[int] = set()
+        # an engine that spans hosts: what the head waits for, who joined, whether one died
+        self.need_remote = 0
+        self.joined: dict[str, int] = {}
+        self.joined_event: asyncio.Event | None = None
+        self.engine_dead = False
 
     def inc(self, key: str, value: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + value
@@ -1499,6 +1516,122 @@ def start_phases(total: float, eager: bool) -> list[tuple[str, float]]:
     return out
 
 
+def multinode_role(args: dict[str, Any]) -> tuple[str, str, int, int]:
+    """(role, head host, head port, units of work) of this node of an engine: role "single",
+    "head" (units: DP ranks or nodes it waits for) or "worker" (units: what it brings)."""
+    if STATE.engine == "vllm":
+        headless = args.get("--headless") is True
+        address = str(args.get("--data-parallel-address") or "")
+        port = int(args.get("--data-parallel-rpc-port") or 29550)
+        if headless:
+            return "worker", address, port, STATE.dp_local
+        if address and STATE.dp_local < STATE.dp_size:
+            return "head", address, port, STATE.dp_size - STATE.dp_local
+        return "single", "", 0, 0
+    nnodes = int(args.get("--nnodes") or 1)
+    if nnodes <= 1:
+        return "single", "", 0, 0
+    host, _, port = str(args.get("--dist-init-addr") or ":").rpartition(":")
+    rank = int(args.get("--node-rank") or 0)
+    return (
+        ("worker" if rank > 0 else "head"),
+        host.strip("[]"),
+        int(port or 0),
+        (1 if rank > 0 else nnodes - 1),
+    )
+
+
+async def head_rpc(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stop: asyncio.Event
+) -> None:
+    """The head's side of one worker: `JOIN <units> <name>`, then the connection is held; its
+    end after the head served is the engine's death."""
+    s = STATE
+    try:
+        line = await asyncio.wait_for(reader.readline(), 30)
+    except (TimeoutError, OSError):
+        writer.close()
+        return
+    parts = line.decode(errors="replace").split()
+    if len(parts) != 3 or parts[0] != "JOIN" or not parts[1].isdigit():
+        writer.close()
+        return
+    name = parts[2]
+    s.joined[name] = int(parts[1])
+    log(f"remote engine {name} joined with {parts[1]} DP rank(s) "
+        f"({sum(s.joined.values())}/{s.need_remote})")  # fmt: skip
+    if s.joined_event is not None and sum(s.joined.values()) >= s.need_remote:
+        s.joined_event.set()
+    writer.write(b"OK\n")
+    await writer.drain()
+    await reader.read()  # until the worker's end
+    s.joined.pop(name, None)
+    writer.close()
+    if s.stopping:
+        return
+    if s.ready:
+        if s.engine == "vllm":
+            # vllm/v1/engine/core_client.py and exceptions.py, as a head whose DP engine died
+            log(f"ERROR Engine core proc {name} died unexpectedly, shutting down client.")
+            log("ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an "
+                "issue. See stack trace (above) for the root cause.")  # fmt: skip
+        else:
+            # sglang/srt/entrypoints/engine.py, when a scheduler's collective peer went away
+            log(f"node {name} left the process group")
+            log("Received sigquit from a child process. It usually means the child failed.")
+        s.engine_dead = True
+        stop.set()
+    else:
+        log(f"remote engine {name} left before the engine was ready")
+
+
+async def wait_for_workers(stop: asyncio.Event) -> bool:
+    """The head: wait until the workers brought every DP rank (or node); False when stopped."""
+    s = STATE
+    assert s.joined_event is not None
+    while sum(s.joined.values()) < s.need_remote:
+        if stop.is_set():
+            return False
+        missing = s.need_remote - sum(s.joined.values())
+        log(f"Waiting for 0 local, {missing} remote core engine proc(s) to start.")
+        s.joined_event.clear()
+        joined = asyncio.ensure_future(s.joined_event.wait())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({joined, stopped}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        for task in (joined, stopped):
+            task.cancel()
+    return not stop.is_set()
+
+
+async def join_head(host: str, port: int, units: int, stop: asyncio.Event) -> None:
+    """A worker: join the head (retrying until it answers), hold the connection; when the head
+    goes away, hang as a real NCCL worker does until SIGTERM."""
+    name = f"{os.uname().nodename}:{os.getpid()}"
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(f"JOIN {units} {name}\n".encode())
+            await writer.drain()
+            if (await asyncio.wait_for(reader.readline(), 30)).strip() != b"OK":
+                raise OSError("the head did not accept")
+        except (OSError, TimeoutError) as exc:
+            log(f"head {host}:{port} not reachable yet ({exc}); retrying")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1)
+            continue
+        log(f"joined the head at {host}:{port} with {units} DP rank(s)")
+        lost = asyncio.ensure_future(reader.read())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({lost, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (lost, stopped):
+            task.cancel()
+        writer.close()
+        if not stop.is_set():
+            log(f"lost the head at {host}:{port}; hanging in the collective as a real NCCL "
+                "worker does (simulated: until SIGTERM)")  # fmt: skip
+        return
+
+
 async def serve(args: dict[str, Any]) -> int:
     s = STATE
     loop = asyncio.get_running_loop()
@@ -1518,6 +1651,20 @@ async def serve(args: dict[str, Any]) -> int:
     loop.add_signal_handler(signal.SIGTERM, on_term)
     loop.add_signal_handler(signal.SIGINT, on_term)
     s.slots = asyncio.Semaphore(s.max_num_seqs)
+    role, head_host, head_port, units = multinode_role(args)
+    rpc: asyncio.AbstractServer | None = None
+    if role == "head":
+        s.need_remote = units
+        s.joined_event = asyncio.Event()
+        try:
+            rpc = await asyncio.start_server(
+                lambda r, w: head_rpc(r, w, stop), "0.0.0.0", head_port
+            )
+        except OSError as exc:
+            log(f"cannot listen on the DP RPC port {head_port}: {exc}")
+            return 1
+        log(f"DP coordinator (simulated) on 0.0.0.0:{head_port}, waiting for {units} remote "
+            "DP rank(s)")  # fmt: skip
     start_delay = env_float("HGXSERVE_SIM_START_SECONDS", 2.0)
     log(f"loading model {s.model_path} (simulated, {start_delay:g}s)")
     eager = args.get("--enforce-eager") is True or args.get("--disable-cuda-graph") is True
@@ -1559,8 +1706,13 @@ async def serve(args: dict[str, Any]) -> int:
             servers.append(await asyncio.start_server(sglang_bootstrap, bind, s.bootstrap_port))
             log(f"disaggregation bootstrap server (simulated) on {bind}:{s.bootstrap_port}")
         headless = args.get("--headless") is True or int(args.get("--node-rank") or 0) > 0
-        if headless:
+        if role == "worker":
+            log(f"headless: no API server; joining the head at {head_host}:{head_port}")
+            await join_head(head_host, head_port, units, stop)
+        elif headless:
             log("headless: no API server, holding GPUs until SIGTERM")
+        elif role == "head" and not await wait_for_workers(stop):
+            log("stopped before ready")
         else:
             host = args["_host"]
             servers.append(
@@ -1581,10 +1733,13 @@ async def serve(args: dict[str, Any]) -> int:
         release_gpu_memory()
         return 1
     log("shutting down: closing listeners")
-    for srv in servers:
+    for srv in servers if rpc is None else [*servers, rpc]:
         srv.close()
     await asyncio.sleep(env_float("HGXSERVE_SIM_STOP_SECONDS", 1.0))
     release_gpu_memory()
+    if s.engine_dead:
+        log("simulated GPU memory released; exit 1 (a DP engine died)")
+        return 1
     log("simulated GPU memory released; exit 0")
     return 0
 

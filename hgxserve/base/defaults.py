@@ -53,3 +53,20 @@ ENGINE: str = schema_default("engine", "engine")
 BENCH_PERCENTILE: int = schema_default("bench_sla", "percentile")
 BENCH_DRAIN_TIMEOUT_S: float = schema_default("bench", "drain_timeout_s")
 BENCH_RUNS_DIR = "bench-runs"
+# The watcher of an engine that spans hosts (hgxserve.release.watch, docs/releases.md "One
+# failure domain"). It polls every WATCH_POLL_S: a member is down once its unit stopped, or its
+# head's /health or a follower's watcher failed for WATCH_DOWN_AFTER_S (a serving vLLM/SGLang API
+# server answers /health in milliseconds even under full load; 10 s is five missed polls, far
+# below the minutes a client would otherwise wait on a head hung in NCCL: NCCL's own watchdog
+# waits 10 min, TORCH_NCCL_TIMEOUT's default 600 s). A follower has WATCH_FOLLOWER_RESTART_S to
+# restart its worker: the old worker's stop (TimeoutStopSec=180 in the units) plus its GPUs'
+# release (the units' `gpus wait-free --timeout 120`). Between two failed recoveries the watcher
+# waits WATCH_BACKOFF_S, so a broken engine is not restarted in a tight loop (its full start takes
+# 4-25 min on real GPUs and is bounded by the engine's start_timeout_s). Each GET /state read is
+# bounded by WATCH_READ_TIMEOUT_S and WATCH_READ_LIMIT bytes.
+WATCH_POLL_S = 2.0
+WATCH_DOWN_AFTER_S = 10.0
+WATCH_FOLLOWER_RESTART_S = 180.0 + 120.0
+WATCH_BACKOFF_S = 60.0
+WATCH_READ_TIMEOUT_S = 3.0
+WATCH_READ_LIMIT = 1 << 16

@@ -25,6 +25,10 @@ AGENT_STAGING = f"{STATE_ROOT}/agent"
 # Configuration: proxy.json, env-referenced secrets (0600), CephFS secrets.
 CONFIG_DIR = "/etc/hgxserve"
 PROXY_CONFIG = f"{CONFIG_DIR}/proxy.json"
+# The watchers of engines that span hosts: their config (in the release tree) and their state
+# (generation, restarts, events; read by `hgxserve status`), one file per engine.
+WATCH_CONFIG_DIR = f"{CONFIG_DIR}/watch"
+WATCH_STATE_DIR = f"{STATE_ROOT}/watch"
 CREDENTIALS_DIR = f"{CONFIG_DIR}/credentials"
 
 # systemd: unit files, and where LoadCredential= puts a unit's credentials at run time.

@@ -276,3 +276,30 @@ def wait_ready_cmd(
 def reconcile_cmd(root: str) -> None:
     """At boot: revert an unconfirmed switch, reinstall and start the confirmed release."""
     _log(reconcile(_store(root), log=_log))
+
+
+@click.group()
+def engine() -> None:
+    """Engines that span hosts, run as one failure domain (docs/releases.md).
+
+    \b
+    hgxserve engine watch --config /etc/hgxserve/watch/decode-0.json
+    """
+
+
+@engine.command("watch")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The watcher's config from the release tree (/etc/hgxserve/watch/<engine>.json).",
+)
+@cli_errors
+def watch_cmd(config_path: str) -> None:
+    """Watch this host's part of a multi-node engine (run by its watcher unit): the head host's
+    watcher restarts the whole engine when any member is down; the others restart their worker
+    when it says so. Serves GET /state on the engine's watch_port."""
+    from hgxserve.release.watch import WatchConfig, serve
+
+    serve(WatchConfig.load(config_path))

@@ -138,6 +138,11 @@ def plan_release(
         files = rendered.tree
         secrets = {c.path: c.ref for c in rendered.credentials if c.path is not None}
         for unit in rendered.units:
+            if unit.role == "watch":
+                # its GET /state answers once it runs; started after the engines, stopped first
+                url = f"http://127.0.0.1:{topo.engines[str(unit.engine)].watch_port}/state"
+                units.append(UnitSpec(unit.name, "watch", url, []))
+                continue
             if unit.engine is None:
                 proxy = topo.proxy
                 assert proxy is not None

@@ -16,7 +16,7 @@ from hgxserve.base.errors import HgxserveError
 from hgxserve.base.paths import RELEASE_ROOT
 
 LINKS = ("current", "previous", "baseline")
-UnitKind = Literal["engine", "worker", "proxy"]
+UnitKind = Literal["engine", "worker", "watch", "proxy"]
 # Release ids are the first 12 hex digits of the release digest (plan.py); anything that could
 # name another directory (`..`, `/`, a newline) is refused before it is used in a path.
 _RELEASE_ID = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")

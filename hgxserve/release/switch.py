@@ -155,10 +155,13 @@ def start_units(
     order; with `defer_proxy` the proxy stays stopped (`start_proxy` later). Units in `keep`
     are already running; they are only health-checked. Returns what each engine that started
     reported once healthy (its start time and KV capacity), for the release's record."""
-    engines = [u for u in spec.units if u.kind != "proxy"]
+    engines = [u for u in spec.units if u.kind in ("engine", "worker")]
+    # the watchers of multi-node engines start once their engines serve, so a start in progress
+    # never looks like an engine that is down (stop_units stops them before the engines)
+    watchers = [u for u in spec.units if u.kind == "watch"]
     proxies = [u for u in spec.units if u.kind == "proxy"]
     observed: Observed = {}
-    for group in (engines, [] if defer_proxy else proxies):
+    for group in (engines, watchers, [] if defer_proxy else proxies):
         for unit in group:
             if unit.name in keep:
                 continue
@@ -195,9 +198,14 @@ def unchanged_units(store: Store, old: ReleaseSpec | None, new: ReleaseSpec) -> 
         text = content(new, path)
         if old_units.get(unit.name) != unit or text is None or content(old, path) != text:
             continue
-        if unit.kind == "proxy" and not others_same:
+        if unit.kind in ("proxy", "watch") and not others_same:
             continue
         keep.add(unit.name)
+    engines = {u.name for u in new.units if u.kind in ("engine", "worker")}
+    if not engines <= keep:
+        # an engine restarts: its watcher must not see that as a death (stopped before the
+        # engines, started once they serve)
+        keep -= {u.name for u in new.units if u.kind == "watch"}
     return frozenset(keep)
 
 
@@ -364,7 +372,7 @@ class _StartWatch:
         journal = self.systemd.journal(unit.name, DIAGNOSE_LINES, self.since)
         for line in after_ready(journal):
             self.log(f"{unit.name}: {line}")
-        if unit.kind == "proxy":
+        if unit.kind in ("proxy", "watch"):
             return
         entry = observation(now - self.started, read_capacity(unit.health_url, journal))
         self.observed[unit.name] = entry

@@ -43,7 +43,9 @@ from hgxserve.render.types import (
     add_credential,
     templates,
     unit_name,
+    watch_unit_name,
 )
+from hgxserve.render.watch import render_watch
 from hgxserve.runtime.fabric import FABRIC_RUN_ARGS, INFINIBAND_DEVICES, fabric_reasons
 from hgxserve.topology.model import Engine, SecretRef, Topology
 from hgxserve.topology.placement import check_marker_args, serving_mounts, serving_tree
@@ -91,6 +93,12 @@ def _render_host(topo: Topology, host: str) -> HostRender:
         unit = _engine_unit(topo, engine, host, creds)
         units.append(unit)
         files[unit.path] = RenderedFile(unit.content)
+    for engine in topo.engines_on(host):
+        if engine.is_multi_node:
+            # after every engine unit: a switch starts the watchers once the engines serve
+            unit, watch_files = render_watch(topo, engine, host)
+            units.append(unit)
+            files.update(watch_files)
     if topo.proxy is not None and topo.proxy.host == host:
         unit, proxy_files = render_proxy(topo, creds)
         units.append(unit)
@@ -288,6 +296,8 @@ def _engine_unit(
             exec_start=exec_line([*wrapper, *argv]),
             exec_start_post=exec_start_post,
             start_timeout_s=engine.start_timeout_s,
+            restart=not engine.is_multi_node,
+            watch_unit=watch_unit_name(engine.name),
             exec_stop=execs.stop,
             exec_stop_post=execs.stop_post,
             read_only_paths=path_list([weights_tree], optional=True),

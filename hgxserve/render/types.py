@@ -40,7 +40,7 @@ class RenderedUnit:
 
     name: str
     engine: str | None  # None for the proxy
-    role: Role | Literal["proxy"]
+    role: Role | Literal["proxy", "watch"]  # "watch": the watcher of a multi-node engine
     argv: list[str]
     env: dict[str, str]
     gpus: tuple[int, ...]
@@ -90,6 +90,11 @@ class HostRender:
 def unit_name(name: str) -> str:
     """`hgxserve-<engine>.service` (or hgxserve-proxy.service)."""
     return f"hgxserve-{name}.service"
+
+
+def watch_unit_name(engine: str) -> str:
+    """`hgxserve-<engine>-watch.service`: the watcher of a multi-node engine."""
+    return f"hgxserve-{engine}-watch.service"
 
 
 def add_credential(

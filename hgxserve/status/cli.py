@@ -198,8 +198,13 @@ def _since(value: str | None) -> str | None:
     return value
 
 
-def journal_argv(unit: str, lines: int | None, since: str | None, follow: bool) -> list[str]:
-    argv = ["journalctl", "-u", unit, "--no-pager", "-o", "short-iso", "--no-hostname"]
+def journal_argv(
+    unit: str | list[str], lines: int | None, since: str | None, follow: bool
+) -> list[str]:
+    """journalctl of `unit` (or of several units, merged by time)."""
+    units = [unit] if isinstance(unit, str) else unit
+    argv = ["journalctl", *(w for u in units for w in ("-u", u))]
+    argv += ["--no-pager", "-o", "short-iso", "--no-hostname"]
     if lines is not None:
         argv += ["-n", str(lines)]
     if since is not None:
@@ -264,7 +269,11 @@ def logs(  # noqa: PLR0913 - a click command: one parameter per option
     unit, names = log_hosts(topo, target, host)
     if lines is None and since is None:
         lines = DIAGNOSE_LOG_LINES if diagnose else DEFAULT_LOG_LINES
-    command = quote_argv(journal_argv(unit, lines, since, follow))
+    units = [unit]
+    if target in topo.engines and topo.engines[target].is_multi_node and not diagnose:
+        # one failure domain: its watcher's events (down, restarts) among the engine's lines
+        units.append(unit.removesuffix(".service") + "-watch.service")
+    command = quote_argv(journal_argv(units, lines, since, follow))
     hosts = _inventory(inventory, names)
     width = max(len(n) for n in names)
     with Sessions(hosts, connect_timeout=connect_timeout) as sessions:
@@ -273,6 +282,7 @@ def logs(  # noqa: PLR0913 - a click command: one parameter per option
         results = sessions.run_all(command, REMOTE_TIMEOUT_S)
     code = 0
     found_any = False
+    merged: list[tuple[str, str, str]] = []
     for name in names:
         result = results[name]
         if not result.ok or result.exit_status != 0:
@@ -283,8 +293,10 @@ def logs(  # noqa: PLR0913 - a click command: one parameter per option
         if diagnose:
             found_any |= _print_diagnosis(name, unit, result.stdout)
         else:
-            for line in result.stdout.splitlines():
-                click.echo(f"{name.ljust(width)} | {line}")
+            merged += [(line[:24], name, line) for line in result.stdout.splitlines()]
+    # the hosts' lines interleaved by time (short-iso: `2026-12-01T18:35:21+0000 ...`)
+    for _, name, line in sorted(merged, key=lambda entry: entry[0]):
+        click.echo(f"{name.ljust(width)} | {line}")
     if diagnose and code == 0 and found_any:
         code = 1
     sys.exit(code)

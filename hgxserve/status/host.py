@@ -380,6 +380,22 @@ def parse_proxy_metrics(text: str) -> dict[str, Any]:
     }
 
 
+def watch_summary(body: str) -> dict[str, Any]:
+    """A multi-node engine's watcher from its GET /state (hgxserve.release.watch): its role,
+    generation, restarts, phase and last events."""
+    try:
+        state = json.loads(body)
+    except ValueError:
+        return {"error": "GET /state did not answer JSON"}
+    if not isinstance(state, dict):
+        return {"error": "GET /state did not answer an object"}
+    keys = ("role", "generation", "restarts", "phase", "unit_state", "hosts")
+    return {
+        **{k: state.get(k) for k in keys},
+        "events": list(state.get("events") or [])[-5:],
+    }
+
+
 # ------------------------------------------------------------------------------- snapshot
 
 
@@ -430,6 +446,8 @@ def snapshot(
                 entry["health_detail"] = (
                     f"HTTP {code}" if code is not None else body
                 ) if code != 200 else ""  # fmt: skip
+                if unit.kind == "watch" and code == 200:
+                    entry["watch"] = watch_summary(body)
             if unit.name in metrics:
                 entry["metrics"] = metrics[unit.name].result()
             if unit.name in observed:  # start time and KV capacity (hgxserve.release.kvcap)

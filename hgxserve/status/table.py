@@ -173,6 +173,7 @@ def render(report: Report, topo: Topology) -> str:
             gpu_rows.append([view.name, _gpu_line(view)])
     if len(gpu_rows) > 1:
         lines += ["", *_grid(gpu_rows)]
+    lines += _multinode_lines(report, topo)
     lines += _proxy_lines(report, topo)
     shown = [p for p in report.problems if p.severity != "warning"]
     warnings = [p for p in report.problems if p.severity == "warning"]
@@ -233,3 +234,45 @@ def _decode_transfers(report: Report, topo: Topology) -> list[str]:
                     f"failed {metrics.get('kv_failed', 0):.0f}"
                 )
     return pulled
+
+
+def _event_cell(event: dict[str, Any] | None) -> str:
+    """`engine-down 12:01:02 (worker ... is failed)`."""
+    if not event:
+        return "-"
+    why = event.get("reason") or ""
+    return f"{event.get('kind')} {_clock(event.get('at'))}" + (f" ({why})" if why else "")
+
+
+def _multinode_lines(report: Report, topo: Topology) -> list[str]:
+    """Each engine that spans hosts as one row: its hosts, each host's part, and its watcher
+    (the head host's, which restarts it as a whole): generation, restarts, last event."""
+    rows = [["ENGINE", "HOSTS", "PARTS", "WATCHER", "RESTARTS", "LAST EVENT"]]
+    for name, engine in topo.engines.items():
+        if not engine.is_multi_node:
+            continue
+        parts, watch = [], None
+        for host in engine.hosts:
+            view = report.hosts.get(host)
+            units = {u["name"]: u for u in ((view.snapshot or {}) if view else {}).get("units")
+                     or []}  # fmt: skip
+            unit = units.get(f"hgxserve-{name}.service") or {}
+            parts.append(f"{host} {unit.get('active', '?')}")
+            if host == engine.head:
+                watch = (units.get(f"hgxserve-{name}-watch.service") or {}).get("watch")
+        events = (watch or {}).get("events") or []
+        downs = [e for e in events if e.get("kind") == "engine-down"]
+        last = _event_cell(events[-1] if events else None)
+        if downs and events[-1] is not downs[-1]:
+            last += f" after {_event_cell(downs[-1])}"  # the story: what went down, and why
+        rows.append(
+            [
+                name,
+                "+".join(engine.hosts),
+                ", ".join(parts),
+                f"gen {watch.get('generation')} {watch.get('phase')}" if watch else "NOT RUNNING",
+                f"{watch.get('restarts', 0)} restarts" if watch else "-",
+                last,
+            ]
+        )
+    return ["", *_grid(rows)] if len(rows) > 1 else []

@@ -251,6 +251,7 @@ class Engine:
     bind: str | None
     internal_port: int | None
     rpc_port: int
+    watch_port: int  # the multi-node engine's watcher (hgxserve.release.watch), on every host
     kv: KvTransfer | None
     args: dict[str, Any]
     extra_args: tuple[str, ...]
@@ -626,7 +627,7 @@ def _engine(name: str, data: dict[str, Any]) -> Engine:
     return Engine(
         name=name,
         role=data["role"],
-        **_defaulted(data, "engine", "engine tp dp pp ep rpc_port start_timeout_s"),
+        **_defaulted(data, "engine", "engine tp dp pp ep rpc_port watch_port start_timeout_s"),
         version=data.get("version"),
         runtime=_runtime(data.get("runtime")),
         place={h: tuple(g) for h, g in data["place"].items()},

@@ -11,6 +11,7 @@ port and address each listener uses, so the scheme is written once:
   bound to the engine's `--host` like its HTTP API (SGLang's CommonKVBootstrapServer takes
   `server_args.host`), so an SGLang prefill with a decode on another host never binds loopback;
 - multi-node coordination (`rpc_port`): on the head of engines that span hosts;
+- the watcher of an engine that spans hosts (`watch_port`): on each of its hosts;
 - proxy: `proxy.listen` on the proxy host;
 - sshd: `ssh.port` on every host (the deploy itself needs it).
 """
@@ -317,7 +318,24 @@ def engine_listeners(topo: Topology, engine: Engine) -> list[Listener]:
                 setting_path(topo, name, "rpc_port"),
             )
         )
+        for host in engine.hosts:
+            if host in topo.hosts:
+                out.append(
+                    Listener(
+                        engine.watch_port,
+                        ANY_ADDRESS,
+                        name,
+                        "watcher",
+                        host,
+                        setting_path(topo, name, "watch_port"),
+                    )
+                )
     return out
+
+
+def watch_url(topo: Topology, engine: Engine, host: str) -> str:
+    """The watcher of a multi-node engine on `host` (its GET /state), as its peers reach it."""
+    return _url(topo.hosts[host].address, engine.watch_port)
 
 
 def listeners_by_host(topo: Topology) -> dict[str, list[Listener]]:

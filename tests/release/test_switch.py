@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
+from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitKind, UnitSpec
 from hgxserve.release.switch import (
     after_ready,
     arm,
@@ -198,6 +198,13 @@ def test_current_release_with_a_stopped_unit_restarts_only_that_unit(store: Stor
     assert store.pending() is None and store.link("current") == "r1"
 
 
+def _kind(unit: str) -> UnitKind:
+    """A unit's kind from its name: the proxy, a multi-node engine's watcher, else an engine."""
+    if "proxy" in unit:
+        return "proxy"
+    return "watch" if unit.endswith("-watch.service") else "engine"
+
+
 def stage_files(
     store: Store, rid: str, files: dict[str, str], units: list[str], *, baseline: bool = False
 ) -> ReleaseSpec:
@@ -208,7 +215,7 @@ def stage_files(
         topology_digest=rid * 4,
         baseline=baseline,
         host="hgx-a",
-        units=[UnitSpec(u, "proxy" if "proxy" in u else "engine") for u in units],
+        units=[UnitSpec(u, _kind(u)) for u in units],
         files=dict.fromkeys(files, 0o644),
         health_timeout_s=5,
     )
@@ -383,3 +390,43 @@ def test_an_engine_restarting_with_a_known_cause_fails_at_once(store: Store) -> 
     assert "did not become healthy in time" not in str(err.value)  # not waited out
     assert "CAUSE hgxserve-decode-0.service [cuda-802]" in str(err.value)
     assert "failed while starting (result exit-code; systemd would restart it)" in str(err.value)
+
+
+def test_watchers_start_after_their_engines_and_stop_before_them(store: Store) -> None:
+    """A multi-node engine's watcher never sees its engine starting or stopping (it would take
+    that for a death and restart it)."""
+    units = [
+        "hgxserve-decode-0.service",
+        "hgxserve-decode-0-watch.service",
+        "hgxserve-proxy.service",
+    ]
+    stage(store, "r1", units)
+    stage(store, "r2", ["hgxserve-combined-0.service"])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    assert [c[1] for c in sd.calls if c[0] == "start"] == units
+    sd.calls.clear()
+    switch(store, "r2", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    assert [c[1] for c in sd.calls if c[0] == "stop"] == list(reversed(units))
+
+
+def test_a_watcher_is_restarted_with_its_engine_even_when_its_own_files_did_not_change(
+    store: Store,
+) -> None:
+    engine, watch = "hgxserve-decode-0.service", "hgxserve-decode-0-watch.service"
+    old = {f"{UNITS}/{engine}": "[Service]\nExecStart=/bin/a\n", f"{UNITS}/{watch}": "w\n"}
+    new = {**old, f"{UNITS}/{engine}": "[Service]\nExecStart=/bin/b\n"}
+    stage_files(store, "r1", old, [engine, watch])
+    stage_files(store, "r2", new, [engine, watch])
+    sd = FakeSystemd()
+    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd.calls.clear()
+    switch(store, "r2", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    assert [c for c in sd.calls if c[0] in ("stop", "start")] == [
+        ("stop", watch), ("stop", engine), ("start", engine), ("start", watch),
+    ]  # fmt: skip
+    sd.calls.clear()
+    stage_files(store, "r3", {**new, "/etc/hgxserve/proxy.json": "{}"}, [engine, watch])
+    switch(store, "r3", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    # the engine kept: its watcher restarts only for its own config (here: another file changed)
+    assert ("stop", engine) not in sd.calls

@@ -50,7 +50,6 @@ REQUIRED_ENGINE_LINES = [
     "LimitMEMLOCK=infinity",
     "LimitNOFILE=1048576",
     "KillMode=control-group",
-    "Restart=on-failure",
     "StartLimitBurst=3",
     "NoNewPrivileges=yes",
     "ProtectSystem=full",
@@ -64,12 +63,14 @@ def test_engine_units_carry_limits_checks_and_pinned_caches(path: Path):
     topo = load_topology(path)
     for rendered in render_topology(topo).values():
         for unit in rendered.units:
-            if unit.engine is None:
+            if unit.engine is None or unit.role == "watch":
                 continue
             lines = unit.content.splitlines()
             for line in REQUIRED_ENGINE_LINES:
                 assert line in lines, (unit.name, line)
             engine = topo.engines[unit.engine]
+            # a multi-node engine is restarted as a whole by its watcher, never by systemd
+            assert ("Restart=on-failure" in lines) != engine.is_multi_node, unit.name
             assert f"TimeoutStartSec={engine.start_timeout_s}" in lines
             gpus = ",".join(map(str, unit.gpus))
             assert (
@@ -196,7 +197,8 @@ def test_container_runtime_podman_cdi_and_env_by_name():
 def test_docker_runtime_and_vllm_router():
     topo = topology("vllm-dp-two-nodes-docker.yml")
     host = render_host(topo, "h200-a")
-    engine, proxy = host.units
+    engine, watch, proxy = host.units
+    assert watch.role == "watch"
     assert engine.argv[0] == "/usr/bin/docker"
     assert "ExecStop=/usr/bin/docker stop --time 60 hgxserve-combined-0" in engine.content
     assert "ExecStopPost=-/usr/bin/docker rm --force hgxserve-combined-0" in engine.content

@@ -60,6 +60,7 @@ def test_multi_host_dp_side_channels_are_base_plus_rank_per_host() -> None:
         5605,
         5606,
         5607,
+        13346,  # the engine's watcher, on every host of a multi-node engine
     ]
 
 
