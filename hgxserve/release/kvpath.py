@@ -1,0 +1,154 @@
+"""KV transport evidence from the KV path itself: the transport UCX selected for the NIXL
+endpoints of the P/D engines whose KV crosses hosts.
+
+The hosts' RDMA port counters (`hgxserve.release.evidence`) count every byte of a NIC: in a
+P/D topology with DP/EP engines their own all-to-all moves them too, so KV that fell back to
+TCP would still see them grow (issue 26). UCX says which transport it picked: the engines of
+such routes run with `UCX_PROTO_INFO=y` (hgxserve.render), so the first KV read or write on an
+endpoint to another host logs a protocol-selection table naming the lanes, `rc_mlx5/mlx5_0:1`
+for RDMA or `tcp/eth0` for the fallback (hgxserve.parsers.ucxproto). After the gate the deploy
+reads those tables from the journal of each such engine's current run (its systemd invocation,
+bounded) and fails the release when a KV endpoint to another host used TCP, or when nothing
+showed an RDMA transport. The port counters stay checked, as supporting evidence.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from hgxserve.parsers.sections import split_sections
+from hgxserve.parsers.ucxproto import ProtoTable, parse_proto_info
+from hgxserve.render.types import unit_name
+from hgxserve.topology import Topology
+from hgxserve.topology.model import UCX_RDMA_TLS
+
+__all__ = [
+    "KvEndpoint",
+    "JOURNAL_LINES",
+    "JOURNAL_TIMEOUT_S",
+    "journal_command",
+    "kv_endpoints",
+    "parse_journal",
+    "transport_verdict",
+]
+
+# Table lines kept per engine run: one table is 4-8 lines and UCX prints one per endpoint
+# configuration and operation (a DP-16 decode with 2 rails: a few dozen tables).
+JOURNAL_LINES = 4000
+# journalctl reading one invocation of a unit takes well under a second on a busy host; this
+# only bounds a journal that hangs.
+JOURNAL_TIMEOUT_S = 30
+TCP = "tcp"
+
+
+@dataclass(frozen=True)
+class KvEndpoint:
+    """An engine (on one of its hosts) whose NIXL endpoints carry KV to another host."""
+
+    route: int
+    engine: str
+    role: str  # prefill | decode
+    host: str
+    peers: tuple[str, ...]  # the hosts of the route's other side
+
+    @property
+    def unit(self) -> str:
+        return unit_name(self.engine)
+
+
+def kv_endpoints(topo: Topology) -> list[KvEndpoint]:
+    """The NIXL engines of every P/D route whose KV crosses hosts, one per engine host; none
+    with `gate.rdma: off`."""
+    if topo.gate.rdma == "off" or topo.proxy is None:
+        return []
+    out: list[KvEndpoint] = []
+    for index, route in enumerate(topo.proxy.routes):
+        sides = {"prefill": route.prefill, "decode": route.decode}
+        hosts = {
+            role: sorted({h for n in names for h in topo.engines[n].place})
+            for role, names in sides.items()
+        }
+        if hosts["prefill"] == hosts["decode"] and len(hosts["prefill"]) == 1:
+            continue  # one host: CUDA IPC, no NIC
+        engines = [topo.engines[n] for names in sides.values() for n in names]
+        if not all(e.kv is not None and e.kv.connector == "nixl" for e in engines):
+            continue  # not UCX (SGLang's Mooncake): the port counters are the evidence
+        for role, names in sides.items():
+            other = tuple(hosts["decode" if role == "prefill" else "prefill"])
+            for name in names:
+                for host in sorted(topo.engines[name].place):
+                    out.append(KvEndpoint(index, name, role, host, other))
+    return out
+
+
+def journal_command(units: Iterable[str]) -> str:
+    """Shell printing `##<unit>` and then the table lines the unit's current run logged."""
+    parts = []
+    for unit in units:
+        q = shlex.quote(unit)
+        parts.append(
+            f"echo {shlex.quote('##' + unit)}; "
+            f"id=$(systemctl show -p InvocationID --value {q}); "
+            f'[ -n "$id" ] && timeout {JOURNAL_TIMEOUT_S} journalctl _SYSTEMD_INVOCATION_ID="$id" '
+            f"-o cat --no-pager | grep -m {JOURNAL_LINES} -E '[|][[:space:]]*$'"
+        )
+    return "; ".join(parts) + "; true"
+
+
+def parse_journal(lines: list[str]) -> dict[str, list[ProtoTable]]:
+    """{unit: its protocol-selection tables} from journal_command's output."""
+    return {
+        unit: parse_proto_info(section["lines"]) for unit, section in split_sections(lines).items()
+    }
+
+
+def _kind(table: ProtoTable) -> str:
+    """tcp: the KV went over TCP; rdma: over an RDMA transport; "" for neither."""
+    if TCP in table.transports:
+        return TCP
+    return "rdma" if any(t in UCX_RDMA_TLS for t in table.transports) else ""
+
+
+def _said(ep: KvEndpoint, table: ProtoTable) -> str:
+    peer = "+".join(ep.peers)
+    return (
+        f"{ep.engine} on {ep.host} (KV {'to' if ep.role == 'prefill' else 'from'} {peer}): "
+        f"{' and '.join(table.lanes)} for {table.operation} ({table.endpoint})"
+    )
+
+
+def kv_tables(
+    endpoints: list[KvEndpoint], read: dict[str, dict[str, list[ProtoTable]]]
+) -> list[tuple[KvEndpoint, ProtoTable]]:
+    """The tables of KV reads/writes to other hosts that each endpoint's engine logged."""
+    out = []
+    for ep in endpoints:
+        for table in read.get(ep.host, {}).get(ep.unit, []):
+            if table.rma and table.locality in ("inter-node", ""):
+                out.append((ep, table))
+    return out
+
+
+def transport_verdict(
+    endpoints: list[KvEndpoint], read: dict[str, dict[str, list[ProtoTable]]]
+) -> tuple[bool, str]:
+    """(passed, message): every cross-host route showed KV over RDMA and none over TCP."""
+    found = kv_tables(endpoints, read)
+    tcp = [_said(ep, t) for ep, t in found if _kind(t) == TCP]
+    if tcp:
+        return False, (
+            f"KV went over TCP, not RDMA: UCX selected {'; '.join(dict.fromkeys(tcp))} "
+            "(check UCX_TLS / UCX_NET_DEVICES and that the KV NICs are up)"
+        )
+    rdma = [(ep, t) for ep, t in found if _kind(t) == "rdma"]
+    unproven = sorted({ep.route for ep in endpoints} - {ep.route for ep, _ in rdma})
+    if unproven:
+        names = sorted({f"{ep.engine} on {ep.host}" for ep in endpoints if ep.route in unproven})
+        return False, (
+            f"no UCX protocol-selection table of the KV endpoints ({', '.join(names)}) names an "
+            "RDMA transport: nothing shows the KV crossed the hosts over RDMA (UCX_PROTO_INFO=y "
+            "prints one per endpoint; it needs UCX's protocol selection v2, UCX_PROTO_ENABLE)"
+        )
+    return True, f"KV over RDMA: UCX selected {'; '.join(dict.fromkeys(_said(*f) for f in rdma))}"
