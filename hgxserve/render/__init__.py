@@ -151,16 +151,12 @@ def _kv_env(engine: Engine, plan: NodePlan) -> dict[str, str]:
 
 
 def _kv_proto_info(topo: Topology, engine: Engine) -> bool:
-    """NIXL KV to another host, checked by the gate: UCX logs the transport each KV endpoint
-    selected (`UCX_PROTO_INFO=y`: one table per endpoint configuration and operation, printed
-    once), the release's evidence that KV went over RDMA (hgxserve.release.kvpath)."""
+    """NIXL KV to another host: UCX logs the transport each KV endpoint selected
+    (`UCX_PROTO_INFO=y`: one table per endpoint configuration and operation, printed once),
+    the gate's evidence that KV went over RDMA (hgxserve.release.kvpath). Set whatever
+    `gate.rdma` says, so that turning the check on or off restarts no engine."""
     kv = engine.kv
-    return (
-        kv is not None
-        and kv.connector == "nixl"
-        and topo.gate.rdma != "off"
-        and kv_crosses_hosts(topo, engine)
-    )
+    return kv is not None and kv.connector == "nixl" and kv_crosses_hosts(topo, engine)
 
 
 def _run_env(engine: Engine) -> dict[str, str]:

@@ -183,3 +183,18 @@ def test_counters_that_moved_do_not_save_kv_that_went_over_tcp() -> None:
     assert coord.verdict == (True, "gate passed")
     assert coord.rdma_note is not None and coord.rdma_note.startswith("KV over RDMA: UCX selected")
     assert "; RDMA port counters grew" in coord.rdma_note
+
+
+def test_counters_that_did_not_move_are_said_as_well() -> None:
+    # UCX_TLS=tcp: the KV path and the counters both say TCP; both are in the message
+    coord = Coordination(verdict=(True, "gate passed"))
+    coord.rdma_roles = {"hgx-a": {"port_xmit_data"}, "hgx-b": {"port_rcv_data"}}
+    coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
+    coord.rdma_after = dict(coord.rdma_before)
+    coord.kv_endpoints = [PREFILL, DECODE]
+    coord.kv_proto = {"hgx-b": {DECODE.unit: [table("c inter-node cfg#1", "tcp/host0")]}}
+    _rdma_evidence(coord)
+    assert coord.verdict is not None and not coord.verdict[0]
+    assert "KV went over TCP" in coord.verdict[1]
+    assert "RDMA port counters did not move" in coord.verdict[1]
+    assert "TCP fallback" in coord.verdict[1]
