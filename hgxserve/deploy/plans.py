@@ -45,7 +45,7 @@ from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.release.coordination import Coordination
 from hgxserve.release.evidence import rdma_roles, unchecked_transport
 from hgxserve.release.kvcap import kv_needs_by_host
-from hgxserve.release.kvpath import kv_endpoints
+from hgxserve.release.kvpath import kv_endpoints, kv_only_rails
 from hgxserve.release.plan import HostRelease, gate_host, switch_bound_s
 from hgxserve.release.store import UnitSpec
 from hgxserve.release.switch import SWITCH_OVERHEAD_S, start_timeout
@@ -453,6 +453,17 @@ def _bench(
     return bench_step_for(topology, topology.source_file, active, data.get("bench_tokenizer"))
 
 
+def _counter_devices(topology: Topology, host: str, coord: Coordination) -> list[str]:
+    """The RDMA devices whose port counters are the host's counter evidence: the rails that
+    carry only KV when the topology tells them (hgxserve.release.kvpath.kv_only_rails), else
+    the host's `rdma:` devices (none: every device)."""
+    rails = kv_only_rails(topology, host)
+    if rails:
+        coord.kv_rails[host] = rails
+        return rails
+    return list(topology.hosts[host].rdma) if host in topology.hosts else []
+
+
 def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
     data = deploy_data(host)
     # a pinned weights digest (as for the weights stage) reaches the units
@@ -470,7 +481,7 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
     coord.kv_policy = topology.gate.kv_capacity
     if coord.kv_policy != "off" and not coord.kv_needs:
         coord.kv_needs = kv_needs_by_host(topology, kv_shapes(topology.source_file))
-    devices = list(topology.hosts[host.name].rdma) if host.name in topology.hosts else []
+    devices = _counter_devices(topology, host.name, coord)
     bench = _bench(topology, host, active, data)
     secrets = secret_values(plan)
     switching = SwitchPlan(

@@ -156,7 +156,10 @@ def _rdma_evidence(coord: Coordination) -> None:
         ok, message = evidence.verdict(
             coord.rdma_roles, coord.rdma_before, coord.rdma_after, coord.rdma_root
         )
-        if ok and failed:
+        if coord.kv_rails:
+            rails = "; ".join(f"{h} {','.join(d)}" for h, d in sorted(coord.kv_rails.items()))
+            message += f" (the rails that carry only KV: {rails})"
+        elif ok and failed:
             message += " (supporting only: the engines' own DP/EP traffic moves them too)"
         (said if ok else failed).append(message)
     coord.rdma_note = "; ".join(failed + said)

@@ -49,6 +49,8 @@ class Coordination:
     # protocol-selection tables each engine unit logged (hgxserve.release.kvpath)
     kv_endpoints: list[KvEndpoint] = field(default_factory=list)
     kv_proto: dict[str, dict[str, list[ProtoTable]]] = field(default_factory=dict)
+    # host -> its RDMA devices that carry only KV (their counters are then the counter evidence)
+    kv_rails: dict[str, list[str]] = field(default_factory=dict)
     # KV capacity (gate.kv_capacity): host -> unit -> KvNeed fields, the policy, and per host
     # the message of a capacity below the shapes' need (fails the gate with `fail`)
     kv_needs: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)

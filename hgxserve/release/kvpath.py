@@ -22,6 +22,7 @@ from hgxserve.parsers.sections import split_sections
 from hgxserve.parsers.ucxproto import ProtoTable, parse_proto_info
 from hgxserve.render.types import unit_name
 from hgxserve.topology import Topology
+from hgxserve.topology.kernels import deepep_across_hosts
 from hgxserve.topology.model import UCX_RDMA_TLS
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "JOURNAL_TIMEOUT_S",
     "journal_command",
     "kv_endpoints",
+    "kv_only_rails",
     "parse_journal",
     "transport_verdict",
 ]
@@ -41,6 +43,7 @@ JOURNAL_LINES = 4000
 # only bounds a journal that hangs.
 JOURNAL_TIMEOUT_S = 30
 TCP = "tcp"
+HCA_VARS = ("NCCL_IB_HCA", "NVSHMEM_HCA_LIST")  # the HCAs an engine's own traffic may use
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,47 @@ def kv_endpoints(topo: Topology) -> list[KvEndpoint]:
                 for host in sorted(topo.engines[name].place):
                     out.append(KvEndpoint(index, name, role, host, other))
     return out
+
+
+def _hca_names(value: str) -> set[str] | None:
+    """The devices an NCCL_IB_HCA / NVSHMEM_HCA_LIST value names (`mlx5_0,mlx5_1:1`, `=mlx5_0`);
+    None for an exclusion list (`^mlx5_0`: every other device) or an empty value."""
+    value = value.strip().lstrip("=")
+    if not value or value.startswith("^"):
+        return None
+    return {item.strip().split(":")[0] for item in value.split(",") if item.strip()}
+
+
+def kv_only_rails(topo: Topology, host: str) -> list[str] | None:
+    """The RDMA devices on `host` that carry only KV, whose port counters are then the counter
+    evidence instead of every port's; None when that cannot be told.
+
+    They are the devices the host's cross-host NIXL engines name in `kv.ucx_devices` (a list,
+    not `all`), when every engine on the host whose own traffic crosses hosts (a multi-node
+    engine: TP/DP/EP over the NICs) names its HCAs in NCCL_IB_HCA (and NVSHMEM_HCA_LIST when set)
+    without any of them (and NVSHMEM_HCA_LIST, when its DeepEP all-to-all crosses hosts). An
+    engine on one host keeps its own traffic on NVLink."""
+    kv: set[str] = set()
+    for ep in kv_endpoints(topo):
+        if ep.host != host:
+            continue
+        spec = topo.engines[ep.engine].kv
+        devices = spec.ucx_devices if spec is not None else None
+        if not isinstance(devices, tuple):
+            return None  # unset or `all`: UCX may use any device
+        kv.update(d.split(":")[0] for d in devices)
+    if not kv:
+        return None
+    deepep = set(deepep_across_hosts(topo, host))
+    for engine in topo.engines_on(host):
+        if not engine.is_multi_node:
+            continue
+        nccl, nvshmem = (_hca_names(engine.env.get(v, "")) for v in HCA_VARS)
+        if nccl is None or nccl & kv or (nvshmem or set()) & kv:
+            return None
+        if engine.name in deepep and nvshmem is None:
+            return None  # DeepEP's NVSHMEM uses every HCA unless told
+    return sorted(kv)
 
 
 def journal_command(units: Iterable[str]) -> str:

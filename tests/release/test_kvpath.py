@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hgxserve.deploy.plans import _counter_devices
 from hgxserve.operations.release import _rdma_evidence
 from hgxserve.parsers.ucxproto import ProtoTable, _cells, parse_proto_info
 from hgxserve.release.coordination import Coordination
@@ -19,6 +20,7 @@ from hgxserve.release.kvpath import (
     KvEndpoint,
     journal_command,
     kv_endpoints,
+    kv_only_rails,
     parse_journal,
     transport_verdict,
 )
@@ -198,3 +200,68 @@ def test_counters_that_did_not_move_are_said_as_well() -> None:
     assert "KV went over TCP" in coord.verdict[1]
     assert "RDMA port counters did not move" in coord.verdict[1]
     assert "TCP fallback" in coord.verdict[1]
+
+
+def two_p_one_d(tmp_path: Path, env: str, kv_devices: str) -> str:
+    """The 2P1D seed topology (DP/EP engines spanning two hosts each) with `env` for every
+    engine and `kv_devices` as each engine's kv.ucx_devices."""
+    text = (REPO / "topologies/h200-dsv32-2p1d.yml").read_text()
+    eight = ", ".join(f"mlx5_{i}:1" for i in range(8))
+    assert text.count(f"ucx_devices: [{eight}]") == 3
+    text = text.replace(f"ucx_devices: [{eight}]", f"ucx_devices: {kv_devices}")
+    text = text.replace("defaults:\n  engine: vllm\n", f"defaults:\n  engine: vllm\n  env: {env}\n")
+    path = tmp_path / "2p1d.yml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_kv_only_rails_when_the_topology_tells_them(tmp_path: Path) -> None:
+    # one host per engine: the NICs carry only KV, the kv.ucx_devices are the rails
+    h20 = load_topology(str(REPO / "topologies/h20-v4flash-1p1d-2node.yml"))
+    assert kv_only_rails(h20, "h20-b") == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
+    # the 2P1D seed: DP/EP engines across hosts with no NCCL_IB_HCA: any NIC may carry either
+    assert (
+        kv_only_rails(load_topology(str(REPO / "topologies/h200-dsv32-2p1d.yml")), "h200-e") is None
+    )
+    six = ",".join(f"mlx5_{i}" for i in range(6))
+    dp_ep = f'{{NCCL_IB_HCA: "{six}", NVSHMEM_HCA_LIST: "{six.replace(",", ":1,")}:1"}}'
+    split = load_topology(two_p_one_d(tmp_path, dp_ep, "[mlx5_6:1, mlx5_7:1]"))
+    assert kv_only_rails(split, "h200-e") == ["mlx5_6", "mlx5_7"]
+    # overlap with the DP/EP HCAs, `all`, NCCL told but DeepEP's NVSHMEM not: cannot be told
+    overlap = load_topology(two_p_one_d(tmp_path, dp_ep, "[mlx5_5:1, mlx5_6:1]"))
+    assert kv_only_rails(overlap, "h200-e") is None
+    assert kv_only_rails(load_topology(two_p_one_d(tmp_path, dp_ep, "all")), "h200-e") is None
+    nccl_only = f'{{NCCL_IB_HCA: "{six}"}}'
+    deepep = load_topology(two_p_one_d(tmp_path, nccl_only, "[mlx5_6:1, mlx5_7:1]"))
+    assert kv_only_rails(deepep, "h200-e") is None
+    excluding = '{NCCL_IB_HCA: "^mlx5_6,mlx5_7", NVSHMEM_HCA_LIST: "mlx5_0:1"}'
+    assert (
+        kv_only_rails(load_topology(two_p_one_d(tmp_path, excluding, "[mlx5_6:1]")), "h200-e")
+        is None
+    )
+
+
+def test_counters_of_the_kv_only_rails_are_named() -> None:
+    coord = Coordination(verdict=(True, "gate passed"))
+    coord.rdma_roles = {"hgx-a": {"port_xmit_data"}, "hgx-b": {"port_rcv_data"}}
+    coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
+    coord.rdma_after = {"hgx-a": {"m/1/port_xmit_data": 1}, "hgx-b": {"m/1/port_rcv_data": 1}}
+    coord.kv_rails = {"hgx-a": ["mlx5_6", "mlx5_7"], "hgx-b": ["mlx5_6"]}
+    coord.kv_endpoints = [PREFILL, DECODE]
+    coord.kv_proto = {"hgx-b": {DECODE.unit: [table("c inter-node cfg#1", "rc_mlx5/mlx5_6:1")]}}
+    _rdma_evidence(coord)
+    assert coord.verdict == (True, "gate passed")
+    assert coord.rdma_note is not None
+    assert coord.rdma_note.endswith(
+        "hgx-b received 4 B (the rails that carry only KV: hgx-a mlx5_6,mlx5_7; hgx-b mlx5_6)"
+    )
+
+
+def test_the_deploy_reads_the_counters_of_the_kv_only_rails() -> None:
+    coord = Coordination()
+    h20 = load_topology(str(REPO / "topologies/h20-v4flash-1p1d-2node.yml"))
+    assert _counter_devices(h20, "h20-b", coord) == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
+    assert coord.kv_rails == {"h20-b": ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]}
+    seed = load_topology(str(REPO / "topologies/h200-dsv32-2p1d.yml"))
+    assert _counter_devices(seed, "h200-e", coord) == list(seed.hosts["h200-e"].rdma)
+    assert "h200-e" not in coord.kv_rails
