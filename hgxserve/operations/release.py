@@ -135,7 +135,13 @@ def read_kv_path(state: State, host: Host, coord: Coordination, units: list[str]
     ok, output = host.run_shell_command(kvpath.journal_command(units))
     read = kvpath.parse_journal(output.stdout_lines) if ok else {}
     coord.kv_proto[host.name] = read
-    said = ", ".join(f"{unit} {len(read.get(unit, []))}" for unit in units)
+    said = ", ".join(
+        f"{unit} {len(read[unit].tables)}"
+        + ("" if read[unit].whole_run else " (its run started before the journal's oldest entry)")
+        if unit in read
+        else f"{unit} not read"
+        for unit in units
+    )
     host.log_styled(f"UCX protocol-selection tables of the KV engines' current run: {said}")
     return True
 

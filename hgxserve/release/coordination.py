@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hgxserve.base.runstate import per_run
-from hgxserve.parsers.ucxproto import ProtoTable
 from hgxserve.release import evidence
-from hgxserve.release.kvpath import KvEndpoint
+from hgxserve.release.kvpath import KvEndpoint, UnitRead
 
 if TYPE_CHECKING:
     from pyinfra.api.state import State
@@ -48,7 +47,7 @@ class Coordination:
     # KV path evidence: the NIXL engines whose KV crosses hosts, and per host the UCX
     # protocol-selection tables each engine unit logged (hgxserve.release.kvpath)
     kv_endpoints: list[KvEndpoint] = field(default_factory=list)
-    kv_proto: dict[str, dict[str, list[ProtoTable]]] = field(default_factory=dict)
+    kv_proto: dict[str, dict[str, UnitRead]] = field(default_factory=dict)
     # host -> its RDMA devices that carry only KV (their counters are then the counter evidence)
     kv_rails: dict[str, list[str]] = field(default_factory=dict)
     # KV capacity (gate.kv_capacity): host -> unit -> KvNeed fields, the policy, and per host

@@ -27,6 +27,7 @@ from hgxserve.topology.model import UCX_RDMA_TLS
 
 __all__ = [
     "KvEndpoint",
+    "UnitRead",
     "JOURNAL_LINES",
     "JOURNAL_TIMEOUT_S",
     "journal_command",
@@ -43,6 +44,7 @@ JOURNAL_LINES = 4000
 # only bounds a journal that hangs.
 JOURNAL_TIMEOUT_S = 30
 TCP = "tcp"
+RUN_START = "@run-start-in-journal"
 HCA_VARS = ("NCCL_IB_HCA", "NVSHMEM_HCA_LIST")  # the HCAs an engine's own traffic may use
 
 
@@ -101,9 +103,9 @@ def kv_only_rails(topo: Topology, host: str) -> list[str] | None:
 
     They are the devices the host's cross-host NIXL engines name in `kv.ucx_devices` (a list,
     not `all`), when every engine on the host whose own traffic crosses hosts (a multi-node
-    engine: TP/DP/EP over the NICs) names its HCAs in NCCL_IB_HCA (and NVSHMEM_HCA_LIST when set)
-    without any of them (and NVSHMEM_HCA_LIST, when its DeepEP all-to-all crosses hosts). An
-    engine on one host keeps its own traffic on NVLink."""
+    engine: TP/DP/EP over the NICs) names its HCAs, none of them a KV rail, in NCCL_IB_HCA and,
+    when its DeepEP all-to-all crosses hosts, in NVSHMEM_HCA_LIST. An engine on one host keeps
+    its own traffic on NVLink."""
     kv: set[str] = set()
     for ep in kv_endpoints(topo):
         if ep.host != host:
@@ -127,24 +129,40 @@ def kv_only_rails(topo: Topology, host: str) -> list[str] | None:
     return sorted(kv)
 
 
+@dataclass
+class UnitRead:
+    """What one engine unit's current run logged: its protocol-selection tables, and whether the
+    journal still holds the run's start (else the tables, printed once at the first transfer,
+    may have been rotated away)."""
+
+    tables: list[ProtoTable]
+    whole_run: bool
+
+
 def journal_command(units: Iterable[str]) -> str:
-    """Shell printing `##<unit>` and then the table lines the unit's current run logged."""
+    """Shell printing, per unit, `##<unit>`, RUN_START when the journal still holds the start
+    of the unit's current run (systemd's own lines about it carry INVOCATION_ID), and the table
+    lines the run logged (its output carries _SYSTEMD_INVOCATION_ID)."""
     parts = []
     for unit in units:
         q = shlex.quote(unit)
+        journal = f"timeout {JOURNAL_TIMEOUT_S} journalctl -o cat --no-pager"
         parts.append(
             f"echo {shlex.quote('##' + unit)}; "
             f"id=$(systemctl show -p InvocationID --value {q}); "
-            f'[ -n "$id" ] && timeout {JOURNAL_TIMEOUT_S} journalctl _SYSTEMD_INVOCATION_ID="$id" '
-            f"-o cat --no-pager | grep -m {JOURNAL_LINES} -E '[|][[:space:]]*$'"
+            'if [ -n "$id" ]; then '
+            f'{journal} -n 1 INVOCATION_ID="$id" | grep -q . && echo {RUN_START}; '
+            f'{journal} _SYSTEMD_INVOCATION_ID="$id" | '
+            f"grep -m {JOURNAL_LINES} -E '[|][[:space:]]*$'; fi"
         )
     return "; ".join(parts) + "; true"
 
 
-def parse_journal(lines: list[str]) -> dict[str, list[ProtoTable]]:
-    """{unit: its protocol-selection tables} from journal_command's output."""
+def parse_journal(lines: list[str]) -> dict[str, UnitRead]:
+    """{unit: what its current run logged} from journal_command's output."""
     return {
-        unit: parse_proto_info(section["lines"]) for unit, section in split_sections(lines).items()
+        unit: UnitRead(parse_proto_info(section["lines"]), RUN_START in section["lines"])
+        for unit, section in split_sections(lines).items()
     }
 
 
@@ -164,21 +182,39 @@ def _said(ep: KvEndpoint, table: ProtoTable) -> str:
 
 
 def kv_tables(
-    endpoints: list[KvEndpoint], read: dict[str, dict[str, list[ProtoTable]]]
+    endpoints: list[KvEndpoint], read: dict[str, dict[str, UnitRead]]
 ) -> list[tuple[KvEndpoint, ProtoTable]]:
     """The tables of KV reads/writes to other hosts that each endpoint's engine logged."""
     out = []
     for ep in endpoints:
-        for table in read.get(ep.host, {}).get(ep.unit, []):
+        unit = read.get(ep.host, {}).get(ep.unit)
+        for table in unit.tables if unit is not None else []:
             if table.rma and table.locality in ("inter-node", ""):
                 out.append((ep, table))
     return out
 
 
+def _rotated(endpoints: list[KvEndpoint], read: dict[str, dict[str, UnitRead]]) -> list[KvEndpoint]:
+    """The endpoints whose engine's current run started before the journal's oldest entry."""
+    out = []
+    for ep in endpoints:
+        unit = read.get(ep.host, {}).get(ep.unit)
+        if unit is not None and not unit.whole_run:
+            out.append(ep)
+    return out
+
+
+def _where(endpoints: Iterable[KvEndpoint]) -> str:
+    return ", ".join(sorted({f"{ep.engine} on {ep.host}" for ep in endpoints}))
+
+
 def transport_verdict(
-    endpoints: list[KvEndpoint], read: dict[str, dict[str, list[ProtoTable]]]
+    endpoints: list[KvEndpoint], read: dict[str, dict[str, UnitRead]]
 ) -> tuple[bool, str]:
-    """(passed, message): every cross-host route showed KV over RDMA and none over TCP."""
+    """(passed, message): every cross-host route showed KV over RDMA and none over TCP. A route
+    whose engines' runs began before the journal's oldest entry (not restarted for a long time:
+    UCX printed their tables then, and the release that started them checked them) is said, not
+    failed: the port counters are its only evidence here."""
     found = kv_tables(endpoints, read)
     tcp = [_said(ep, t) for ep, t in found if _kind(t) == TCP]
     if tcp:
@@ -187,12 +223,24 @@ def transport_verdict(
             "(check UCX_TLS / UCX_NET_DEVICES and that the KV NICs are up)"
         )
     rdma = [(ep, t) for ep, t in found if _kind(t) == "rdma"]
-    unproven = sorted({ep.route for ep in endpoints} - {ep.route for ep, _ in rdma})
-    if unproven:
-        names = sorted({f"{ep.engine} on {ep.host}" for ep in endpoints if ep.route in unproven})
+    unproven = {ep.route for ep in endpoints} - {ep.route for ep, _ in rdma}
+    rotated = _rotated([ep for ep in endpoints if ep.route in unproven], read)
+    missing = unproven - {ep.route for ep in rotated}
+    if missing:
         return False, (
-            f"no UCX protocol-selection table of the KV endpoints ({', '.join(names)}) names an "
-            "RDMA transport: nothing shows the KV crossed the hosts over RDMA (UCX_PROTO_INFO=y "
-            "prints one per endpoint; it needs UCX's protocol selection v2, UCX_PROTO_ENABLE)"
+            "no UCX protocol-selection table of the KV endpoints "
+            f"({_where(ep for ep in endpoints if ep.route in missing)}) names an RDMA transport: "
+            "nothing shows the KV crossed the hosts over RDMA (UCX_PROTO_INFO=y prints one per "
+            "endpoint; it needs UCX's protocol selection v2, UCX_PROTO_ENABLE)"
         )
-    return True, f"KV over RDMA: UCX selected {'; '.join(dict.fromkeys(_said(*f) for f in rdma))}"
+    said = []
+    if rdma:
+        said.append(
+            f"KV over RDMA: UCX selected {'; '.join(dict.fromkeys(_said(*f) for f in rdma))}"
+        )
+    if rotated:
+        said.append(
+            f"the UCX tables of {_where(rotated)} are no longer in the journal (their run "
+            "started before its oldest entry)"
+        )
+    return True, "; ".join(said)

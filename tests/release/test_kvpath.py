@@ -18,6 +18,7 @@ from hgxserve.parsers.ucxproto import ProtoTable, _cells, parse_proto_info
 from hgxserve.release.coordination import Coordination
 from hgxserve.release.kvpath import (
     KvEndpoint,
+    UnitRead,
     journal_command,
     kv_endpoints,
     kv_only_rails,
@@ -42,6 +43,11 @@ def fixture(name: str) -> list[str]:
 
 def table(endpoint: str, lanes: str, operation: str = GET) -> ProtoTable:
     return ProtoTable(endpoint, operation, [("0..inf", "zero-copy", lanes)])
+
+
+def decode_read(*tables: ProtoTable, whole_run: bool = True) -> dict[str, dict[str, UnitRead]]:
+    """What the deploy read on the decode's host: its unit's tables."""
+    return {"hgx-b": {DECODE.unit: UnitRead(list(tables), whole_run)}}
 
 
 def test_the_real_table_with_the_older_prefix_and_endpoint_name() -> None:
@@ -115,7 +121,10 @@ def test_the_journal_of_the_units_current_run_is_read(tmp_path: Path) -> None:
     bin_dir.mkdir()
     scripts = {
         "systemctl": 'case "$*" in *decode-0*) echo 3f2a;; *) echo;; esac\n',
-        "journalctl": f'[ "$1" = _SYSTEMD_INVOCATION_ID=3f2a ] || exit 1\ncat {tmp_path}/journal\n',
+        "journalctl": (
+            'case "$*" in *" INVOCATION_ID=3f2a"*) echo "Started hgxserve-decode-0.service";; '
+            f"*_SYSTEMD_INVOCATION_ID=3f2a*) cat {tmp_path}/journal;; *) exit 1;; esac\n"
+        ),
     }
     for name, body in scripts.items():
         path = bin_dir / name
@@ -126,13 +135,15 @@ def test_the_journal_of_the_units_current_run_is_read(tmp_path: Path) -> None:
     out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     read = parse_journal(out.stdout.splitlines())
-    assert read["hgxserve-prefill-0.service"] == []  # no current run: nothing read
-    [t] = read["hgxserve-decode-0.service"]
+    # no current run: nothing read
+    assert read["hgxserve-prefill-0.service"] == UnitRead([], whole_run=False)
+    assert read["hgxserve-decode-0.service"].whole_run
+    [t] = read["hgxserve-decode-0.service"].tables
     assert t.lanes == ["rc_mlx5/mlx5_0:1"] and t.operation == GET
 
 
 def test_kv_over_tcp_fails_naming_host_engine_peer_and_transport() -> None:
-    read = {"hgx-b": {DECODE.unit: [table("ucp_context_0 inter-node cfg#1", "tcp/host0")]}}
+    read = decode_read(table("ucp_context_0 inter-node cfg#1", "tcp/host0"))
     ok, message = transport_verdict([PREFILL, DECODE], read)
     assert not ok
     assert "KV went over TCP" in message
@@ -141,7 +152,7 @@ def test_kv_over_tcp_fails_naming_host_engine_peer_and_transport() -> None:
 
 def test_kv_over_rdma_passes_naming_the_lanes() -> None:
     rails = "50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_2:1"
-    read = {"hgx-b": {DECODE.unit: [table("ucp_context_0 inter-node cfg#1", rails)]}}
+    read = decode_read(table("ucp_context_0 inter-node cfg#1", rails))
     ok, message = transport_verdict([PREFILL, DECODE], read)
     assert ok, message
     assert message.startswith("KV over RDMA: UCX selected decode-0 on hgx-b (KV from hgx-a): ")
@@ -158,9 +169,27 @@ def test_kv_over_rdma_passes_naming_the_lanes() -> None:
     ],
 )  # fmt: skip
 def test_nothing_proving_rdma_for_the_kv_fails(tables: list[ProtoTable]) -> None:
-    ok, message = transport_verdict([PREFILL, DECODE], {"hgx-b": {DECODE.unit: tables}})
+    ok, message = transport_verdict([PREFILL, DECODE], decode_read(*tables))
     assert not ok and "names an RDMA transport" in message
     assert "decode-0 on hgx-b" in message and "prefill-0 on hgx-a" in message
+    # not read at all (the host's read failed): the same
+    assert not transport_verdict([PREFILL, DECODE], {})[0]
+
+
+def test_a_run_older_than_the_journal_is_said_not_failed() -> None:
+    # an engine this release did not restart, whose start (and UCX's tables) rotated away
+    ok, message = transport_verdict([PREFILL, DECODE], decode_read(whole_run=False))
+    assert ok
+    assert message == (
+        "the UCX tables of decode-0 on hgx-b are no longer in the journal (their run started "
+        "before its oldest entry)"
+    )
+    # ... but TCP in what is still there fails, and another route without tables too
+    tcp = decode_read(table("c inter-node cfg#1", "tcp/eth0"), whole_run=False)
+    assert not transport_verdict([PREFILL, DECODE], tcp)[0]
+    other = KvEndpoint(1, "decode-1", "decode", "hgx-c", ("hgx-a",))
+    ok, message = transport_verdict([PREFILL, DECODE, other], decode_read(whole_run=False))
+    assert not ok and "(decode-1 on hgx-c) names an RDMA transport" in message
 
 
 def test_counters_that_moved_do_not_save_kv_that_went_over_tcp() -> None:
@@ -169,7 +198,7 @@ def test_counters_that_moved_do_not_save_kv_that_went_over_tcp() -> None:
     coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
     coord.rdma_after = {"hgx-a": {"m/1/port_xmit_data": 10}, "hgx-b": {"m/1/port_rcv_data": 10}}
     coord.kv_endpoints = [PREFILL, DECODE]
-    coord.kv_proto = {"hgx-b": {DECODE.unit: [table("c inter-node cfg#1", "tcp/host0")]}}
+    coord.kv_proto = decode_read(table("c inter-node cfg#1", "tcp/host0"))
     _rdma_evidence(coord)
     assert coord.verdict is not None and not coord.verdict[0]
     said = coord.verdict[1]
@@ -180,7 +209,7 @@ def test_counters_that_moved_do_not_save_kv_that_went_over_tcp() -> None:
     coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
     coord.rdma_after = {"hgx-a": {"m/1/port_xmit_data": 1}, "hgx-b": {"m/1/port_rcv_data": 1}}
     coord.kv_endpoints = [PREFILL, DECODE]
-    coord.kv_proto = {"hgx-b": {DECODE.unit: [table("c inter-node cfg#1", "rc_mlx5/m:1")]}}
+    coord.kv_proto = decode_read(table("c inter-node cfg#1", "rc_mlx5/m:1"))
     _rdma_evidence(coord)
     assert coord.verdict == (True, "gate passed")
     assert coord.rdma_note is not None and coord.rdma_note.startswith("KV over RDMA: UCX selected")
@@ -194,7 +223,7 @@ def test_counters_that_did_not_move_are_said_as_well() -> None:
     coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
     coord.rdma_after = dict(coord.rdma_before)
     coord.kv_endpoints = [PREFILL, DECODE]
-    coord.kv_proto = {"hgx-b": {DECODE.unit: [table("c inter-node cfg#1", "tcp/host0")]}}
+    coord.kv_proto = decode_read(table("c inter-node cfg#1", "tcp/host0"))
     _rdma_evidence(coord)
     assert coord.verdict is not None and not coord.verdict[0]
     assert "KV went over TCP" in coord.verdict[1]
@@ -248,7 +277,7 @@ def test_counters_of_the_kv_only_rails_are_named() -> None:
     coord.rdma_after = {"hgx-a": {"m/1/port_xmit_data": 1}, "hgx-b": {"m/1/port_rcv_data": 1}}
     coord.kv_rails = {"hgx-a": ["mlx5_6", "mlx5_7"], "hgx-b": ["mlx5_6"]}
     coord.kv_endpoints = [PREFILL, DECODE]
-    coord.kv_proto = {"hgx-b": {DECODE.unit: [table("c inter-node cfg#1", "rc_mlx5/mlx5_6:1")]}}
+    coord.kv_proto = decode_read(table("c inter-node cfg#1", "rc_mlx5/mlx5_6:1"))
     _rdma_evidence(coord)
     assert coord.verdict == (True, "gate passed")
     assert coord.rdma_note is not None
