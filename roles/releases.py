@@ -133,12 +133,7 @@ def switch_to(*, plan: SwitchPlan, root: str = RELEASE_ROOT) -> None:
     if gating and plan.rdma is not None:
         _rdma_counters(plan, "after", "after the gate: they must have grown")
     if gating and plan.kv_units:
-        python.call(
-            name="Read the transport UCX selected for the KV endpoints (must be RDMA, not TCP)",
-            function=read_kv_path,
-            coord=plan.coord,
-            units=list(plan.kv_units),
-        )
+        step("Read the transport UCX selected for the KV endpoints: RDMA, not TCP", read_kv_path)
     if plan.switch and plan.bench_s:
         longer = within + plan.bench_s
         step(

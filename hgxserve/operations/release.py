@@ -129,9 +129,11 @@ def read_rdma_counters(  # noqa: PLR0913 - pyinfra python.call: state and host f
     return True
 
 
-def read_kv_path(state: State, host: Host, coord: Coordination, units: list[str]) -> bool:
+def read_kv_path(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call on the hosts of P/D engines whose KV crosses hosts, after the gate: the UCX
-    protocol-selection tables each engine unit's current run logged (hgxserve.release.kvpath)."""
+    protocol-selection tables each engine unit's current run logged (hgxserve.release.kvpath),
+    kept for the verdict and, what they say, in the release's record on the host."""
+    units = sorted({ep.unit for ep in coord.kv_endpoints if ep.host == host.name})
     ok, output = host.run_shell_command(kvpath.journal_command(units))
     read = kvpath.parse_journal(output.stdout_lines) if ok else {}
     coord.kv_proto[host.name] = read
@@ -143,6 +145,16 @@ def read_kv_path(state: State, host: Host, coord: Coordination, units: list[str]
         for unit in units
     )
     host.log_styled(f"UCX protocol-selection tables of the KV engines' current run: {said}")
+    record = {unit: kvpath.unit_record(read[unit]) for unit in units if unit in read}
+    if record:
+        ok, output = host.run_shell_command(
+            f"{AGENT} release kv-transport {shlex.quote(release_id)} "
+            f"--record {shlex.quote(json.dumps(record, sort_keys=True))} "
+            f"--root {shlex.quote(root)}"
+        )
+        if not ok:
+            why = " ".join(output.stderr_lines).removeprefix("Error: ")
+            host.log_styled(f"KV transport not kept in the release's record: {why}", fg="yellow")
     return True
 
 

@@ -8,7 +8,8 @@ such routes run with `UCX_PROTO_INFO=y` (hgxserve.render), so the first KV read 
 endpoint to another host logs a protocol-selection table naming the lanes, `rc_mlx5/mlx5_0:1`
 for RDMA or `tcp/eth0` for the fallback (hgxserve.parsers.ucxproto). After the gate the deploy
 reads those tables from the journal of each such engine's current run (its systemd invocation,
-bounded) and fails the release when a KV endpoint to another host used TCP, or when nothing
+bounded), keeps what each unit's tables say in the release's record (`observed`: kv_transport,
+kv_lanes), and fails the release when a KV endpoint to another host used TCP, or when nothing
 showed an RDMA transport. The port counters stay checked, as supporting evidence.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from hgxserve.parsers.sections import split_sections
 from hgxserve.parsers.ucxproto import ProtoTable, parse_proto_info
@@ -35,6 +37,7 @@ __all__ = [
     "kv_only_rails",
     "parse_journal",
     "transport_verdict",
+    "unit_record",
 ]
 
 # Table lines kept per engine run: one table is 4-8 lines and UCX prints one per endpoint
@@ -173,6 +176,22 @@ def _kind(table: ProtoTable) -> str:
     return "rdma" if any(t in UCX_RDMA_TLS for t in table.transports) else ""
 
 
+def _cross_host_kv(table: ProtoTable) -> bool:
+    """A KV read/write to another host (`inter-node`, or an older UCX that does not say)."""
+    return table.rma and table.locality in ("inter-node", "")
+
+
+def unit_record(read: UnitRead) -> dict[str, Any]:
+    """What a KV engine unit's UCX tables say, for the release's record (`observed`): the
+    transport of its KV reads/writes to other hosts (`kv_transport`: rdma, tcp, or none when
+    it logged none) and their lanes (`kv_lanes`, e.g. rc_mlx5/mlx5_0:1)."""
+    tables = [t for t in read.tables if _cross_host_kv(t)]
+    kinds = {_kind(t) for t in tables}
+    transport = TCP if TCP in kinds else "rdma" if "rdma" in kinds else "none"
+    lanes = list(dict.fromkeys(lane for t in tables for lane in t.lanes))
+    return {"kv_transport": transport, "kv_lanes": lanes}
+
+
 def _said(ep: KvEndpoint, table: ProtoTable) -> str:
     peer = "+".join(ep.peers)
     return (
@@ -189,7 +208,7 @@ def kv_tables(
     for ep in endpoints:
         unit = read.get(ep.host, {}).get(ep.unit)
         for table in unit.tables if unit is not None else []:
-            if table.rma and table.locality in ("inter-node", ""):
+            if _cross_host_kv(table):
                 out.append((ep, table))
     return out
 

@@ -88,6 +88,10 @@ def test_kv_over_rdma_passes_with_the_transport_named(lab: testbed_hosts.Testbed
         line = rf"{tables}hgxserve-{unit}-0\.service {count}(?![\d (])"
         assert re.search(line, text), text[-4000:]
     assert re.search(r"release \w+ confirmed", text)
+    # ... and kept in the release's record on the decode's host (status --json shows it)
+    status = json.loads(lab.ssh("hgx-b", "/opt/hgxserve/bin/hgxserve release status").stdout)
+    kept = status["observed"]["hgxserve-decode-0.service"]
+    assert kept["kv_transport"] == "rdma" and kept["kv_lanes"][0].startswith("rc_mlx5/mlx5_")
     # the table is in the decode's journal as UCX prints it
     journal = lab.ssh("hgx-b", "journalctl -u hgxserve-decode-0 -o cat --no-pager", check=True)
     assert re.search(r"\| +ucp_context_0 inter-node cfg#\d+ \| remote memory read", journal.stdout)
@@ -113,3 +117,13 @@ def test_kv_falling_back_to_tcp_is_rolled_back_though_the_counters_moved(
     print(re.search(r"gate failed: KV went over TCP.*", text).group(0))  # type: ignore[union-attr]
     assert "rolled back to the previous release" in text
     assert current(lab) == before
+    # the record of the release that failed, kept on the decode's host, says what UCX selected
+    records = lab.ssh(
+        "hgx-b",
+        "python3 -c 'import glob, json; print(json.dumps([json.load(open(p)) for p in "
+        'glob.glob("/var/lib/hgxserve/releases/*/observed.json")]))\'',
+        check=True,
+    )
+    kept = [r.get("hgxserve-decode-0.service", {}) for r in json.loads(records.stdout)]
+    tcp_kept = [r for r in kept if r.get("kv_transport") == "tcp"]
+    assert tcp_kept and tcp_kept[0]["kv_lanes"] == ["tcp/eth0"], kept  # the host's eth0

@@ -6,15 +6,20 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shlex
 import stat
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from hgxserve.deploy.plans import _counter_devices
-from hgxserve.operations.release import _rdma_evidence
+from hgxserve.operations.release import _rdma_evidence, read_kv_path
 from hgxserve.parsers.ucxproto import ProtoTable, _cells, parse_proto_info
+from hgxserve.release.cli import release
 from hgxserve.release.coordination import Coordination
 from hgxserve.release.kvpath import (
     KvEndpoint,
@@ -24,7 +29,9 @@ from hgxserve.release.kvpath import (
     kv_only_rails,
     parse_journal,
     transport_verdict,
+    unit_record,
 )
+from hgxserve.release.store import Store
 from hgxserve.topology import load_topology
 from testbed import simengine
 
@@ -108,8 +115,10 @@ def test_the_kv_endpoints_are_the_nixl_engines_of_routes_across_hosts(tmp_path: 
     }
 
 
-def test_the_journal_of_the_units_current_run_is_read(tmp_path: Path) -> None:
-    # systemctl and journalctl as the host answers them: the unit's invocation, its lines
+@pytest.fixture
+def journal_path(tmp_path: Path) -> str:
+    """A PATH whose systemctl and journalctl answer as a host does for a decode unit whose
+    current run (invocation 3f2a) logged one UCX table among other lines."""
     lines = [
         "INFO 12-01 [nixl_connector.py] NIXL is available",
         "[1764600000.1] [hgx-b:42:0]   +----------+",
@@ -130,7 +139,11 @@ def test_the_journal_of_the_units_current_run_is_read(tmp_path: Path) -> None:
         path = bin_dir / name
         path.write_text("#!/bin/sh\n" + body)
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_the_journal_of_the_units_current_run_is_read(journal_path: str) -> None:
+    env = {**os.environ, "PATH": journal_path}
     command = journal_command(["hgxserve-decode-0.service", "hgxserve-prefill-0.service"])
     out = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
@@ -294,3 +307,55 @@ def test_the_deploy_reads_the_counters_of_the_kv_only_rails() -> None:
     seed = load_topology(str(REPO / "topologies/h200-dsv32-2p1d.yml"))
     assert _counter_devices(seed, "h200-e", coord) == list(seed.hosts["h200-e"].rdma)
     assert "h200-e" not in coord.kv_rails
+
+
+class _Host:
+    """A pyinfra host: shell commands run in `sh` with `path`, the agent's `hgxserve release`
+    in this process."""
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name, self.path = name, path
+        self.said: list[str] = []
+
+    def run_shell_command(self, command: str) -> tuple[bool, Any]:
+        argv = shlex.split(command)
+        if argv[0].endswith("/hgxserve"):
+            result = CliRunner().invoke(release, argv[2:])
+            out, err, ok = result.stdout, result.stderr, result.exit_code == 0
+        else:
+            env = {**os.environ, "PATH": self.path}
+            proc = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env)
+            out, err, ok = proc.stdout, proc.stderr, proc.returncode == 0
+        return ok, SimpleNamespace(stdout_lines=out.splitlines(), stderr_lines=err.splitlines())
+
+    def log_styled(self, message: str, **_: Any) -> None:
+        self.said.append(message)
+
+
+def test_the_step_reads_the_tables_and_keeps_the_transport_in_the_record(
+    journal_path: str, tmp_path: Path
+) -> None:
+    store = Store(str(tmp_path / "lib"))
+    (store.release_dir("r1") / "tree").mkdir(parents=True)
+    store.note_observed("r1", DECODE.unit, {"start_s": 4.2})
+    coord = Coordination(kv_endpoints=[PREFILL, DECODE])
+    host = _Host("hgx-b", journal_path)
+    assert read_kv_path(None, host, coord, "r1", str(store.root))  # type: ignore[arg-type]
+    assert host.said[0] == (
+        "UCX protocol-selection tables of the KV engines' current run: hgxserve-decode-0.service 1"
+    )
+    assert [t.lanes for t in coord.kv_proto["hgx-b"][DECODE.unit].tables] == [["rc_mlx5/mlx5_0:1"]]
+    assert store.observed("r1")[DECODE.unit] == {
+        "start_s": 4.2,
+        "kv_transport": "rdma",
+        "kv_lanes": ["rc_mlx5/mlx5_0:1"],
+    }
+
+
+def test_the_record_says_tcp_rdma_or_none() -> None:
+    tcp = UnitRead([table("c inter-node cfg#1", "tcp/eth0")], whole_run=True)
+    assert unit_record(tcp) == {"kv_transport": "tcp", "kv_lanes": ["tcp/eth0"]}
+    local = UnitRead([table("c intra-node cfg#0", "cuda_ipc/cuda")], whole_run=True)
+    assert unit_record(local) == {"kv_transport": "none", "kv_lanes": []}
+    result = CliRunner().invoke(release, ["kv-transport", "r1", "--record", "[1]"])
+    assert result.exit_code != 0 and "--record: not a unit -> transport mapping" in result.output
