@@ -887,12 +887,17 @@ def other_rdma_traffic() -> None:
     _bump("port_rcv_data", nbytes)
 
 
+SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+
+
 def _iface_of(address: str) -> str:
     """The network interface holding `address` (Linux SIOCGIFADDR), else "eth0"."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for _, name in socket.if_nameindex():
             try:
-                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                packed = fcntl.ioctl(
+                    sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
             except OSError:
                 continue
             if socket.inet_ntoa(packed[20:24]) == address:

@@ -43,8 +43,8 @@ __all__ = [
 # Table lines kept per engine run: one table is 4-8 lines and UCX prints one per endpoint
 # configuration and operation (a DP-16 decode with 2 rails: a few dozen tables).
 JOURNAL_LINES = 4000
-# journalctl reading one invocation of a unit takes well under a second on a busy host; this
-# only bounds a journal that hangs.
+# Only bounds a journalctl that hangs (a damaged journal file, a stalled disk): a field match
+# (_SYSTEMD_INVOCATION_ID=, INVOCATION_ID=) is looked up in the journal files' index.
 JOURNAL_TIMEOUT_S = 30
 TCP = "tcp"
 RUN_START = "@run-start-in-journal"
