@@ -19,6 +19,7 @@ from hgxserve.operations.credentials import secret_file
 from hgxserve.operations.release import (
     arm_deadman,
     check_kv,
+    read_kv_path,
     read_rdma_counters,
     run_gate,
     settle,
@@ -95,7 +96,8 @@ def switch_to(*, plan: SwitchPlan, root: str = RELEASE_ROOT) -> None:
     + plan: the switch (hgxserve.deploy.plans.SwitchPlan): the staged release (e.g. the host's
       previous or baseline), whether this host switches and gates, the seconds the gate has
       from the moment every host switched and the slowest host may take to switch
-      (switch_bound_s), this host's RDMA counters when they are P/D evidence, the SLA bench
+      (switch_bound_s), this host's RDMA counters when they are P/D evidence, its engine units
+      whose UCX KV endpoints cross hosts (their transport is the KV path's evidence), the SLA bench
       to run after the gate on the gate's host and the seconds it may take (the switched
       hosts' timers are extended by them)
     + root: the release root on the host
@@ -130,6 +132,8 @@ def switch_to(*, plan: SwitchPlan, root: str = RELEASE_ROOT) -> None:
         )
     if gating and plan.rdma is not None:
         _rdma_counters(plan, "after", "after the gate: they must have grown")
+    if gating and plan.kv_units:
+        step("Read the transport UCX selected for the KV endpoints: RDMA, not TCP", read_kv_path)
     if plan.switch and plan.bench_s:
         longer = within + plan.bench_s
         step(

@@ -33,8 +33,17 @@ Environment knobs (all optional):
                                JIT lines on for one simulated host without changing a topology
   HGXSERVE_SIM_RDMA_DIR        simulated RDMA NIC port counters, <dev>/ports/<n>/counters/
                                port_{xmit,rcv}_data (default /var/lib/hgxserve-sim/infiniband):
-                               a cross-host KV transfer adds its bytes there unless UCX_TLS
-                               names no RDMA transport (a TCP fallback moves no counter)
+                               a cross-host KV transfer adds its bytes there unless the KV
+                               goes over TCP (a TCP fallback moves no counter)
+  HGXSERVE_SIM_KV_TRANSPORT    tcp: KV to other hosts falls back to TCP (as UCX does when the
+                               RDMA NIC cannot be used); rdma; default: tcp when UCX_TLS names
+                               no RDMA transport, else rdma
+  HGXSERVE_SIM_OTHER_RDMA_BYTES  bytes each generation request adds to the NIC's sent and
+                               received counters: the engine's own DP/EP traffic, which moves the
+                               host-wide port counters whatever carries the KV (default 0)
+  UCX_PROTO_INFO=y             the decode prints UCX's protocol-selection table, in UCX's format,
+                               the first time it pulls KV from a peer: `rc_mlx5/<dev>:<port>`
+                               over RDMA, `tcp/<interface>` over TCP, `cuda_ipc/cuda` on one host
   HGXSERVE_SIM_KEEP_ALIVE_SECONDS  idle keep-alive connections are closed after this (default 5,
                                uvicorn's timeout_keep_alive, which vLLM and SGLang serve with)
   HGXSERVE_SIM_KV_TOKENS       the KV capacity the engine reports, tokens per DP rank (default
@@ -88,6 +97,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -96,6 +106,8 @@ import os
 import random
 import re
 import signal
+import socket
+import struct
 import sys
 import time
 import uuid
@@ -841,37 +853,124 @@ async def health_generate() -> None:
 RDMA_TRANSPORTS = {"all", "rc", "rc_x", "rc_v", "rc_mlx5", "ud", "ud_x", "ud_v", "ud_mlx5", "dc",
                    "dc_x", "dc_mlx5", "ib"}  # fmt: skip
 _said_tcp = False
+_proto_info_said: set[str] = set()
 
 
-def rdma_count(counter: str, nbytes: int, local: str, peer: str) -> None:
-    """SIMULATED RDMA NIC: add a cross-host KV transfer's bytes to this host's port counter
-    (`port_xmit_data` on the sender, `port_rcv_data` on the receiver; 4-byte words, as the
-    InfiniBand counters count). Nothing moves for a transfer inside one host (CUDA IPC), or
-    when UCX_TLS names no RDMA transport (UCX then sends the KV over TCP)."""
-    global _said_tcp
-    if nbytes <= 0 or peer == local or peer.startswith("127.") or peer in ("::1", "localhost"):
-        return
+def kv_transport() -> str:
+    """SIMULATED UCX transport selection for KV to another host: "tcp" when
+    HGXSERVE_SIM_KV_TRANSPORT=tcp (a fallback the real UCX takes when the RDMA NIC cannot be
+    used, e.g. a down port or a wrong UCX_NET_DEVICES) or when UCX_TLS names no RDMA transport;
+    else "rdma"."""
+    forced = os.environ.get("HGXSERVE_SIM_KV_TRANSPORT", "").strip().lower()
+    if forced in ("tcp", "rdma"):
+        return forced
     tls = [t.strip().lower() for t in os.environ.get("UCX_TLS", "").split(",") if t.strip()]
-    if tls and not RDMA_TRANSPORTS.intersection(tls):
-        if not _said_tcp:
-            log(f"UCX_TLS={','.join(tls)} has no RDMA transport: KV goes over TCP (simulated)")
-            _said_tcp = True
-        return
+    return "tcp" if tls and not RDMA_TRANSPORTS.intersection(tls) else "rdma"
+
+
+def _nic() -> tuple[str, str]:
+    """(device, port) of the simulated RDMA NIC UCX would use: UCX_NET_DEVICES' first entry,
+    else the first device under HGXSERVE_SIM_RDMA_DIR ("" when there is none)."""
     root = os.environ.get("HGXSERVE_SIM_RDMA_DIR") or "/var/lib/hgxserve-sim/infiniband"
     wanted = os.environ.get("UCX_NET_DEVICES", "all").split(",")[0].strip()
     device, _, port = wanted.partition(":")
     if device in ("", "all"):
         found = sorted(os.listdir(root)) if os.path.isdir(root) else []
         device, port = (found[0] if found else ""), "1"
-    path = os.path.join(root, device, "ports", port or "1", "counters", counter)
-    if not device or not os.path.isfile(path):
-        return  # no (simulated) NIC here: the transfer went over TCP
+    return device, port or "1"
+
+
+def _bump(counter: str, nbytes: int) -> None:
+    """Add bytes to this host's simulated NIC port counter (4-byte words, as InfiniBand's)."""
+    root = os.environ.get("HGXSERVE_SIM_RDMA_DIR") or "/var/lib/hgxserve-sim/infiniband"
+    device, port = _nic()
+    path = os.path.join(root, device, "ports", port, "counters", counter)
+    if nbytes <= 0 or not device or not os.path.isfile(path):
+        return  # no (simulated) NIC here
     with open(path, encoding="ascii") as fh:
         value = int(fh.read().strip() or 0)
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="ascii") as fh:
         fh.write(f"{value + nbytes // 4}\n")
     os.replace(tmp, path)
+
+
+def other_rdma_traffic() -> None:
+    """SIMULATED DP/EP traffic of the engine itself (its all-to-all over the same NICs):
+    HGXSERVE_SIM_OTHER_RDMA_BYTES per generation request, sent and received, whatever carries
+    the KV. It moves the host-wide port counters the way a real DP/EP engine's does."""
+    nbytes = int(env_float("HGXSERVE_SIM_OTHER_RDMA_BYTES", 0))
+    _bump("port_xmit_data", nbytes)
+    _bump("port_rcv_data", nbytes)
+
+
+SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+
+
+def _iface_of(address: str) -> str:
+    """The network interface holding `address` (Linux SIOCGIFADDR), else "eth0"."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(
+                    sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return "eth0"
+
+
+def proto_info(local: str, peer: str, operation: str) -> None:
+    """With UCX_PROTO_INFO=y, print UCX's protocol-selection table for this engine's KV
+    endpoint to `peer` the first time it is used, in UCX's format (src/ucp/proto/proto_debug.c,
+    ucp_proto_select_elem_info, behind the compact log prefix `[<time>] [<host>:<pid>:<thread>]`):
+    a KV read over RDMA is `zero-copy` on `rc_mlx5/<device>:<port>`, over TCP `software
+    emulation` on `tcp/<interface>`."""
+    if os.environ.get("UCX_PROTO_INFO", "").lower() not in ("y", "yes", "1", "on", "true"):
+        return
+    same = peer == local or peer.startswith("127.") or peer in ("::1", "localhost")
+    if f"{peer} {operation}" in _proto_info_said:
+        return
+    _proto_info_said.add(f"{peer} {operation}")
+    if same:
+        endpoint, desc, lanes = "intra-node", "zero-copy", "cuda_ipc/cuda"
+    elif kv_transport() == "tcp":
+        endpoint, desc, lanes = "inter-node", "software emulation", f"tcp/{_iface_of(local)}"
+    else:
+        device, port = _nic()
+        endpoint, desc, lanes = "inter-node", "zero-copy", f"rc_mlx5/{device or 'mlx5_0'}:{port}"
+    ep = f"ucp_context_0 {endpoint} cfg#{len(_proto_info_said)}"
+    rng = "0..inf"
+    w0 = max(len(ep), len(rng))
+    w2 = len(lanes)
+    w1 = max(len(desc), len(operation) - w2)
+    hdr1 = w1 + 3 + w2
+    sep2 = f"+{'-' * (w0 + 2)}+{'-' * (hdr1 + 2)}+"
+    sep3 = f"+{'-' * (w0 + 2)}+{'-' * (w1 + 2)}+{'-' * (w2 + 2)}+"
+    rows = [sep2, f"| {ep:>{w0}} | {operation:<{hdr1}} |", sep3,
+            f"| {rng:>{w0}} | {desc:<{w1}} | {lanes:<{w2}} |", sep3]  # fmt: skip
+    host = os.uname().nodename
+    for row in rows:
+        now = time.time()
+        print(f"[{now:.6f}] [{host}:{os.getpid()}:0]   {row}", flush=True)
+
+
+def rdma_count(counter: str, nbytes: int, local: str, peer: str) -> None:
+    """SIMULATED RDMA NIC: add a cross-host KV transfer's bytes to this host's port counter
+    (`port_xmit_data` on the sender, `port_rcv_data` on the receiver; 4-byte words, as the
+    InfiniBand counters count). Nothing moves for a transfer inside one host (CUDA IPC), or
+    when the KV goes over TCP (kv_transport)."""
+    global _said_tcp
+    if nbytes <= 0 or peer == local or peer.startswith("127.") or peer in ("::1", "localhost"):
+        return
+    if kv_transport() == "tcp":
+        if not _said_tcp:
+            log("KV to other hosts goes over TCP (simulated UCX fallback), not the RDMA NIC")
+            _said_tcp = True
+        return
+    _bump(counter, nbytes)
 
 
 def _ends(writer: asyncio.StreamWriter) -> tuple[str, str]:
@@ -913,6 +1012,7 @@ async def nixl_pull(params: dict[str, Any]) -> tuple[bool, str, int]:
         return False, f"handshake_setup_failed with {host}:{port}: {exc!r}", 0
     if not answer.get("ok"):
         return False, f"remote refused transfer: {answer.get('error')}", 0
+    proto_info(*ends, "remote memory read by ucp_get*(multi) into cuda/GPU0")
     rdma_count("port_rcv_data", int(answer.get("bytes", 0)), *ends)
     return True, "", int(answer.get("bytes", 0))
 
@@ -1035,6 +1135,7 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
         conn.writer.transport.abort()
         raise Aborted()
     prompt_tokens = count_prompt_tokens(body, text, chat)
+    other_rdma_traffic()
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     if max_tokens is None:
         max_tokens = s.max_model_len - prompt_tokens

@@ -45,6 +45,7 @@ from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.release.coordination import Coordination
 from hgxserve.release.evidence import rdma_roles, unchecked_transport
 from hgxserve.release.kvcap import kv_needs_by_host
+from hgxserve.release.kvpath import kv_endpoints, kv_only_rails
 from hgxserve.release.plan import HostRelease, gate_host, switch_bound_s
 from hgxserve.release.store import UnitSpec
 from hgxserve.release.switch import SWITCH_OVERHEAD_S, start_timeout
@@ -431,6 +432,7 @@ class SwitchPlan:
     confirm_within: int = CONFIRM_WITHIN_S  # seconds the gate has once every host switched
     peers_within: int = 0  # seconds the slowest host may take to switch (switch_bound_s)
     rdma: tuple[str, list[str]] | None = None  # (sysfs root, devices) for the RDMA evidence
+    kv_units: tuple[str, ...] = ()  # engine units whose UCX transport is the KV path evidence
     bench: BenchStep | None = None  # the SLA bench after the gate, on the gate's host
     bench_s: int = 0  # seconds the bench may take: the switched hosts' timers wait as long
 
@@ -451,6 +453,17 @@ def _bench(
     return bench_step_for(topology, topology.source_file, active, data.get("bench_tokenizer"))
 
 
+def _counter_devices(topology: Topology, host: str, coord: Coordination) -> list[str]:
+    """The RDMA devices whose port counters are the host's counter evidence: the rails that
+    carry only KV when the topology tells them (hgxserve.release.kvpath.kv_only_rails), else
+    the host's `rdma:` devices (none: every device)."""
+    rails = kv_only_rails(topology, host)
+    if rails:
+        coord.kv_rails[host] = rails
+        return rails
+    return list(topology.hosts[host].rdma) if host in topology.hosts else []
+
+
 def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
     data = deploy_data(host)
     # a pinned weights digest (as for the weights stage) reaches the units
@@ -463,10 +476,12 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
     coord.rdma_roles = rdma_roles(topology)
     # gate.rdma: off: what carried cross-host KV instead (TCP), said when the release is confirmed
     coord.rdma_note = None if coord.rdma_roles else unchecked_transport(topology)
+    coord.kv_endpoints = kv_endpoints(topology)
+    kv_units = sorted({ep.unit for ep in coord.kv_endpoints if ep.host == host.name})
     coord.kv_policy = topology.gate.kv_capacity
     if coord.kv_policy != "off" and not coord.kv_needs:
         coord.kv_needs = kv_needs_by_host(topology, kv_shapes(topology.source_file))
-    devices = list(topology.hosts[host.name].rdma) if host.name in topology.hosts else []
+    devices = _counter_devices(topology, host.name, coord)
     bench = _bench(topology, host, active, data)
     secrets = secret_values(plan)
     switching = SwitchPlan(
@@ -477,6 +492,7 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
         confirm_within=data.get("confirm_within"),
         peers_within=switch_bound_s(plans, SWITCH_OVERHEAD_S),
         rdma=(data.get("rdma_sysfs"), devices) if host.name in coord.rdma_roles else None,
+        kv_units=tuple(kv_units),
         bench=bench,
         bench_s=topology.gate.bench.timeout_s if topology.gate.bench is not None else 0,
     )

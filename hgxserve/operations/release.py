@@ -17,7 +17,7 @@ from pyinfra.api.state import State
 
 from hgxserve.base.paths import AGENT, RELEASE_ROOT
 from hgxserve.facts.release import ReleaseState
-from hgxserve.release import CONFIRM_WITHIN_S, evidence
+from hgxserve.release import CONFIRM_WITHIN_S, evidence, kvpath
 from hgxserve.release.coordination import Coordination, final_state, needs_switch
 
 
@@ -129,18 +129,60 @@ def read_rdma_counters(  # noqa: PLR0913 - pyinfra python.call: state and host f
     return True
 
 
+def read_kv_path(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
+    """python.call on the hosts of P/D engines whose KV crosses hosts, after the gate: the UCX
+    protocol-selection tables each engine unit's current run logged (hgxserve.release.kvpath),
+    kept for the verdict and, what they say, in the release's record on the host."""
+    units = sorted({ep.unit for ep in coord.kv_endpoints if ep.host == host.name})
+    ok, output = host.run_shell_command(kvpath.journal_command(units))
+    read = kvpath.parse_journal(output.stdout_lines) if ok else {}
+    coord.kv_proto[host.name] = read
+    said = ", ".join(
+        f"{unit} {len(read[unit].tables)}"
+        + ("" if read[unit].whole_run else " (its run started before the journal's oldest entry)")
+        if unit in read
+        else f"{unit} not read"
+        for unit in units
+    )
+    host.log_styled(f"UCX protocol-selection tables of the KV engines' current run: {said}")
+    record = {unit: kvpath.unit_record(read[unit]) for unit in units if unit in read}
+    if record:
+        ok, output = host.run_shell_command(
+            f"{AGENT} release kv-transport {shlex.quote(release_id)} "
+            f"--record {shlex.quote(json.dumps(record, sort_keys=True))} "
+            f"--root {shlex.quote(root)}"
+        )
+        if not ok:
+            why = " ".join(output.stderr_lines).removeprefix("Error: ")
+            host.log_styled(f"KV transport not kept in the release's record: {why}", fg="yellow")
+    return True
+
+
 def _rdma_evidence(coord: Coordination) -> None:
-    """Fail a passed gate whose P/D KV did not move over RDMA (once per run)."""
-    if not coord.rdma_roles or coord.rdma_note is not None:
+    """Fail a passed gate whose P/D KV did not move over RDMA (once per run): the transport
+    UCX selected for the KV endpoints first, the hosts' port counters as supporting evidence."""
+    if not (coord.rdma_roles or coord.kv_endpoints) or coord.rdma_note is not None:
         return
     if coord.verdict is None or not coord.verdict[0]:
         return
-    ok, message = evidence.verdict(
-        coord.rdma_roles, coord.rdma_before, coord.rdma_after, coord.rdma_root
-    )
-    coord.rdma_note = message
-    if not ok:
-        coord.verdict = (False, f"gate failed: {message}")
+    said: list[str] = []
+    failed: list[str] = []
+    if coord.kv_endpoints:
+        ok, message = kvpath.transport_verdict(coord.kv_endpoints, coord.kv_proto)
+        (said if ok else failed).append(message)
+    if coord.rdma_roles:
+        ok, message = evidence.verdict(
+            coord.rdma_roles, coord.rdma_before, coord.rdma_after, coord.rdma_root
+        )
+        if coord.kv_rails:
+            rails = "; ".join(f"{h} {','.join(d)}" for h, d in sorted(coord.kv_rails.items()))
+            message += f" (the rails that carry only KV: {rails})"
+        elif ok and failed:
+            message += " (supporting only: the engines' own DP/EP traffic moves them too)"
+        (said if ok else failed).append(message)
+    coord.rdma_note = "; ".join(failed + said)
+    if failed:
+        coord.verdict = (False, f"gate failed: {coord.rdma_note}")
 
 
 def check_kv(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:

@@ -216,6 +216,35 @@ def kv_check_cmd(release_id: str, needs: str, policy: str, root: str) -> None:
         sys.exit(1)
 
 
+@release.command("kv-transport")
+@click.argument("release_id", callback=_checked_id)
+@click.option(
+    "--record",
+    required=True,
+    help='JSON: unit -> {"kv_transport": "rdma|tcp|none", "kv_lanes": [...]} (what the UCX '
+    "protocol-selection tables of the unit's current run say; the deploy reads them).",
+)
+@root_option
+@cli_errors
+def kv_transport_cmd(release_id: str, record: str, root: str) -> None:
+    """Keep the transport UCX selected for each KV engine unit's endpoints to other hosts in
+    RELEASE_ID's record (`observed`, shown by `status --json`)."""
+    try:
+        parsed = json.loads(record)
+        fields = {
+            unit: {"kv_transport": str(f["kv_transport"]), "kv_lanes": list(f["kv_lanes"])}
+            for unit, f in parsed.items()
+        }
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise UsageError(f"--record: not a unit -> transport mapping: {exc}") from None
+    store = _store(root)
+    if not store.release_dir(release_id).is_dir():
+        raise UsageError(f"release {release_id} is not staged under {root}")
+    for unit, values in sorted(fields.items()):
+        store.note_observed(release_id, unit, values)
+        _log(f"{unit}: KV transport {values['kv_transport']} {', '.join(values['kv_lanes'])}")
+
+
 @release.command("diagnose")
 @click.argument("release_id", callback=_checked_id)
 @root_option

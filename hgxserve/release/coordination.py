@@ -1,7 +1,8 @@
 """What one pyinfra run's switch shares across hosts, and how a host's release state reads.
 
 `Coordination` is kept once per run (hgxserve.base.runstate): who switches, the gate's verdict,
-the RDMA evidence. `needs_switch` and `final_state` read the value of the `ReleaseState` fact
+the RDMA evidence (port counters, the KV endpoints' UCX transports). `needs_switch` and
+`final_state` read the value of the `ReleaseState` fact
 (hgxserve.facts.release). Pure: the pyinfra steps that fill it are hgxserve.operations.release.
 """
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hgxserve.base.runstate import per_run
 from hgxserve.release import evidence
+from hgxserve.release.kvpath import KvEndpoint, UnitRead
 
 if TYPE_CHECKING:
     from pyinfra.api.state import State
@@ -42,6 +44,12 @@ class Coordination:
     rdma_before: dict[str, dict[str, int]] = field(default_factory=dict)
     rdma_after: dict[str, dict[str, int]] = field(default_factory=dict)
     rdma_note: str | None = None
+    # KV path evidence: the NIXL engines whose KV crosses hosts, and per host the UCX
+    # protocol-selection tables each engine unit logged (hgxserve.release.kvpath)
+    kv_endpoints: list[KvEndpoint] = field(default_factory=list)
+    kv_proto: dict[str, dict[str, UnitRead]] = field(default_factory=dict)
+    # host -> its RDMA devices that carry only KV (their counters are then the counter evidence)
+    kv_rails: dict[str, list[str]] = field(default_factory=dict)
     # KV capacity (gate.kv_capacity): host -> unit -> KvNeed fields, the policy, and per host
     # the message of a capacity below the shapes' need (fails the gate with `fail`)
     kv_needs: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)

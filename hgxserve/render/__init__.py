@@ -126,6 +126,8 @@ def engine_env(topo: Topology, engine: Engine, plan: NodePlan, key: str) -> dict
     if engine.engine == "vllm" and engine.internal_port is not None:
         env["VLLM_PORT"] = str(engine.internal_port)
     env.update(_kv_env(engine, plan))
+    if _kv_proto_info(topo, engine):
+        env["UCX_PROTO_INFO"] = "y"
     pinned = cache_env(topo.cache.root, key)
     for var in ENV_SUBDIRS:
         if var == "SGLANG_DG_CACHE_DIR" and engine.engine != "sglang":
@@ -154,6 +156,15 @@ def _kv_env(engine: Engine, plan: NodePlan) -> dict[str, str]:
     if kv.ucx_tls:
         env["UCX_TLS"] = ",".join(kv.ucx_tls)
     return env
+
+
+def _kv_proto_info(topo: Topology, engine: Engine) -> bool:
+    """NIXL KV to another host: UCX logs the transport each KV endpoint selected
+    (`UCX_PROTO_INFO=y`: one table per endpoint configuration and operation, printed once),
+    the gate's evidence that KV went over RDMA (hgxserve.release.kvpath). Set whatever
+    `gate.rdma` says, so that turning the check on or off restarts no engine."""
+    kv = engine.kv
+    return kv is not None and kv.connector == "nixl" and kv_crosses_hosts(topo, engine)
 
 
 def _run_env(engine: Engine) -> dict[str, str]:

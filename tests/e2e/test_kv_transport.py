@@ -1,0 +1,129 @@
+"""KV transport evidence end to end: P/D across two test hosts, the gate reads the transport UCX
+selected for the decode's KV endpoint (the simulated engine prints UCX's protocol-selection
+table, as a real one does with UCX_PROTO_INFO=y) and keeps the hosts' port counters as
+supporting evidence. KV that falls back to TCP while the engines' other traffic still moves the
+port counters is rolled back: the counters alone would have passed it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testbed import demo
+from testbed import hosts as testbed_hosts
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+PD = REPO / "topologies/demo/demo-pd.yml"
+# The engines' own DP/EP traffic over the same NICs, per generation request (simulated).
+OTHER_TRAFFIC = "HGXSERVE_SIM_OTHER_RDMA_BYTES: 1048576"
+
+
+@pytest.fixture(scope="module")
+def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    for name in testbed.names:  # a fresh start: hosts that never ran an hgxserve release
+        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
+    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
+    yield testbed
+    demo.stop_s3()
+    for name in testbed.names:  # leave the hosts as other tests expect them: no engines
+        testbed.ssh(name, demo.FORGET_RELEASES)
+
+
+def deploy(lab: testbed_hosts.Testbed, script: str, *data: str) -> subprocess.CompletedProcess:
+    args = [script]
+    for item in (*data, "health_timeout=75", "confirm_within=120"):
+        args += ["--data", item]
+    return lab.pyinfra(*args)
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+def current(lab: testbed_hosts.Testbed) -> dict[str, str]:
+    out = {}
+    for host in lab.names:
+        proc = lab.ssh(host, "/opt/hgxserve/bin/hgxserve release status", check=True)
+        out[host] = json.loads(proc.stdout)["current"]
+    return out
+
+
+def variant(tmp_path: Path, name: str, env: str) -> Path:
+    """demo-pd whose prefill and decode engines run with `env` (a YAML mapping's items)."""
+    text = PD.read_text()
+    for port in ("8100", "8200"):
+        text = text.replace(f"    port: {port}\n", f"    port: {port}\n    env: {{{env}}}\n")
+    assert text.count("    env: {") == 2
+    path = tmp_path / f"{name}.yml"
+    path.write_text(text.replace("name: demo-pd\n", f"name: {name}\n"))
+    return path
+
+
+def test_kv_over_rdma_passes_with_the_transport_named(lab: testbed_hosts.Testbed) -> None:
+    proc = deploy(lab, "deploys/site.py", f"topology={PD}", "stages=runtime,weights,engines")
+    text = output(proc)
+    assert proc.returncode == 0, text[-4000:]
+    # the decode's KV endpoint to hgx-a: UCX selected rc_mlx5 on the (simulated) NIC
+    said = (
+        r"KV over RDMA: UCX selected decode-0 on hgx-b \(KV from hgx-a\): rc_mlx5/mlx5_\d+:1 "
+        r"for remote memory read by ucp_get\*\(multi\) into cuda/GPU0 \(ucp_context_0 "
+        r"inter-node cfg#\d+\); RDMA port counters grew: hgx-a sent [1-9]\d* B; hgx-b received "
+        r"[1-9]\d* B"
+    )
+    found = re.search(said, text)
+    assert found, text[-4000:]
+    print(found.group(0))
+    # read from the decode's current run, whose start (systemd's INVOCATION_ID lines) the
+    # journal still holds; the prefill only answers reads, so it logged no such table
+    tables = "UCX protocol-selection tables of the KV engines' current run: "
+    for unit, count in (("decode", 1), ("prefill", 0)):
+        line = rf"{tables}hgxserve-{unit}-0\.service {count}(?![\d (])"
+        assert re.search(line, text), text[-4000:]
+    assert re.search(r"release \w+ confirmed", text)
+    # ... and kept in the release's record on the decode's host (status --json shows it)
+    status = json.loads(lab.ssh("hgx-b", "/opt/hgxserve/bin/hgxserve release status").stdout)
+    kept = status["observed"]["hgxserve-decode-0.service"]
+    assert kept["kv_transport"] == "rdma" and kept["kv_lanes"][0].startswith("rc_mlx5/mlx5_")
+    # the table is in the decode's journal as UCX prints it
+    journal = lab.ssh("hgx-b", "journalctl -u hgxserve-decode-0 -o cat --no-pager", check=True)
+    assert re.search(r"\| +ucp_context_0 inter-node cfg#\d+ \| remote memory read", journal.stdout)
+
+
+def test_kv_falling_back_to_tcp_is_rolled_back_though_the_counters_moved(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    before = current(lab)
+    tcp = variant(tmp_path, "demo-pd-kv-tcp", f"HGXSERVE_SIM_KV_TRANSPORT: tcp, {OTHER_TRAFFIC}")
+    proc = deploy(lab, "deploys/engines.py", f"topology={tcp}")
+    text = output(proc)
+    assert proc.returncode != 0, text[-4000:]
+    assert "decode pulled KV over NIXL" in text  # NIXL itself was fine, the answers right
+    assert re.search(
+        r"gate failed: KV went over TCP, not RDMA: UCX selected decode-0 on hgx-b "
+        r"\(KV from hgx-a\): tcp/\S+ for remote memory read by ucp_get\*",
+        text,
+    ), text[-4000:]
+    # the host-wide counters grew all the same (the engines' other traffic): alone they passed
+    counters = r"RDMA port counters grew: hgx-a sent [1-9]\d* B; hgx-b received [1-9]\d* B \(supp"
+    assert re.search(counters, text), text[-4000:]
+    print(re.search(r"gate failed: KV went over TCP.*", text).group(0))  # type: ignore[union-attr]
+    assert "rolled back to the previous release" in text
+    assert current(lab) == before
+    # the record of the release that failed, kept on the decode's host, says what UCX selected
+    records = lab.ssh(
+        "hgx-b",
+        "python3 -c 'import glob, json; print(json.dumps([json.load(open(p)) for p in "
+        'glob.glob("/var/lib/hgxserve/releases/*/observed.json")]))\'',
+        check=True,
+    )
+    kept = [r.get("hgxserve-decode-0.service", {}) for r in json.loads(records.stdout)]
+    tcp_kept = [r for r in kept if r.get("kv_transport") == "tcp"]
+    assert tcp_kept and tcp_kept[0]["kv_lanes"] == ["tcp/eth0"], kept  # the host's eth0
