@@ -23,7 +23,7 @@ from hgxserve.topology.model import (
     Topology,
     build_topology,
 )
-from hgxserve.topology.problems import Problem, TopologyError, sort_problems
+from hgxserve.topology.problems import Problem, TopologyError, format_path, sort_problems
 
 __all__ = [
     "CheckResult",
@@ -80,13 +80,29 @@ def check_topology(path: str | Path) -> CheckResult:
 
 
 def _accepted(problems: list[Problem], doc: Document) -> list[Problem]:
-    """Drop the warnings of rules the topology accepts (`accept: {rule: why}`); an accepted id
-    that is no warning rule is an error itself."""
+    """Drop the warnings of rules the topology accepts (`accept: {rule: why}`) and the
+    findings of code-loading rules it accepts one by one (`accept: {"$.path": why}`,
+    hgxserve.topology.load_rules); an accepted id that is no warning rule, or a path that no
+    such finding has, is an error itself."""
+    from hgxserve.topology.load_rules import ITEM_ACCEPTABLE
     from hgxserve.topology.rules import RULES
 
     accept = doc.data.get("accept") or {}
-    kept = [p for p in problems if p.is_error or p.rule not in accept]
-    for rule_id in accept:
+    items = {key for key in accept if key.startswith("$")}
+    lifted = {format_path(p.path) for p in problems if p.rule in ITEM_ACCEPTABLE} & items
+    kept = [
+        p
+        for p in problems
+        if not (p.rule in ITEM_ACCEPTABLE and format_path(p.path) in lifted)
+        and (p.is_error or p.rule not in accept)
+    ]
+    for key in sorted(items - lifted):
+        why = (
+            "no finding of a code-loading rule has this path "
+            f"({', '.join(ITEM_ACCEPTABLE)}); copy the path from validate's message"
+        )
+        kept.append(doc.problem(("accept", key), why, rule="accept", key=True))
+    for rule_id in sorted(set(accept) - items):
         known = RULES.get(rule_id)
         if known is None:
             why = "no rule has this id (hgxserve validate --list-rules)"

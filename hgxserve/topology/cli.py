@@ -229,6 +229,12 @@ def build_plan(topo: Topology) -> dict[str, Any]:
         "hosts": hosts,
         "wiring": _wiring(topo),
         "fit": _fit(topo),
+        # what the topology makes the hosts load on purpose (hgxserve.topology.load_rules)
+        "accepted": {
+            key: " ".join(str(why).split())
+            for key, why in sorted((topo.raw.get("accept") or {}).items())
+            if key.startswith("$")
+        },
     }
 
 
@@ -349,6 +355,8 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
             "(model.integrity: size-etag)"
         ),
     ]
+    for key, why in plan["accepted"].items():
+        lines.append(f"ACCEPTED, loads code: {key}: {why}")
     for name, host in plan["hosts"].items():
         lines += _host_text(name, host)
     lines += _fit_text(plan["fit"])

@@ -1,7 +1,7 @@
 """Semantic rules: what the schema cannot say (GPU overlap, port clashes, P/D agreement...).
 
-The rules live in hgxserve.topology.checks, engine_rules, render_rules, address_rules and
-kernels,
+The rules live in hgxserve.topology.checks, engine_rules, render_rules, address_rules,
+kernels and load_rules,
 registered in hgxserve.topology.registry; this module runs them and turns their findings into
 positioned Problems.
 """
@@ -14,6 +14,7 @@ from hgxserve.topology import (  # noqa: F401
     checks,
     engine_rules,
     kernels,
+    load_rules,
     render_rules,
 )
 from hgxserve.topology.loader import Document

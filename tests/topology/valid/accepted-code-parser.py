@@ -1,0 +1,1 @@
+# a tool-call parser plugin (test data: never run)
