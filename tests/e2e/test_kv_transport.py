@@ -17,6 +17,7 @@ import pytest
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
+from testbed.simaccept import accept_simulation_env
 
 pytestmark = pytest.mark.e2e
 
@@ -63,7 +64,7 @@ def variant(tmp_path: Path, name: str, env: str) -> Path:
         text = text.replace(f"    port: {port}\n", f"    port: {port}\n    env: {{{env}}}\n")
     assert text.count("    env: {") == 2
     path = tmp_path / f"{name}.yml"
-    path.write_text(text.replace("name: demo-pd\n", f"name: {name}\n"))
+    path.write_text(accept_simulation_env(text.replace("name: demo-pd\n", f"name: {name}\n")))
     return path
 
 

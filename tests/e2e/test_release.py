@@ -22,6 +22,7 @@ import pytest
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
+from testbed.simaccept import accept_simulation_env
 
 pytestmark = pytest.mark.e2e
 
@@ -132,7 +133,7 @@ def variant(tmp_path: Path, source: Path, name: str, replace: dict[str, str]) ->
         assert old in text, old
         text = text.replace(old, new)
     path = tmp_path / f"{name}.yml"
-    path.write_text(text)
+    path.write_text(accept_simulation_env(text))
     return path
 
 
