@@ -53,3 +53,20 @@ ENGINE: str = schema_default("engine", "engine")
 BENCH_PERCENTILE: int = schema_default("bench_sla", "percentile")
 BENCH_DRAIN_TIMEOUT_S: float = schema_default("bench", "drain_timeout_s")
 BENCH_RUNS_DIR = "bench-runs"
+# Fabric preflight (docs/releases.md "Fabric preflight"). Each rail's expected line rate by GPU
+# kind, the seeds' figures: the H20 hosts carry 4 x 200 Gb/s RDMA devices per side (seed 003
+# §11.4), the H200 hosts one 400 Gb/s NIC per GPU (ConnectX-7 NDR, h100_ibstat.txt's CX-7 rate
+# 400); a kind not listed is held to its port's own sysfs rate.
+FABRIC_RAIL_GBPS: dict[str, float] = {"H20": 200.0, "H20-3e": 200.0, "H200": 400.0}
+# ib_write_bw's average must reach this share of the rail's rate: a healthy ConnectX-7 rail
+# measures 90-97% of line rate with perftest's default 64 KiB writes; a rail trained at half
+# width or speed, or a congested/misrouted path, measures half or less.
+FABRIC_BW_FLOOR = 0.8
+# The GID index read on RoCE rails: mlx5 lists link-local RoCE v1/v2 at 0/1 and the port's
+# IPv4 address as RoCE v1/v2 at 2/3; NCCL_IB_GID_INDEX=3 is the usual RoCE v2 setting.
+FABRIC_GID_INDEX = 3
+# perftest's default TCP port for its out-of-band exchange (18515); rail i uses port + i.
+FABRIC_PERFTEST_PORT = 18515
+# One ib_write_bw run: connection setup plus 5000 x 64 KiB writes takes about 1 s at 200 Gb/s;
+# 30 s bounds a hung connection. The servers wait for all rails' clients in turn.
+FABRIC_TOOL_TIMEOUT_S = 30
