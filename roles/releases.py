@@ -16,7 +16,13 @@ from hgxserve.base.paths import RELEASE_ROOT
 from hgxserve.bench.releasegate import run_bench_gate
 from hgxserve.deploy.plans import EnginesPlan, FabricPlan, SwitchPlan
 from hgxserve.operations.credentials import secret_file
-from hgxserve.operations.fabric import fabric_links, fabric_measure, fabric_serve, fabric_verdict
+from hgxserve.operations.fabric import (
+    fabric_allreduce,
+    fabric_links,
+    fabric_measure,
+    fabric_serve,
+    fabric_verdict,
+)
 from hgxserve.operations.release import (
     arm_deadman,
     check_kv,
@@ -118,6 +124,15 @@ def fabric_preflight(*, plan: FabricPlan, release_id: str, root: str = RELEASE_R
             run=plan.run,
             addresses=plan.addresses,
             _serial=True,  # one host at a time: measurements must not share links
+        )
+    if plan.allreduce is not None:
+        python.call(
+            name="Fabric: NCCL all-reduce across each multi-host engine's hosts (nccl-tests)",
+            function=fabric_allreduce,
+            run=plan.run,
+            mpirun=plan.allreduce,
+            addresses=plan.addresses,
+            _serial=True,  # one engine at a time, after the point-to-point runs
         )
     python.call(
         name=f"Fabric: the verdict (gate.fabric: {plan.run.policy}), kept in release {release_id}",

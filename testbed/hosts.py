@@ -492,6 +492,9 @@ def install_simulation(host: Host) -> bool:
     _write(root / "usr/local/bin/nvidia-smi", (FAKES_DIR / "nvidia_smi.py").read_bytes(), 0o755)
     _write(root / "usr/local/bin/ibv_devinfo", (FAKES_DIR / "ibv_devinfo.py").read_bytes(), 0o755)
     _write(root / "usr/local/bin/ib_write_bw", (FAKES_DIR / "ib_write_bw.py").read_bytes(), 0o755)
+    _write(lib / "ib_write_bw.py", (FAKES_DIR / "ib_write_bw.py").read_bytes())  # for the next
+    for tool in ("all_reduce_perf", "mpirun"):  # nccl-tests and its MPI launcher
+        _write(root / f"usr/local/bin/{tool}", (FAKES_DIR / f"{tool}.py").read_bytes(), 0o755)
     # where mount(8) looks for the helper of `mount -t ceph` (/sbin is /usr/sbin here)
     _write(root / "usr/sbin/mount.ceph", (FAKES_DIR / "mount_ceph.py").read_bytes(), 0o755)
     _write(root / "etc/containers/storage.conf", CONTAINERS_STORAGE)

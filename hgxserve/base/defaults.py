@@ -70,3 +70,14 @@ FABRIC_PERFTEST_PORT = 18515
 # One ib_write_bw run: connection setup plus 5000 x 64 KiB writes takes about 1 s at 200 Gb/s;
 # 30 s bounds a hung connection. The servers wait for all rails' clients in turn.
 FABRIC_TOOL_TIMEOUT_S = 30
+# The NCCL all-reduce across a multi-host engine's hosts (nccl-tests all_reduce_perf, one process
+# per host with the engine's GPUs on it, launched by mpirun from the engine's head): nccl-tests'
+# bus bandwidth across nodes is bounded by the slowest host's NICs (its rails' rates summed, in
+# GB/s); it must reach this share of that. NCCL's ring all-reduce reaches 80-95% of the NICs'
+# aggregate on healthy rails; a rail down or at half speed takes its share away.
+FABRIC_NCCL_FLOOR = 0.7
+# One message size, large enough for bus bandwidth (small sizes measure latency) and small
+# enough beside a serving engine's memory: 3 buffers of 256 MiB per GPU plus NCCL's own.
+FABRIC_NCCL_BYTES = "256M"
+# mpirun's launch, NCCL's init across hosts and 5 + 20 iterations: 1-2 minutes on real hosts.
+FABRIC_NCCL_TIMEOUT_S = 300

@@ -447,6 +447,7 @@ class FabricPlan:
     links: bool  # this host names rails the preflight reads
     serves: bool  # this host runs ib_write_bw servers
     measures: bool  # this host runs ib_write_bw clients
+    allreduce: str | None  # mpirun, where this host heads a multi-host engine (`nccl_mpirun`)
     sysfs: str  # where the RDMA ports are read (inventory `rdma_sysfs`)
     addresses: dict[str, str]  # host -> topology address (the servers' out-of-band TCP)
 
@@ -465,6 +466,8 @@ def fabric_plan(topology: Topology, host: Host, coord: Coordination) -> FabricPl
     scope = fabric_scope(topology) if coord.switching else None
     if scope is None:
         return None
+    data = deploy_data(host)
+    mpirun = data.get("nccl_mpirun")
     run = per_run(
         host.state,
         ("fabric", topology.digest),
@@ -475,7 +478,8 @@ def fabric_plan(topology: Topology, host: Host, coord: Coordination) -> FabricPl
         links=bool(scope.rails.get(host.name)),
         serves=bool(scope.servers(host.name)),
         measures=bool(scope.clients(host.name)),
-        sysfs=deploy_data(host).get("rdma_sysfs"),
+        allreduce=mpirun if any(s.hosts[0] == host.name for s in scope.spans) else None,
+        sysfs=data.get("rdma_sysfs"),
         addresses={name: h.address for name, h in topology.hosts.items()},
     )
 

@@ -14,11 +14,18 @@ import shlex
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
-from hgxserve.parsers.fabric import parse_ib_write_bw, parse_port_lines, port_rate_gbps
+from hgxserve.parsers.fabric import (
+    parse_all_reduce_perf,
+    parse_ib_write_bw,
+    parse_port_lines,
+    port_rate_gbps,
+)
 from hgxserve.parsers.sections import split_sections
 from hgxserve.release.fabric import (
     RECORD,
     FabricRun,
+    allreduce_command,
+    allreduce_measurement,
     client_command,
     expected_rail_gbps,
     links_command,
@@ -81,6 +88,34 @@ def fabric_measure(state: State, host: Host, run: FabricRun, addresses: dict[str
     return True
 
 
+def fabric_allreduce(
+    state: State, host: Host, run: FabricRun, mpirun: str, addresses: dict[str, str]
+) -> bool:
+    """python.call on each multi-host engine's head: nccl-tests' all_reduce_perf across the
+    engine's hosts, launched by `mpirun` (after the point-to-point runs, one at a time)."""
+    for span in run.scope.spans:
+        if span.hosts[0] != host.name:
+            continue
+        roce = any(run.roce(host.name).get(rail, False) for rail in span.rails)
+        _, output = host.run_shell_command(allreduce_command(mpirun, span, addresses, roce))
+        section = split_sections(["##run", *output.stdout_lines])["run"]
+        lines = [line for line in section["lines"] if line.strip()]
+        failure = f"rc {section['rc']}: {lines[-1].strip() if lines else 'no output'}"
+        rails = {
+            h: sum(_rail_rate(run, h, rail) or 0.0 for rail in span.rails) or None
+            for h in span.hosts
+        }
+        result = allreduce_measurement(span, parse_all_reduce_perf(lines), rails, failure)
+        run.allreduce.append(result)
+        said = result.get("shortfall") or (
+            f"NCCL all-reduce of {span.engine} across {'+'.join(span.hosts)}: "
+            f"{result['avg_busbw_gbytes']:g} GB/s bus bandwidth "
+            f"(floor {result['floor_gbytes']} GB/s)"
+        )
+        host.log_styled(f"fabric: {said}", fg="red" if "shortfall" in result else "blue")
+    return True
+
+
 def _keep_record(host: Host, run: FabricRun, release_id: str, root: str) -> None:
     """releases/<id>/fabric.json on this host (written whole, then renamed)."""
     path = f"{root}/releases/{release_id}/{RECORD}"
@@ -101,8 +136,11 @@ def fabric_verdict(state: State, host: Host, run: FabricRun, release_id: str, ro
         _keep_record(host, run, release_id, root)
     if not shortfalls:
         figures = "; ".join(
-            f"{m['client']}->{m['server']} {m['rail']} {m['average_gbps']:g} Gb/s"
-            for m in run.bandwidth
+            [
+                f"{m['client']}->{m['server']} {m['rail']} {m['average_gbps']:g} Gb/s"
+                for m in run.bandwidth
+            ]
+            + [f"{m['engine']} all-reduce {m['avg_busbw_gbytes']:g} GB/s" for m in run.allreduce]
         )
         host.log_styled(f"fabric preflight passed: {figures or 'links only'}", fg="green")
         return True

@@ -99,3 +99,55 @@ def parse_port_lines(lines: Iterable[str]) -> dict[str, PortReading]:
         value = parts[3].strip() if len(parts) == 4 else ""
         values[parts[2]] = port_state(value) if parts[2] == "state" else value
     return {key: PortReading(**values) for key, values in fields.items()}
+
+
+@dataclass(frozen=True)
+class AllReduceReport:
+    """nccl-tests' all_reduce_perf: each size's out-of-place and in-place bus bandwidth
+    (GB/s), its `# Avg bus bandwidth` and `# Out of bounds values` lines."""
+
+    rows: tuple[tuple[int, float, float], ...]  # (size B, busbw out-of-place, in-place)
+    avg_busbw: float | None
+    out_of_bounds: int | None
+
+
+_NCCL_AVG = re.compile(r"^#\s*Avg bus bandwidth\s*:\s*([\d.eE+-]+)")
+_NCCL_OOB = re.compile(r"^#\s*Out of bounds values\s*:\s*(\d+)")
+
+
+def _nccl_row(line: str) -> tuple[int, float, float] | None:
+    """A result row: size count type redop root, then time algbw busbw #wrong twice (nccl-tests
+    common.cu's Reporter: `%12li  %12li  %8s  %6s  %6i` + `  %7s  %6.2f  %6.2f  %5li` x 2)."""
+    fields = line.split()
+    if len(fields) < 13 or not fields[0].isdigit() or not fields[1].isdigit():
+        return None
+    try:
+        return int(fields[0]), float(fields[7]), float(fields[11])
+    except ValueError:
+        return None
+
+
+def parse_all_reduce_perf(lines: Iterable[str]) -> AllReduceReport:
+    """The table and summary of all_reduce_perf's output (rank 0 prints it all):
+
+    >>> report = parse_all_reduce_perf([
+    ...     "   268435456      67108864     float     sum      -1   1711.2  156.87  294.13"
+    ...     "      0   1702.5  157.67  295.63      0",
+    ...     "# Out of bounds values : 0 OK",
+    ...     "# Avg bus bandwidth    : 294.88 ",
+    ... ])
+    >>> report.avg_busbw, report.rows[0][1], report.out_of_bounds
+    (294.88, 294.13, 0)
+    """
+    rows: list[tuple[int, float, float]] = []
+    avg = oob = None
+    for line in lines:
+        if line.startswith("#"):
+            avg_match, oob_match = _NCCL_AVG.match(line), _NCCL_OOB.match(line)
+            avg = float(avg_match.group(1)) if avg_match else avg
+            oob = int(oob_match.group(1)) if oob_match else oob
+            continue
+        row = _nccl_row(line)
+        if row is not None:
+            rows.append(row)
+    return AllReduceReport(tuple(rows), avg, oob)

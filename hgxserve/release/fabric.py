@@ -30,12 +30,21 @@ from typing import Any
 from hgxserve.base.defaults import (
     FABRIC_BW_FLOOR,
     FABRIC_GID_INDEX,
+    FABRIC_NCCL_BYTES,
+    FABRIC_NCCL_FLOOR,
+    FABRIC_NCCL_TIMEOUT_S,
     FABRIC_PERFTEST_PORT,
     FABRIC_RAIL_GBPS,
     FABRIC_TOOL_TIMEOUT_S,
 )
 from hgxserve.base.paths import FABRIC_RUN_DIR
-from hgxserve.parsers.fabric import ZERO_GID, BwReport, PortReading, port_rate_gbps
+from hgxserve.parsers.fabric import (
+    ZERO_GID,
+    AllReduceReport,
+    BwReport,
+    PortReading,
+    port_rate_gbps,
+)
 from hgxserve.topology import Topology
 
 RECORD = "fabric.json"  # releases/<id>/fabric.json on each measured host
@@ -52,12 +61,23 @@ class Pair:
 
 
 @dataclass(frozen=True)
+class Span:
+    """An engine placed on several hosts: the NCCL all-reduce across them, from its head."""
+
+    engine: str
+    hosts: tuple[str, ...]  # placement order; the first is the head
+    gpus: int  # the engine's GPUs on each host (the schema places whole DP ranks per host)
+    rails: tuple[str, ...]  # the rails every one of its hosts names (NCCL_IB_HCA)
+
+
+@dataclass(frozen=True)
 class FabricScope:
-    """What the preflight measures: each host's rails and the host pairs."""
+    """What the preflight measures: each host's rails, the host pairs, the multi-host engines."""
 
     rails: dict[str, tuple[str, ...]]  # host -> rails it names (hosts.<h>.rdma)
     pairs: tuple[Pair, ...]
     gpus: dict[str, str]  # host -> GPU kind, for the rail rate expected
+    spans: tuple[Span, ...] = ()
 
     def servers(self, host: str) -> list[tuple[int, str]]:
         """(port, rail) of each ib_write_bw server `host` runs: one per rail per pair."""
@@ -112,7 +132,23 @@ def fabric_scope(topo: Topology) -> FabricScope | None:
     rails = {h: topo.hosts[h].rdma for h in hosts}
     if not any(rails.values()):
         return None
-    return FabricScope(rails, tuple(pairs.values()), {h: topo.hosts[h].gpu for h in hosts})
+    gpus = {h: topo.hosts[h].gpu for h in hosts}
+    return FabricScope(rails, tuple(pairs.values()), gpus, _spans(topo))
+
+
+def _spans(topo: Topology) -> tuple[Span, ...]:
+    """Each engine placed on several hosts whose hosts share a rail."""
+    out = []
+    for name in sorted(topo.engines):
+        engine = topo.engines[name]
+        if not engine.is_multi_node:
+            continue
+        shared = [r for r in topo.hosts[engine.head].rdma]
+        shared = [r for r in shared if all(r in topo.hosts[h].rdma for h in engine.hosts)]
+        if shared:
+            gpus = len(engine.place[engine.head])
+            out.append(Span(name, tuple(engine.hosts), gpus, tuple(shared)))
+    return tuple(out)
 
 
 def expected_rail_gbps(gpu: str, port_rate: float | None) -> float | None:
@@ -167,6 +203,56 @@ def client_command(rail: str, port: int, address: str, roce: bool) -> str:
     )
 
 
+def allreduce_command(mpirun: str, span: Span, addresses: dict[str, str], roce: bool) -> str:
+    """nccl-tests' all_reduce_perf across `span`'s hosts: one process per host with the
+    engine's GPUs on it (`-g`), launched by `mpirun` (MPI is how nccl-tests spans hosts: it
+    starts the other hosts' process over SSH between the hosts), NCCL on the span's rails;
+    bounded by `timeout`; its output followed by `##rc N`."""
+    hosts = ",".join(f"{addresses[h]}:1" for h in span.hosts)
+    env = [f"NCCL_IB_HCA={','.join(span.rails)}"]
+    if roce:
+        env.append(f"NCCL_IB_GID_INDEX={FABRIC_GID_INDEX}")
+    exports = " ".join(f"-x {shlex.quote(e)}" for e in env)
+    return (
+        f"timeout {FABRIC_NCCL_TIMEOUT_S} {shlex.quote(mpirun)} --allow-run-as-root "
+        f"-np {len(span.hosts)} -H {shlex.quote(hosts)} {exports} all_reduce_perf "
+        f"-b {FABRIC_NCCL_BYTES} -e {FABRIC_NCCL_BYTES} -g {int(span.gpus)} 2>&1; "
+        'echo "##rc $?"'
+    )
+
+
+def allreduce_measurement(
+    span: Span, report: AllReduceReport, host_gbps: dict[str, float | None], failure: str = ""
+) -> dict[str, Any]:
+    """One all-reduce for the record, with its shortfall (if any): `host_gbps` is each host's
+    rails' expected rates summed (Gb/s); the bus bandwidth must reach FABRIC_NCCL_FLOOR of the
+    slowest host's, in GB/s."""
+    known = [g for g in host_gbps.values() if g]
+    floor = round(FABRIC_NCCL_FLOOR * min(known) / 8, 2) if known else None
+    out: dict[str, Any] = {
+        "engine": span.engine,
+        "hosts": list(span.hosts),
+        "rails": list(span.rails),
+        "gpus_per_host": span.gpus,
+        "avg_busbw_gbytes": report.avg_busbw,
+        "busbw_by_size": [list(row) for row in report.rows],
+        "floor_gbytes": floor,
+    }
+    where = f"NCCL all-reduce of {span.engine} across {'+'.join(span.hosts)}"
+    if report.avg_busbw is None:
+        out["shortfall"] = f"{where} measured nothing: {failure or 'no Avg bus bandwidth line'}"
+    elif report.out_of_bounds:
+        out["shortfall"] = f"{where}: {report.out_of_bounds} out-of-bounds values (wrong results)"
+    elif floor is not None and report.avg_busbw < floor:
+        slowest = min(known)
+        out["shortfall"] = (
+            f"{where} (rails {','.join(span.rails)}): {report.avg_busbw:g} GB/s bus bandwidth, "
+            f"below {floor:g} GB/s ({FABRIC_NCCL_FLOOR:g} x the slowest host's "
+            f"{slowest:g} Gb/s of rails)"
+        )
+    return out
+
+
 # --- the verdict --------------------------------------------------------------------------------
 
 
@@ -178,6 +264,7 @@ class FabricRun:
     policy: str
     links: dict[str, dict[str, PortReading]] = field(default_factory=dict)
     bandwidth: list[dict[str, Any]] = field(default_factory=list)
+    allreduce: list[dict[str, Any]] = field(default_factory=list)
     shortfalls: list[str] = field(default_factory=list)
     judged: bool = False
 
@@ -191,11 +278,12 @@ class FabricRun:
     def judge(self) -> list[str]:
         """The shortfalls (once): link findings per host, then each measurement."""
         if not self.judged:
-            for host in sorted(self.scope.rails):
+            for host in sorted(h for h, rails in self.scope.rails.items() if rails):
                 self.shortfalls += link_findings(
                     host, self.scope.rails[host], self.links.get(host), self.scope.gpus[host]
                 )
-            self.shortfalls += [m["shortfall"] for m in self.bandwidth if m.get("shortfall")]
+            measured = self.bandwidth + self.allreduce
+            self.shortfalls += [m["shortfall"] for m in measured if m.get("shortfall")]
             self.judged = True
         return self.shortfalls
 
@@ -208,6 +296,7 @@ class FabricRun:
             "shortfalls": self.shortfalls,
             "links": {k: asdict(v) for k, v in sorted(self.links.get(host, {}).items())},
             "bandwidth": [m for m in self.bandwidth if host in (m["client"], m["server"])],
+            "allreduce": [m for m in self.allreduce if host in m["hosts"]],
         }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,9 +64,13 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
         testbed.ssh(name, demo.FORGET_RELEASES)
 
 
-def deploy(lab: testbed_hosts.Testbed, topology: Path, stages: str) -> subprocess.CompletedProcess:
+def deploy(
+    lab: testbed_hosts.Testbed, topology: Path, stages: str, *data: str
+) -> subprocess.CompletedProcess:
+    extra = [arg for item in data for arg in ("--data", item)]
     return lab.pyinfra(
         "deploys/site.py",
+        *extra,
         "--data",
         f"topology={topology}",
         "--data",
@@ -132,6 +137,11 @@ def test_a_healthy_fabric_passes_and_its_figures_are_in_the_release_record(
         assert all(380 < gbps < 400 for gbps in figures.values()), figures
         assert all(m["floor_gbps"] == 320 for m in record["bandwidth"])
     assert release_state(lab, "hgx-c")["pending"] is None  # no rails: nothing kept, still switched
+    print("\n".join(line for line in output(proc).splitlines() if "fabric" in line.lower()))
+    # nothing changed: no host switches, so nothing is measured again
+    again = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric"), "engines")
+    assert again.returncode == 0, output(again)[-5000:]
+    assert "Fabric:" not in output(again) and "ib_write_bw" not in output(again)
 
 
 def test_a_rail_down_on_one_host_stops_the_release_before_any_unit_changes(
@@ -149,6 +159,7 @@ def test_a_rail_down_on_one_host_stops_the_release_before_any_unit_changes(
     # the client could not reach the server whose port is down: the measurement names it too
     assert "ib_write_bw hgx-a -> hgx-b rail mlx5_1 measured nothing" in text
     assert "stopped before any unit changed on any host" in text
+    print("\n".join(line for line in text.splitlines() if "FABRIC" in line))
     assert snapshot(lab) == before
 
 
@@ -171,8 +182,84 @@ def test_half_bandwidth_on_one_host_stops_the_release_naming_the_figure(
         )
         assert match, text[-5000:]
         assert 190 < float(match.group(1)) < 200  # half of 97% of 400 Gb/s
+    print("\n".join(line for line in text.splitlines() if "FABRIC" in line))
     assert snapshot(lab) == before
     # the same topology on a healthy fabric goes through: the fault, not the release, stopped it
     proc = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric", 6), "engines")
     assert proc.returncode == 0, output(proc)[-5000:]
     assert release_state(lab, "hgx-a")["current"] != before["hgx-a"][0]
+
+
+MPIRUN = "nccl_mpirun=/usr/local/bin/mpirun"  # the simulated Open MPI launcher on the hosts
+
+
+def multi_host_topology(tmp_path: Path, name: str, max_num_seqs: int = 8) -> Path:
+    """demo-pd with its decode across hgx-b and hgx-c (DP 2, TP 4 on each), rails on both."""
+    text = PD.read_text()
+    for host, address in (("hgx-b", "10.77.0.12"), ("hgx-c", "10.77.0.13")):
+        old = f"{host}: {{address: {address}, gpu: H200, gpus: 8}}"
+        text = text.replace(old, f"{host}: {{address: {address}, gpu: H200, gpus: 8, {RAILS}}}")
+    old = "place: {hgx-b: [0, 1, 2, 3]}\n    tp: 4"
+    assert old in text
+    text = text.replace(
+        old, "place: {hgx-b: [0, 1, 2, 3], hgx-c: [4, 5, 6, 7]}\n    tp: 4\n    dp: 2"
+    )
+    text = text.replace("max_num_seqs: 8", f"max_num_seqs: {max_num_seqs}")
+    # the simulated DP rank on hgx-c pulls no KV, so its NIC counters cannot be the gate's
+    # evidence here; the fabric preflight is what this topology is for
+    text = text.replace("\nwarmup:", "\ngate: {rdma: off}\nwarmup:")
+    path = tmp_path / f"{name}.yml"
+    path.write_text(text.replace("name: demo-pd", f"name: {name}"))
+    return path
+
+
+@pytest.fixture
+def mpi_ssh(lab: testbed_hosts.Testbed) -> Iterator[testbed_hosts.Testbed]:
+    """SSH from hgx-b (the engine's head, where mpirun runs) to hgx-c, as a site sets it up for
+    MPI; taken away afterwards."""
+    key = "/root/.ssh/hgxserve_test_mpi"
+    lab.ssh(
+        "hgx-b", f"test -f {key} || ssh-keygen -q -t ed25519 -N '' -C mpi-test -f {key}", check=True
+    )
+    public = lab.ssh("hgx-b", f"cat {key}.pub", check=True).stdout.strip()
+    lab.ssh(
+        "hgx-c",
+        f"mkdir -p /root/.ssh && echo {shlex.quote(public)} >> /root/.ssh/authorized_keys",
+        check=True,
+    )
+    lab.ssh(
+        "hgx-b",
+        f"printf 'Host 10.77.0.13\\n  IdentityFile {key}\\n' > /root/.ssh/config",
+        check=True,
+    )
+    yield lab
+    lab.ssh("hgx-c", "sed -i '/ mpi-test$/d' /root/.ssh/authorized_keys")
+    lab.ssh("hgx-b", f"rm -f /root/.ssh/config {key} {key}.pub")
+
+
+def test_a_multi_host_engine_gets_an_nccl_all_reduce_and_a_slow_host_stops_it(
+    mpi_ssh: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    lab = mpi_ssh
+    proc = deploy(lab, multi_host_topology(tmp_path, "demo-mh-fabric"), "weights,engines", MPIRUN)
+    assert proc.returncode == 0, output(proc)[-5000:]
+    print("\n".join(line for line in output(proc).splitlines() if "fabric" in line.lower()))
+    state = release_state(lab, "hgx-b")
+    (allreduce,) = fabric_record(lab, "hgx-b", state["current"])["allreduce"]
+    assert allreduce["hosts"] == ["hgx-b", "hgx-c"] and allreduce["gpus_per_host"] == 4
+    # 2 rails x 400 Gb/s at the simulation's 92%: 92 GB/s, above 0.7 x 100 GB/s
+    assert allreduce["avg_busbw_gbytes"] == pytest.approx(92.0) and allreduce["floor_gbytes"] == 70
+    before = snapshot(lab)
+    lab.ssh("hgx-c", f"echo 'bw_factor: 0.5' > {FAULTS}", check=True)
+    try:
+        proc = deploy(lab, multi_host_topology(tmp_path, "demo-mh-fabric", 6), "engines", MPIRUN)
+    finally:
+        clear_faults(lab)
+    text = output(proc)
+    assert proc.returncode != 0, text[-5000:]
+    assert (
+        "FABRIC SHORT: NCCL all-reduce of decode-0 across hgx-b+hgx-c (rails mlx5_0,mlx5_1): "
+        "46 GB/s bus bandwidth, below 70 GB/s (0.7 x the slowest host's 800 Gb/s of rails)"
+    ) in text
+    print("\n".join(line for line in text.splitlines() if "FABRIC" in line))
+    assert snapshot(lab) == before

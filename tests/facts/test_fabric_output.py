@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hgxserve.parsers.fabric import (
     PortReading,
+    parse_all_reduce_perf,
     parse_ib_write_bw,
     parse_port_lines,
     port_rate_gbps,
@@ -84,3 +85,44 @@ def test_port_lines_become_readings() -> None:
         ),
         "mlx5_1/1": PortReading("mlx5_1", "1", ""),
     }
+
+
+# all_reduce_perf as nccl-tests prints it (src/common.cu: the Reporter's header and row
+# formats, `# Out of bounds values`, `# Avg bus bandwidth`), two processes of 8 GPUs
+ALL_REDUCE = """\
+# nThread 1 nGpus 8 minBytes 268435456 maxBytes 268435456 step: 1048576(bytes) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0
+#
+# Using devices
+#  Rank  0 Group  0 Pid   6899 on      hgx-b device  0 [0x18] NVIDIA H200
+#  Rank  8 Group  0 Pid   6733 on      hgx-c device  0 [0x18] NVIDIA H200
+#                                                              out-of-place                       in-place          
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)       
+   268435456      67108864     float     sum      -1   1711.2  156.87  294.13      0   1702.5  157.67  295.63      0
+  1073741824     268435456     float     sum      -1   6552.1  163.88  307.27      0   6549.0  163.95  307.41      0
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 301.11 
+#
+
+"""  # noqa: E501, W291
+
+
+def test_all_reduce_rows_and_average_bus_bandwidth() -> None:
+    report = parse_all_reduce_perf(ALL_REDUCE.splitlines())
+    assert report.rows == ((268435456, 294.13, 295.63), (1073741824, 307.27, 307.41))
+    assert (report.avg_busbw, report.out_of_bounds) == (301.11, 0)
+
+
+def test_a_failed_all_reduce_has_no_figure() -> None:
+    # the real nccl-tests failure (fixtures/real/h20_error-802_nccl-tests.txt, the part
+    # all_reduce_perf and mpirun print)
+    failed = [
+        "# Using devices",
+        "gpu: Test CUDA failure common.cu:1030 'system not yet initialized'",
+        " .. gpu pid 3018: Test failure common.cu:937",
+        "--------------------------------------------------------------------------",
+        "Primary job  terminated normally, but 1 process returned",
+        "a non-zero exit code. Per user-direction, the job has been aborted.",
+    ]
+    report = parse_all_reduce_perf(failed)
+    assert report.rows == () and report.avg_busbw is None and report.out_of_bounds is None

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from hgxserve.parsers.fabric import BwReport, PortReading
+from hgxserve.parsers.fabric import AllReduceReport, BwReport, PortReading
 from hgxserve.release.fabric import (
     FabricRun,
     FabricScope,
     Pair,
+    Span,
+    allreduce_command,
+    allreduce_measurement,
     client_command,
     fabric_scope,
     link_findings,
@@ -179,6 +182,13 @@ def test_the_record_keeps_links_figures_and_verdict() -> None:
     assert run.judge() is run.shortfalls and len(run.judge()) == 2  # judged once
 
 
+def test_a_host_that_names_no_rails_has_no_link_findings() -> None:
+    scope = FabricScope({"hgx-a": (), "hgx-b": ("mlx5_0",)}, (), {"hgx-a": "H200", "hgx-b": "H200"})
+    run = FabricRun(scope, "fail")
+    run.links = {"hgx-b": {"mlx5_0/1": _port(device="mlx5_0")}}
+    assert run.judge() == [] and run.record("hgx-a")["verdict"] == "pass"
+
+
 def test_commands_quote_and_bound_what_they_run() -> None:
     links = links_command("/sys/class/infiniband", ["mlx5_0"])
     assert "head -c 200" in links and "gids/3" in links
@@ -189,3 +199,53 @@ def test_commands_quote_and_bound_what_they_run() -> None:
         client
     )
     assert client.endswith('echo "##rc $rc"')
+
+
+MULTI = {
+    **{
+        old.replace("hgx-a", "hgx-c").replace("10.77.0.11", "10.77.0.13"): new.replace(
+            "hgx-a", "hgx-c"
+        ).replace("10.77.0.11", "10.77.0.13")
+        for old, new in RAILS.items()
+        if "hgx-a" in old
+    },
+    "hgx-b: {address: 10.77.0.12, gpu: H200, gpus: 8}": (
+        "hgx-b: {address: 10.77.0.12, gpu: H200, gpus: 8, rdma: [mlx5_0, mlx5_1]}"
+    ),
+    "place: {hgx-b: [0, 1, 2, 3]}\n    tp: 4": (
+        "place: {hgx-b: [0, 1, 2, 3], hgx-c: [4, 5, 6, 7]}\n    tp: 4\n    dp: 2"
+    ),
+}
+
+
+def test_a_multi_host_engine_gets_an_all_reduce_across_its_hosts(tmp_path: Path) -> None:
+    topo = load_topology(_topology(tmp_path, MULTI))
+    scope = fabric_scope(topo)
+    assert scope is not None
+    assert scope.spans == (Span("decode-0", ("hgx-b", "hgx-c"), 4, ("mlx5_0", "mlx5_1")),)
+    command = allreduce_command(
+        "/usr/bin/mpirun", scope.spans[0], {h: topo.hosts[h].address for h in topo.hosts}, True
+    )
+    assert command == (
+        "timeout 300 /usr/bin/mpirun --allow-run-as-root -np 2 -H 10.77.0.12:1,10.77.0.13:1 "
+        "-x NCCL_IB_HCA=mlx5_0,mlx5_1 -x NCCL_IB_GID_INDEX=3 all_reduce_perf -b 256M -e 256M "
+        '-g 4 2>&1; echo "##rc $?"'
+    )
+
+
+SPAN = Span("decode-0", ("hgx-b", "hgx-c"), 4, ("mlx5_0", "mlx5_1"))
+
+
+def test_an_all_reduce_below_the_floor_names_engine_hosts_and_figure() -> None:
+    rates = {"hgx-b": 800.0, "hgx-c": 800.0}  # two 400 Gb/s rails each: 100 GB/s
+    ok = allreduce_measurement(SPAN, AllReduceReport(((1, 92.0, 92.0),), 92.0, 0), rates)
+    assert "shortfall" not in ok and ok["floor_gbytes"] == 70.0
+    short = allreduce_measurement(SPAN, AllReduceReport(((1, 46.0, 46.0),), 46.0, 0), rates)
+    assert short["shortfall"] == (
+        "NCCL all-reduce of decode-0 across hgx-b+hgx-c (rails mlx5_0,mlx5_1): 46 GB/s bus "
+        "bandwidth, below 70 GB/s (0.7 x the slowest host's 800 Gb/s of rails)"
+    )
+    wrong = allreduce_measurement(SPAN, AllReduceReport(((1, 92.0, 92.0),), 92.0, 3), rates)
+    assert "3 out-of-bounds values" in wrong["shortfall"]
+    none = allreduce_measurement(SPAN, AllReduceReport((), None, None), rates, "rc 1: boom")
+    assert none["shortfall"].endswith("measured nothing: rc 1: boom")
