@@ -14,7 +14,11 @@ P/D KV or engines cross hosts (`gate.fabric`, fail by default):
   server runs on the second host, started by the controller in the background (bounded by
   `timeout`); the client on the first connects to the server host's topology address (perftest's
   out-of-band TCP exchange), so no host needs SSH to another. Its average must reach
-  `FABRIC_BW_FLOOR` of the rail rate.
+  `FABRIC_BW_FLOOR` of the rail rate;
+- all-reduce: nccl-tests' all_reduce_perf across each multi-host engine's hosts, one process
+  per host, launched by mpirun from the engine's head where the inventory names one
+  (`nccl_mpirun`): nccl-tests spans hosts only under MPI, whose launcher needs SSH between the
+  hosts. Its bus bandwidth must reach `FABRIC_NCCL_FLOOR` of the slowest host's rails.
 
     >>> expected_rail_gbps("H200", 200.0), expected_rail_gbps("H100", 200.0)
     (400.0, 200.0)
