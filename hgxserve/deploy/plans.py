@@ -522,7 +522,8 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
         bench=bench,
         bench_s=topology.gate.bench.timeout_s if topology.gate.bench is not None else 0,
     )
-    fabric = fabric_plan(topology, host, coord) if switching.switch else None
+    # every host in the run takes part once any host switches: a pair needs both ends
+    fabric = fabric_plan(topology, host, coord)
     return EnginesPlan(release=plan, secret_values=secrets, switching=switching, fabric=fabric)
 
 
