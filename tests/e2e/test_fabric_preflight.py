@@ -30,9 +30,14 @@ SIM_PORT = f"{testbed_hosts.SIM_RDMA_DIR}/{{rail}}/ports/1/state"
 FAULTS = "/etc/hgxserve-testbed/fabric"
 
 
-def fabric_topology(tmp_path: Path, name: str, max_num_seqs: int = 8) -> Path:
+def fabric_topology(
+    tmp_path: Path, name: str, max_num_seqs: int = 8, extra: dict[str, str] | None = None
+) -> Path:
     """demo-pd with two rails on the P/D hosts (and `max_num_seqs` for a new release id)."""
     text = PD.read_text()
+    for old, new in (extra or {}).items():
+        assert old in text
+        text = text.replace(old, new)
     for host, address in (("hgx-a", "10.77.0.11"), ("hgx-b", "10.77.0.12")):
         old = f"{host}: {{address: {address}, gpu: H200, gpus: 8}}"
         assert old in text
@@ -142,6 +147,11 @@ def test_a_healthy_fabric_passes_and_its_figures_are_in_the_release_record(
     again = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric"), "engines")
     assert again.returncode == 0, output(again)[-5000:]
     assert "Fabric:" not in output(again) and "ib_write_bw" not in output(again)
+    # only the proxy's routing changes: only hgx-c switches, and the P/D hosts still measure
+    routing = {"pd_min_prompt_tokens: 64": "pd_min_prompt_tokens: 48"}
+    proxy_only = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric", extra=routing), "engines")
+    assert proxy_only.returncode == 0, output(proxy_only)[-5000:]
+    assert "fabric preflight passed: hgx-a->hgx-b mlx5_0" in output(proxy_only)
 
 
 def test_a_rail_down_on_one_host_stops_the_release_before_any_unit_changes(
@@ -184,10 +194,21 @@ def test_half_bandwidth_on_one_host_stops_the_release_naming_the_figure(
         assert 190 < float(match.group(1)) < 200  # half of 97% of 400 Gb/s
     print("\n".join(line for line in text.splitlines() if "FABRIC" in line))
     assert snapshot(lab) == before
-    # the same topology on a healthy fabric goes through: the fault, not the release, stopped it
-    proc = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric", 6), "engines")
+    # gate.fabric: warn says the same and goes on; the record keeps the short figures
+    lab.ssh("hgx-b", f"echo 'bw_factor: 0.5' > {FAULTS}", check=True)
+    warn = {"\nwarmup:": "\ngate: {fabric: warn}\nwarmup:"}
+    try:
+        proc = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric", 6, warn), "engines")
+    finally:
+        clear_faults(lab)
     assert proc.returncode == 0, output(proc)[-5000:]
-    assert release_state(lab, "hgx-a")["current"] != before["hgx-a"][0]
+    assert "FABRIC SHORT: ib_write_bw hgx-a -> hgx-b rail mlx5_0" in output(proc)
+    assert "going on (gate.fabric: warn)" in output(proc)
+    state = release_state(lab, "hgx-a")
+    assert state["current"] != before["hgx-a"][0] and state["pending"] is None
+    record = fabric_record(lab, "hgx-a", state["current"])
+    assert record["verdict"] == "short" and record["policy"] == "warn"
+    assert all(190 < m["average_gbps"] < 200 for m in record["bandwidth"])
 
 
 MPIRUN = "nccl_mpirun=/usr/local/bin/mpirun"  # the simulated Open MPI launcher on the hosts
