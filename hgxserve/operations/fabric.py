@@ -82,7 +82,7 @@ def fabric_measure(state: State, host: Host, run: FabricRun, addresses: dict[str
         run.bandwidth.append(result)
         said = result.get("shortfall") or (
             f"ib_write_bw {pair.client} -> {pair.server} rail {rail}: "
-            f"{result['average_gbps']:g} Gb/s average (floor {result['floor_gbps']} Gb/s)"
+            f"{result['average_gbps']:g} Gb/s average (floor {result['floor_gbps'] or '-'} Gb/s)"
         )
         host.log_styled(f"fabric: {said}", fg="red" if "shortfall" in result else "blue")
     return True
@@ -110,7 +110,7 @@ def fabric_allreduce(
         said = result.get("shortfall") or (
             f"NCCL all-reduce of {span.engine} across {'+'.join(span.hosts)}: "
             f"{result['avg_busbw_gbytes']:g} GB/s bus bandwidth "
-            f"(floor {result['floor_gbytes']} GB/s)"
+            f"(floor {result['floor_gbytes'] or '-'} GB/s)"
         )
         host.log_styled(f"fabric: {said}", fg="red" if "shortfall" in result else "blue")
     return True

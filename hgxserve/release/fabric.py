@@ -350,7 +350,7 @@ def measurement(
     """One ib_write_bw measurement for the record, with its shortfall (if any): `rates` are the
     client's and server's expected rail rates."""
     known = [r for r in rates if r is not None]
-    floor = round(FABRIC_BW_FLOOR * min(known), 2) if known else None
+    floor = round(FABRIC_BW_FLOOR * min(known), 2) if known else None  # Gb/s
     out: dict[str, Any] = {
         "client": pair.client,
         "server": pair.server,
