@@ -253,9 +253,12 @@ def mpi_ssh(lab: testbed_hosts.Testbed) -> Iterator[testbed_hosts.Testbed]:
         f"printf 'Host 10.77.0.13\\n  IdentityFile {key}\\n' > /root/.ssh/config",
         check=True,
     )
+    known = lab.ssh("hgx-b", "test -e /root/.ssh/known_hosts").returncode == 0
     yield lab
     lab.ssh("hgx-c", "sed -i '/ mpi-test$/d' /root/.ssh/authorized_keys")
     lab.ssh("hgx-b", f"rm -f /root/.ssh/config {key} {key}.pub")
+    if not known:  # the host key mpirun's SSH accepted
+        lab.ssh("hgx-b", "rm -f /root/.ssh/known_hosts /root/.ssh/known_hosts.old")
 
 
 def test_a_multi_host_engine_gets_an_nccl_all_reduce_and_a_slow_host_stops_it(
