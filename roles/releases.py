@@ -14,8 +14,15 @@ from pyinfra.operations import files, python, systemd
 
 from hgxserve.base.paths import RELEASE_ROOT
 from hgxserve.bench.releasegate import run_bench_gate
-from hgxserve.deploy.plans import EnginesPlan, SwitchPlan
+from hgxserve.deploy.plans import EnginesPlan, FabricPlan, SwitchPlan
 from hgxserve.operations.credentials import secret_file
+from hgxserve.operations.fabric import (
+    fabric_allreduce,
+    fabric_links,
+    fabric_measure,
+    fabric_serve,
+    fabric_verdict,
+)
 from hgxserve.operations.release import (
     arm_deadman,
     check_kv,
@@ -86,7 +93,55 @@ def release(*, plan: EnginesPlan, root: str = RELEASE_ROOT) -> None:
             dest=path,
             content=plan.secret_values[path],
         )
+    if plan.fabric is not None:
+        fabric_preflight(plan=plan.fabric, release_id=staged.id, root=root)
     switch_to(plan=plan.switching, root=root)
+
+
+@deploy("Fabric preflight")
+def fabric_preflight(*, plan: FabricPlan, release_id: str, root: str = RELEASE_ROOT) -> None:
+    """Before any unit changes: the rails' links, ib_write_bw between the hosts the release
+    crosses, and the verdict on every host of the switch (hgxserve.release.fabric).
+
+    + plan: this host's part (hgxserve.deploy.plans.fabric_plan)
+    + release_id: the staged release whose record keeps the figures (fabric.json)
+    + root: the release root on the host
+    """
+    if plan.links:
+        python.call(
+            name=f"Fabric: read the rails' link state, rate and GID under {plan.sysfs}",
+            function=fabric_links,
+            run=plan.run,
+            sysfs=plan.sysfs,
+        )
+    if plan.serves:
+        python.call(
+            name="Fabric: start the ib_write_bw servers", function=fabric_serve, run=plan.run
+        )
+    if plan.measures:
+        python.call(
+            name="Fabric: ib_write_bw to each peer host, rail by rail",
+            function=fabric_measure,
+            run=plan.run,
+            addresses=plan.addresses,
+            _serial=True,  # one host at a time: measurements must not share links
+        )
+    if plan.allreduce is not None:
+        python.call(
+            name="Fabric: NCCL all-reduce across each multi-host engine's hosts (nccl-tests)",
+            function=fabric_allreduce,
+            run=plan.run,
+            mpirun=plan.allreduce,
+            addresses=plan.addresses,
+            _serial=True,  # one engine at a time, after the point-to-point runs
+        )
+    python.call(
+        name=f"Fabric: the verdict (gate.fabric: {plan.run.policy}), kept in release {release_id}",
+        function=fabric_verdict,
+        run=plan.run,
+        release_id=release_id,
+        root=root,
+    )
 
 
 @deploy("Switch to a staged release")

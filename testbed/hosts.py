@@ -462,6 +462,24 @@ keyring = false
 """
 
 
+# The simulated ports' line rate per host kind: the seeds' 400 Gb/s per GPU on H200 and
+# 4 x 200 Gb/s on H20 (hgxserve.base.defaults.FABRIC_RAIL_GBPS).
+SIM_RAIL_RATE = {"h200": "400 Gb/sec (4X NDR)", "h20": "200 Gb/sec (4X HDR)"}
+
+
+def _sim_port(port: Path, host: Host) -> None:
+    """A simulated port's sysfs attributes as the kernel prints them: `4: ACTIVE`, the rate,
+    `Ethernet` (the captured HCAs are RoCE) and the IPv4-mapped RoCE v2 GID at index 3 from
+    the host's address. Written at each boot, so a fault injected into `state` (`1: DOWN`)
+    lasts until the host boots again or the test puts it back."""
+    octets = [int(part) for part in host.address.split(".")]
+    gid = "0000:0000:0000:0000:0000:ffff:" + "{:02x}{:02x}:{:02x}{:02x}".format(*octets)
+    _write(port / "state", "4: ACTIVE\n")
+    _write(port / "rate", SIM_RAIL_RATE.get(host.gpu, SIM_RAIL_RATE["h200"]) + "\n")
+    _write(port / "link_layer", "Ethernet\n")
+    _write(port / "gids/3", gid + "\n")
+
+
 def install_simulation(host: Host) -> bool:
     """Copy the fake GPU tools into a host and build the simulated engine wheels on the
     controller; False if there is no simengine yet.
@@ -473,6 +491,10 @@ def install_simulation(host: Host) -> bool:
     _write(lib / "nvidia_smi.py", (FAKES_DIR / "nvidia_smi.py").read_bytes())
     _write(root / "usr/local/bin/nvidia-smi", (FAKES_DIR / "nvidia_smi.py").read_bytes(), 0o755)
     _write(root / "usr/local/bin/ibv_devinfo", (FAKES_DIR / "ibv_devinfo.py").read_bytes(), 0o755)
+    _write(root / "usr/local/bin/ib_write_bw", (FAKES_DIR / "ib_write_bw.py").read_bytes(), 0o755)
+    _write(lib / "ib_write_bw.py", (FAKES_DIR / "ib_write_bw.py").read_bytes())  # for the next
+    for tool in ("all_reduce_perf", "mpirun"):  # nccl-tests and its MPI launcher
+        _write(root / f"usr/local/bin/{tool}", (FAKES_DIR / f"{tool}.py").read_bytes(), 0o755)
     # where mount(8) looks for the helper of `mount -t ceph` (/sbin is /usr/sbin here)
     _write(root / "usr/sbin/mount.ceph", (FAKES_DIR / "mount_ceph.py").read_bytes(), 0o755)
     _write(root / "etc/containers/storage.conf", CONTAINERS_STORAGE)
@@ -485,6 +507,7 @@ def install_simulation(host: Host) -> bool:
         for counter in ("port_xmit_data", "port_rcv_data"):
             if not (counters / counter).exists():  # counters only grow, as on a real NIC
                 _write(counters / counter, "0\n")
+        _sim_port(counters.parent, host)
     # Engines used to be placed here by hand; now only the runtime stage installs them.
     for legacy in ("opt/vllm-sim", "opt/sglang-sim"):
         if (root / legacy / "bin/python").is_symlink() and not (

@@ -70,3 +70,31 @@ WATCH_FOLLOWER_RESTART_S = 180.0 + 120.0
 WATCH_BACKOFF_S = 60.0
 WATCH_READ_TIMEOUT_S = 3.0
 WATCH_READ_LIMIT = 1 << 16
+# Fabric preflight (docs/releases.md "Fabric preflight"). Each rail's expected line rate by GPU
+# kind, the seeds' figures: the H20 hosts carry 4 x 200 Gb/s RDMA devices per side (seed 003
+# §11.4), the H200 hosts one 400 Gb/s NIC per GPU (ConnectX-7 NDR, h100_ibstat.txt's CX-7 rate
+# 400); a kind not listed is held to its port's own sysfs rate.
+FABRIC_RAIL_GBPS: dict[str, float] = {"H20": 200.0, "H20-3e": 200.0, "H200": 400.0}
+# ib_write_bw's average must reach this share of the rail's rate: a healthy ConnectX-7 rail
+# measures 90-97% of line rate with perftest's default 64 KiB writes; a rail trained at half
+# width or speed, or a congested/misrouted path, measures half or less.
+FABRIC_BW_FLOOR = 0.8
+# The GID index read on RoCE rails: mlx5 lists link-local RoCE v1/v2 at 0/1 and the port's
+# IPv4 address as RoCE v1/v2 at 2/3; NCCL_IB_GID_INDEX=3 is the usual RoCE v2 setting.
+FABRIC_GID_INDEX = 3
+# perftest's default TCP port for its out-of-band exchange (18515); rail i uses port + i.
+FABRIC_PERFTEST_PORT = 18515
+# One ib_write_bw run: connection setup plus 5000 x 64 KiB writes takes about 1 s at 200 Gb/s;
+# 30 s bounds a hung connection. The servers wait for all rails' clients in turn.
+FABRIC_TOOL_TIMEOUT_S = 30
+# The NCCL all-reduce across a multi-host engine's hosts (nccl-tests all_reduce_perf, one process
+# per host with the engine's GPUs on it, launched by mpirun from the engine's head): nccl-tests'
+# bus bandwidth across nodes is bounded by the slowest host's NICs (its rails' rates summed, in
+# GB/s); it must reach this share of that. NCCL's ring all-reduce reaches 80-95% of the NICs'
+# aggregate on healthy rails; a rail down or at half speed takes its share away.
+FABRIC_NCCL_FLOOR = 0.7
+# One message size, large enough for bus bandwidth (small sizes measure latency) and small
+# enough beside a serving engine's memory: 3 buffers of 256 MiB per GPU plus NCCL's own.
+FABRIC_NCCL_BYTES = "256M"
+# mpirun's launch, NCCL's init across hosts and 5 + 20 iterations: 1-2 minutes on real hosts.
+FABRIC_NCCL_TIMEOUT_S = 300

@@ -37,6 +37,8 @@ RUN_CREDENTIALS_DIR = "/run/credentials"
 
 # RDMA NIC port counters (<dev>/ports/<n>/counters/port_{xmit,rcv}_data): the gate's P/D evidence.
 RDMA_SYSFS = "/sys/class/infiniband"
+# The fabric preflight's ib_write_bw servers write their output here while the clients measure.
+FABRIC_RUN_DIR = f"{STATE_ROOT}/fabric"
 
 # JIT/compile caches, one directory per cache key.
 CACHE_ROOT = "/var/cache/hgxserve"

@@ -191,8 +191,16 @@ KEYS: tuple[DataKey, ...] = (
     ),
     DataKey(
         "rdma_sysfs", "path", RDMA_SYSFS,
-        "Where the release's RDMA evidence reads the port counters.",
+        "Where the release's RDMA evidence reads the port counters, and the fabric preflight "
+        "the ports' state, rate and GID.",
         ("engines",),
+    ),
+    DataKey(
+        "nccl_mpirun", "path", None,
+        "mpirun on a multi-host engine's head host: the fabric preflight runs nccl-tests' "
+        "all_reduce_perf across the engine's hosts with it (MPI starts the other hosts' "
+        "process over SSH between the hosts, which the site sets up).",
+        ("engines",), shown_default="the all-reduce is not run",
     ),
     DataKey(
         "bench_tokenizer", "path", None,

@@ -24,6 +24,7 @@ from pyinfra.api.inventory import Inventory
 
 from hgxserve.base.cachelayout import DEFAULT_ROOT as CACHE_ROOT
 from hgxserve.base.paths import AGENT
+from hgxserve.base.runstate import per_run
 from hgxserve.bench.releasegate import BenchStep, bench_step_for
 from hgxserve.bench.scenario import kv_shapes
 from hgxserve.deploy.bakers import cache_entries, elect_bakers
@@ -44,6 +45,7 @@ from hgxserve.monitoring.host_files import HostMonitoring, host_monitoring
 from hgxserve.release import CONFIRM_WITHIN_S
 from hgxserve.release.coordination import Coordination
 from hgxserve.release.evidence import rdma_roles, unchecked_transport
+from hgxserve.release.fabric import FabricRun, fabric_scope
 from hgxserve.release.kvcap import kv_needs_by_host
 from hgxserve.release.kvpath import kv_endpoints, kv_only_rails
 from hgxserve.release.plan import HostRelease, gate_host, switch_bound_s
@@ -438,10 +440,50 @@ class SwitchPlan:
 
 
 @dataclass(frozen=True)
+class FabricPlan:
+    """The fabric preflight (`gate.fabric`), this host's part: the run's shared state, what
+    this host reads, serves and measures, and where (every host of the switch takes the
+    verdict)."""
+
+    run: FabricRun  # shared by all hosts of the run: scope, readings, measurements
+    links: bool  # this host names rails the preflight reads
+    serves: bool  # this host runs ib_write_bw servers
+    measures: bool  # this host runs ib_write_bw clients
+    allreduce: str | None  # mpirun, where this host heads a multi-host engine (`nccl_mpirun`)
+    sysfs: str  # where the RDMA ports are read (inventory `rdma_sysfs`)
+    addresses: dict[str, str]  # host -> topology address (the servers' out-of-band TCP)
+
+
+@dataclass(frozen=True)
 class EnginesPlan:
     release: HostRelease  # this host's release, staged before the switch
     secret_values: dict[str, str]  # host path -> secret value of the units' credentials
     switching: SwitchPlan
+    fabric: FabricPlan | None = None  # the fabric preflight, when this release crosses hosts
+
+
+def fabric_plan(topology: Topology, host: Host, coord: Coordination) -> FabricPlan | None:
+    """This host's part in the fabric preflight: None when no host switches, when the release
+    does not cross hosts or names no rails, or with `gate.fabric: off`."""
+    scope = fabric_scope(topology) if coord.switching else None
+    if scope is None:
+        return None
+    data = deploy_data(host)
+    mpirun = data.get("nccl_mpirun")
+    run = per_run(
+        host.state,
+        ("fabric", topology.digest),
+        lambda: FabricRun(scope=scope, policy=topology.gate.fabric),
+    )
+    return FabricPlan(
+        run=run,
+        links=bool(scope.rails.get(host.name)),
+        serves=bool(scope.servers(host.name)),
+        measures=bool(scope.clients(host.name)),
+        allreduce=mpirun if any(s.hosts[0] == host.name for s in scope.spans) else None,
+        sysfs=data.get("rdma_sysfs"),
+        addresses={name: h.address for name, h in topology.hosts.items()},
+    )
 
 
 def _bench(
@@ -496,7 +538,9 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
         bench=bench,
         bench_s=topology.gate.bench.timeout_s if topology.gate.bench is not None else 0,
     )
-    return EnginesPlan(release=plan, secret_values=secrets, switching=switching)
+    # every host in the run takes part once any host switches: a pair needs both ends
+    fabric = fabric_plan(topology, host, coord)
+    return EnginesPlan(release=plan, secret_values=secrets, switching=switching, fabric=fabric)
 
 
 def rollback_plan(host: Host, inventory: Inventory) -> SwitchPlan:

@@ -408,6 +408,7 @@ class GatePolicy:
     tool_call: str  # auto | on | off
     rdma: str  # auto | off
     kv_capacity: str  # fail | warn | off: the engines' reported KV against the shapes' need
+    fabric: str  # fail | warn | off: the fabric preflight before a release that crosses hosts
     from_host: str | None
     timeout_s: int
     bench: BenchGate | None = None
@@ -419,7 +420,7 @@ class GatePolicy:
                 data,
                 "gate",
                 "prompt expect max_tokens chat stream reasoning tool_call rdma kv_capacity "
-                "timeout_s",
+                "fabric timeout_s",
             ),
             expect_regex=data.get("expect_regex"),
             from_host=data.get("from"),
