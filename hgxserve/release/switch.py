@@ -22,6 +22,7 @@ from hgxserve.caches.logscan import scan
 from hgxserve.parsers.outputs import diagnose_errors
 from hgxserve.release.kvcap import observation, observed_line, read_capacity
 from hgxserve.release.progress import phase
+from hgxserve.release.proxydrain import drains, pause, proxy_plan
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
 
 DEADMAN_UNIT = "hgxserve-release-deadman"
@@ -60,6 +61,12 @@ class Systemd:
         # (TimeoutStartSec= bounds that), minutes on real GPUs; the health wait follows every
         # starting unit at once, reading state, result and journal.
         self.run("systemctl", "start", "--no-block", unit, check=False)
+
+    def reload(self, unit: str) -> None:
+        self.run("systemctl", "reload", unit)
+
+    def signal(self, unit: str, signal: str) -> None:
+        self.run("systemctl", "kill", "--kill-whom=main", "-s", signal, unit)
 
     def reset_failed(self, unit: str) -> None:
         self.run("systemctl", "reset-failed", unit, check=False)
@@ -144,6 +151,22 @@ def stop_units(
         systemd.stop(unit.name)
 
 
+def resume_proxy(unit: UnitSpec, systemd: Systemd, log: Log) -> None:
+    """A paused or reconfigured hgxserve proxy: reload it (it reads the installed proxy.json
+    and admits again); one that is not running is started."""
+    if systemd.state(unit.name) != "active":
+        systemd.reset_failed(unit.name)
+        log(f"starting {unit.name}")
+        systemd.start(unit.name)
+        return
+    log(f"reloading {unit.name}: it reads the installed proxy.json and admits again")
+    systemd.reload(unit.name)
+
+
+def _engines(spec: ReleaseSpec) -> frozenset[str]:
+    return frozenset(u.name for u in spec.units if u.kind != "proxy")
+
+
 def start_units(
     spec: ReleaseSpec,
     systemd: Systemd,
@@ -215,19 +238,30 @@ class _Host:
 def _transition(
     host: _Host, old: ReleaseSpec | None, new: ReleaseSpec, defer_proxy: bool = False
 ) -> None:
-    """Go from `old` to `new`: stop what changes, wait for its GPUs, install, start."""
+    """Go from `old` to `new`: pause and drain the proxy when engines behind it stop, stop what
+    changes, wait for its GPUs, install, start; a proxy whose change a reload covers (or that
+    was only paused) is reloaded, not restarted (hgxserve.release.proxydrain)."""
     store, systemd, log = host.store, host.systemd, host.log
     keep = unchanged_units(store, old, new)
+    proxies = proxy_plan(store, old, new, keep)
+    for unit in proxies.pause:
+        pause(unit, systemd, log)
+    staying = keep | proxies.reload
     if old is not None:
-        stop_units(old, systemd, log, keep)
-    moving = {g for spec in (old, new) if spec for u in spec.units if u.name not in keep
+        stop_units(old, systemd, log, staying)
+    moving = {g for spec in (old, new) if spec for u in spec.units if u.name not in staying
               for g in u.gpus}  # fmt: skip
     wait_gpus_free(moving, host.gpu_timeout_s, log)
     store.install(new, old)
     systemd.daemon_reload()
     if old is not None and old.id != new.id:
         store.carry_observed(old.id, new.id, keep)
-    _record(store, new.id, start_units(new, systemd, log, keep, defer_proxy))
+    _record(store, new.id, start_units(new, systemd, log, staying, defer_proxy=True))
+    if not defer_proxy:
+        for unit in new.units:
+            if unit.name in proxies.reload:
+                resume_proxy(unit, systemd, log)
+        start_units(new, systemd, log, staying | _engines(new))
 
 
 def _record(store: Store, release_id: str, observed: Observed) -> None:
@@ -489,15 +523,21 @@ def start_proxy(
     if running != release_id:
         raise ReleaseError(f"release {release_id} is not the one switched to here ({running})")
     spec = store.load(release_id)
+    # an hgxserve proxy that runs (paused for the switch, or with its new proxy.json not yet
+    # read) is reloaded: it admits again without dropping what it holds
+    running = [u for u in spec.units if drains(u) and systemd.state(u.name) == "active"]
     stopped = [u for u in spec.units if u.kind == "proxy" and systemd.state(u.name) != "active"]
-    if not stopped:
+    if not stopped and not running:
         return f"release {release_id}: no proxy to start here"
+    for unit in running:
+        log(f"reloading {unit.name} (every engine of the release is healthy and warm)")
+        systemd.reload(unit.name)
     for unit in stopped:
         systemd.reset_failed(unit.name)
         log(f"starting {unit.name} (every engine of the release is healthy and warm)")
         systemd.start(unit.name)
-    _wait_healthy(stopped, systemd, log, spec.health_timeout_s)
-    return f"release {release_id}: proxy started"
+    _wait_healthy(running + stopped, systemd, log, spec.health_timeout_s)
+    return f"release {release_id}: proxy {'reloaded' if running and not stopped else 'started'}"
 
 
 def _restart_stopped(store: Store, spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:
