@@ -258,8 +258,9 @@ def _transition(
         store.carry_observed(old.id, new.id, keep)
     _record(store, new.id, start_units(new, systemd, log, staying, defer_proxy=True))
     if not defer_proxy:
+        # a kept proxy may have been paused by the controller (engines of other hosts moved)
         for unit in new.units:
-            if unit.name in proxies.reload:
+            if unit.name in proxies.reload or (drains(unit) and unit.name in keep):
                 resume_proxy(unit, systemd, log)
         start_units(new, systemd, log, staying | _engines(new))
 
@@ -538,6 +539,43 @@ def start_proxy(
         systemd.start(unit.name)
     _wait_healthy(running + stopped, systemd, log, spec.health_timeout_s)
     return f"release {release_id}: proxy {'reloaded' if running and not stopped else 'started'}"
+
+
+def _running(store: Store) -> ReleaseSpec | None:
+    """The release that runs here now: a pending switch, else the current one."""
+    pending = store.pending()
+    running = pending["id"] if pending else store.link("current")
+    return store.load(running) if running else None
+
+
+def moves(store: Store, release_id: str) -> dict[str, Any]:
+    """What a switch to `release_id` does here, for the controller before any host switches:
+    whether it stops or starts an engine (`engines`), and the drainable proxies running here
+    (`proxies`), which the controller pauses when engines of other hosts move."""
+    new = store.load(release_id)
+    old = _running(store)
+    if old is not None and old.id == release_id:
+        return {"engines": False, "proxies": [u.name for u in old.units if drains(u)]}
+    keep = unchanged_units(store, old, new)
+    engines = any(
+        u.kind != "proxy" and u.name not in keep for spec in (old, new) if spec for u in spec.units
+    )
+    proxies = [u.name for u in old.units if drains(u)] if old else []
+    return {"engines": engines, "proxies": proxies}
+
+
+def pause_proxy(store: Store, systemd: Systemd | None = None, log: Log = print) -> str:
+    """Pause the running hgxserve proxy here and wait until nothing is in flight (at most its
+    drain bound): engines of other hosts are about to stop. The switch's `start-proxy`, or a
+    rollback or revert, reloads it (admits again)."""
+    systemd = systemd or Systemd()
+    running = _running(store)
+    units = [u for u in running.units if drains(u)] if running else []
+    if not units:
+        return "no hgxserve proxy runs here: nothing to pause"
+    for unit in units:
+        pause(unit, systemd, log)
+    return f"paused {', '.join(u.name for u in units)}"
 
 
 def _restart_stopped(store: Store, spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:

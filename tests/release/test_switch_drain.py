@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 from test_switch import UNITS, FakeSystemd
 
+from hgxserve.operations.release import note_moves, pause_proxy
+from hgxserve.release.coordination import Coordination
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
+from hgxserve.release.switch import moves as what_moves
+from hgxserve.release.switch import pause_proxy as pause_here
 from hgxserve.release.switch import start_proxy, switch
 
 ENGINE = "hgxserve-combined-0.service"
@@ -50,7 +54,11 @@ def proxy_json(*urls: str, port: int = 8000) -> str:
 
 
 def stage(
-    store: Store, rid: str, *, engine: str = "/bin/engine", config: str | None = None
+    store: Store,
+    rid: str,
+    *,
+    engine: str = "/bin/engine",
+    config: str | None = None,
 ) -> ReleaseSpec:
     files = {
         f"{UNITS}/{ENGINE}": f"[Service]\nExecStart={engine}\n",
@@ -146,3 +154,76 @@ def test_a_rollback_drains_the_same_way(store: Store) -> None:
     # paused before the new engine, and again before going back; reloaded, never stopped
     assert calls.count(("signal", PROXY, "SIGUSR1")) == 2
     assert ("stop", PROXY) not in calls and calls[-1] == ("reload", PROXY)
+
+
+def test_moves_says_whether_engines_move_and_where_the_proxy_runs(store: Store) -> None:
+    running_on(store, "r1")
+    stage(store, "r2", engine="/bin/engine --new")
+    stage(store, "r3", config=proxy_json("http://127.0.0.1:8100", "http://127.0.0.1:8101"))
+    assert what_moves(store, "r2") == {"engines": True, "proxies": [PROXY]}
+    assert what_moves(store, "r3") == {"engines": False, "proxies": [PROXY]}
+    assert what_moves(store, "r1") == {"engines": False, "proxies": [PROXY]}
+
+
+def test_a_proxy_the_controller_paused_is_reloaded_when_its_host_switches(store: Store) -> None:
+    sd = running_on(store, "r1")
+    assert pause_here(store, systemd=sd, log=lambda m: None) == f"paused {PROXY}"
+    assert moves(sd) == [("signal", PROXY, "SIGUSR1")]
+    sd.calls.clear()
+    stage(store, "r2")  # another topology digest, the same units here: all kept
+    switch(store, "r2", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    assert moves(sd) == [("reload", PROXY)]  # admits again; nothing stopped
+
+
+class _Output:
+    def __init__(self, stdout: str) -> None:
+        self.stdout_lines = stdout.splitlines()
+        self.stderr_lines: list[str] = []
+
+
+class _Host:
+    """A pyinfra host whose agent answers `release moves` with `found`."""
+
+    def __init__(self, name: str, found: dict | None) -> None:
+        self.name, self.found = name, found
+        self.commands: list[str] = []
+
+    def run_shell_command(self, command: str, **kw: object) -> tuple[bool, _Output]:
+        self.commands.append(command)
+        if "release moves" in command:
+            return self.found is not None, _Output(json.dumps(self.found or {}))
+        return True, _Output("")
+
+    def log_styled(self, message: str, **kw: object) -> None:
+        pass
+
+
+def test_the_controller_pauses_the_proxy_before_other_hosts_engines_stop() -> None:
+    coord = Coordination()
+    proxy_host = _Host("hgx-c", {"engines": False, "proxies": [PROXY]})
+    decode_host = _Host("hgx-b", {"engines": True, "proxies": []})
+    same_host = _Host("hgx-a", {"engines": False, "proxies": []})
+    for host in (proxy_host, decode_host, same_host):
+        assert note_moves(None, host, coord, "r2", "/var/lib/hgxserve")  # type: ignore[arg-type]
+    assert coord.engines_move == {"hgx-c": False, "hgx-b": True, "hgx-a": False}
+    assert coord.proxy_hosts == {"hgx-c"}
+    for host in (proxy_host, decode_host, same_host):
+        pause_proxy(None, host, coord, "r2", "/var/lib/hgxserve")  # type: ignore[arg-type]
+    assert [c for c in proxy_host.commands if "pause-proxy" in c] == [
+        "/opt/hgxserve/bin/hgxserve release pause-proxy --root /var/lib/hgxserve"
+    ]
+    assert not [c for c in decode_host.commands + same_host.commands if "pause-proxy" in c]
+
+
+def test_no_pause_when_only_the_proxy_host_moves_or_nothing_does() -> None:
+    coord = Coordination()
+    proxy_host = _Host("hgx-c", {"engines": True, "proxies": [PROXY]})
+    other = _Host("hgx-b", {"engines": False, "proxies": []})
+    for host in (proxy_host, other):
+        note_moves(None, host, coord, "r2", "/r")  # type: ignore[arg-type]
+        pause_proxy(None, host, coord, "r2", "/r")  # type: ignore[arg-type]
+    # the proxy host's own engines: its switch pauses the proxy itself
+    assert not [c for c in proxy_host.commands if "pause-proxy" in c]
+    unknown = Coordination()
+    note_moves(None, _Host("hgx-b", None), unknown, "r2", "/r")  # type: ignore[arg-type]
+    assert unknown.engines_move == {"hgx-b": True}  # cannot tell: assume they move
