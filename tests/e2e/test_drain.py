@@ -93,19 +93,21 @@ class Outcome:
     error: str | None = None
 
 
-def one_stream() -> Outcome:
+def one_stream(
+    url: str = PROXY_URL, prompt: str = "tell a long story", tokens: int = TOKENS
+) -> Outcome:
     body = json.dumps(
         {
             "model": "tiny",
-            "prompt": "tell a long story",
-            "max_tokens": TOKENS,
+            "prompt": prompt,
+            "max_tokens": tokens,
             "stream": True,
             "ignore_eos": True,
             "temperature": 0,
-        }  # fmt: skip
+        }
     ).encode()
     req = urllib.request.Request(
-        PROXY_URL + "/v1/completions",
+        url + "/v1/completions",
         data=body,
         headers={
             "Content-Type": "application/json",
@@ -135,14 +137,16 @@ class Clients:
     """CLIENTS threads streaming through the proxy back to back; after a 503 a client retries
     in 0.2 s (not after Retry-After), so the outage is measured to a fraction of a second."""
 
-    def __init__(self) -> None:
+    def __init__(self, url: str = PROXY_URL, prompt: str = "tell a long story",
+                 tokens: int = TOKENS) -> None:  # fmt: skip
+        self.url, self.prompt, self.tokens = url, prompt, tokens
         self.outcomes: list[Outcome] = []
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(CLIENTS)]
 
     def run(self) -> None:
         while not self.stop.is_set():
-            out = one_stream()
+            out = one_stream(self.url, self.prompt, self.tokens)
             self.outcomes.append(out)
             if out.status != 200:
                 time.sleep(0.2)
@@ -163,7 +167,7 @@ class Clients:
         refused = [o for o in self.outcomes if o.status != 200]
         assert not [o for o in self.outcomes if o.error], [o.error for o in self.outcomes]
         for o in answered:
-            assert (o.chunks, o.finish) == (TOKENS, "length"), o
+            assert (o.chunks, o.finish) == (self.tokens, "length"), o
         for o in refused:
             assert (o.status, o.retry_after) == (503, "5"), o
         return answered, refused
@@ -271,3 +275,53 @@ def test_reapply_changes_nothing(lab: testbed_hosts.Testbed, tmp_path: Path) -> 
     before = main_pids(lab)
     deploy(lab, variant(tmp_path, "slow-d", "0.04", "  max_body: 8Mi\n  drain_tpot_ms: 30\n"))
     assert main_pids(lab) == before
+
+
+PD = REPO / "topologies/demo/demo-pd.yml"
+PD_PROXY = "http://10.77.0.13:8000"
+LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # ~100 tokens: the P/D route (>= 64)
+PD_TOKENS = 100
+
+
+def pd_variant(tmp: Path, name: str, token_s: str) -> Path:
+    """demo-pd with the decode's time per token: a change of the decode on hgx-b only."""
+    text = PD.read_text()
+    old = "    port: 8200\n"
+    assert old in text
+    text = text.replace(old, old + f'    env: {{HGXSERVE_SIM_TOKEN_SECONDS: "{token_s}"}}\n')
+    path = tmp / f"{name}.yml"
+    path.write_text(text)
+    return path
+
+
+def test_engines_of_another_host_stop_only_after_the_proxy_drained(
+    lab: testbed_hosts.Testbed, tmp_path: Path
+) -> None:
+    deploy(lab, pd_variant(tmp_path, "pd-a", "0.05"), "runtime,weights,engines")
+    pids = "systemctl show -p MainPID --value hgxserve-proxy.service"
+    proxy_pid = lab.ssh("hgx-c", pids, check=True).stdout.strip()
+    decode = "systemctl show -p MainPID --value hgxserve-decode-0.service"
+    decode_pid = lab.ssh("hgx-b", decode, check=True).stdout.strip()
+    with Clients(PD_PROXY, LONG_PROMPT, PD_TOKENS) as clients:
+        time.sleep(3)
+        began = time.time()
+        out = deploy(lab, pd_variant(tmp_path, "pd-b", "0.04"))
+        done = time.time()
+        time.sleep(2)
+    answered, refused = clients.check()
+    assert lab.ssh("hgx-b", decode, check=True).stdout.strip() != decode_pid
+    assert lab.ssh("hgx-c", pids, check=True).stdout.strip() == proxy_pid  # paused, reloaded
+    assert "engines on hgx-b will stop: pausing the proxy here first" in out, out[-4000:]
+    assert refused, "no request arrived during the switch"
+    first, last = min(o.started for o in refused), max(o.ended for o in refused)
+    spanning = [o for o in answered if o.started < first < o.ended]
+    assert spanning, "no stream was in flight when the proxy paused"
+    assert [o for o in answered if o.started > last]
+    metrics = urllib.request.urlopen(PD_PROXY + "/metrics", timeout=10).read().decode()
+    assert re.search(r'hgxserve_proxy_requests_total\{route="pd"[^}]*code="2xx"\} [1-9]', metrics)
+    print(
+        f"\ndecode release on hgx-b, proxy on hgx-c: deploy {done - began:.1f} s; 503 + "
+        f"Retry-After for {last - first:.1f} s ({len(refused)} requests); {len(spanning)} P/D "
+        f"stream(s) in flight at the pause finished with all {PD_TOKENS} tokens; refused/reset "
+        "connections: 0"
+    )
