@@ -1,7 +1,9 @@
-"""Switch a host between releases: stop old units (proxy first), wait for the GPUs to be
-released, install the new tree, start engines then proxy, wait for health, and roll back to
-the old release on any failure. A switch stays `pending` until the controller confirms it; a
-dead-man timer reverts it if no confirmation comes (the controller died or lost the host).
+"""Switch a host between releases: pause and drain the hgxserve proxy
+(hgxserve.release.proxydrain), stop old units (proxy first, unless it only pauses), wait for
+the GPUs to be released, install the new tree, start engines then proxy (a paused or
+reconfigured one is reloaded), wait for health, and roll back to the old release on any
+failure. A switch stays `pending` until the controller confirms it; a dead-man timer reverts
+it if no confirmation comes (the controller died or lost the host).
 """
 
 from __future__ import annotations
