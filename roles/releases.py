@@ -26,6 +26,8 @@ from hgxserve.operations.fabric import (
 from hgxserve.operations.release import (
     arm_deadman,
     check_kv,
+    note_moves,
+    pause_proxy,
     read_kv_path,
     read_rdma_counters,
     run_gate,
@@ -161,6 +163,11 @@ def switch_to(*, plan: SwitchPlan, root: str = RELEASE_ROOT) -> None:
     release_id, within = plan.release_id, plan.confirm_within
     step = partial(_step, plan.coord, release_id, root)
     if plan.switch:
+        step("Which hosts' engines stop or start, and where the proxy runs", note_moves)
+        step(
+            "Pause and drain the proxy before engines of other hosts stop (503 + Retry-After)",
+            pause_proxy,
+        )
         switched(
             name=f"Switch to release {release_id} (pending confirmation)",
             release_id=release_id,

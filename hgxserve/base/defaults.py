@@ -98,3 +98,16 @@ FABRIC_NCCL_FLOOR = 0.7
 FABRIC_NCCL_BYTES = "256M"
 # mpirun's launch, NCCL's init across hosts and 5 + 20 iterations: 1-2 minutes on real hosts.
 FABRIC_NCCL_TIMEOUT_S = 300
+# The proxy's drain bound (hgxserve.render.proxy.drain_bound_s): output tokens a stream may
+# still produce when no routed engine states max_model_len (8192: the longest answer the
+# OpenAI-compatible APIs of DeepSeek-V3/R1 give by default), and seconds added to
+# tokens x TPOT for the last chunks and the client's own reads.
+DRAIN_OUTPUT_TOKENS = 8192
+DRAIN_MARGIN_S = 10.0
+# Seconds a client is told to wait (Retry-After) when the proxy turns it away while draining
+# or paused for a switch: a proxy restart takes about a second, an engine switch minutes, so
+# a few seconds keeps retries cheap for the first without a storm during the second.
+DRAIN_RETRY_AFTER_S = 5
+# systemd's TimeoutStopSec= of the proxy unit exceeds its drain bound by this much: the proxy
+# exits by itself once the bound passed, before systemd's SIGKILL.
+DRAIN_STOP_SLACK_S = 30

@@ -83,6 +83,16 @@ def exec_line(argv: Iterable[str]) -> UnitText:
     return UnitText(" ".join(quote_word(w) for w in argv))
 
 
+def signal_main_pid(kill: str, signal: str) -> UnitText:
+    """An ExecReload= value that sends `signal` to the unit's main process: the one place
+    systemd's `$MAINPID` is written unescaped.
+
+    >>> signal_main_pid("/bin/kill", "HUP")
+    '/bin/kill -s HUP $MAINPID'
+    """
+    return UnitText(exec_line([kill, "-s", signal]) + " $MAINPID")
+
+
 def environment_value(name: str, value: str) -> UnitText:
     """The value of one `Environment=` line: `"NAME=value"` (no $ expansion there)."""
     return UnitText(f'"{unit_value(name)}={_c_escape(value)}"')

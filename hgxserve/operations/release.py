@@ -70,9 +70,39 @@ def _failed_switches(state: State, coord: Coordination) -> list[str]:
     return sorted(h.name for h in state.failed_hosts if h.name in coord.switching)
 
 
+def note_moves(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
+    """python.call on every switching host before any switches: whether its switch stops or
+    starts an engine, and whether an hgxserve proxy runs there (`hgxserve release moves`). A
+    host that cannot say counts as moving its engines (a needless pause costs a few 503s)."""
+    ok, output = host.run_shell_command(
+        f"{AGENT} release moves {shlex.quote(release_id)} --root {shlex.quote(root)}"
+    )
+    try:
+        found = json.loads("".join(output.stdout_lines)) if ok else {}
+    except ValueError:
+        found = {}
+    coord.engines_move[host.name] = bool(found.get("engines", True))
+    if found.get("proxies"):
+        coord.proxy_hosts.add(host.name)
+    return True
+
+
+def pause_proxy(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
+    """python.call on every switching host, after `note_moves` and before any host switches:
+    where the proxy runs and engines of *other* hosts will stop, pause it and wait until
+    nothing is in flight, so no stream is cut when those engines stop (the host's own engines
+    are the switch's own concern). `start_proxy` (or a rollback) reloads it."""
+    others = sorted(h for h, move in coord.engines_move.items() if move and h != host.name)
+    if host.name not in coord.proxy_hosts or not others:
+        return True
+    host.log_styled(f"engines on {', '.join(others)} will stop: pausing the proxy here first")
+    return _run_streamed(state, host, f"{AGENT} release pause-proxy --root {shlex.quote(root)}")
+
+
 def start_proxy(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call on every switched host once all of them switched: start the proxy the
-    switch left stopped, so it admits engines only when all are healthy and warmed up."""
+    switch left stopped (or reload the one it left paused), so it admits engines only when
+    all are healthy and warmed up."""
     failed = _failed_switches(state, coord)
     if failed:
         host.log_styled(f"proxy left stopped: host(s) {', '.join(failed)} failed to switch")

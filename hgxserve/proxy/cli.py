@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-from collections.abc import Coroutine
-from typing import Any
 
 import click
 
@@ -80,7 +77,11 @@ def check(config_path: str) -> None:
 )
 @cli_errors
 def serve(config_path: str, log_level: str) -> None:
-    """Serve the OpenAI-compatible endpoint until SIGTERM.
+    """Serve the OpenAI-compatible endpoint until SIGTERM (which drains it first).
+
+    SIGTERM: answer new requests 503 + Retry-After, let those in flight finish (up to
+    limits.drain_timeout_s), exit; SIGUSR1: pause (the same refusal, keep running); SIGHUP:
+    reload --config and admit again.
 
     \b
     hgxserve proxy serve --config /etc/hgxserve/proxy.json
@@ -94,15 +95,6 @@ def serve(config_path: str, log_level: str) -> None:
             import uvloop  # optional: a faster event loop when installed
 
             asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        asyncio.run(_until_signal(run(cfg)))
+        asyncio.run(run(cfg, config_path))
     except OSError as exc:
         raise HgxserveError(f"cannot listen: {exc}") from None
-
-
-async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
-    task = asyncio.ensure_future(main)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any, TypeVar, cast, get_type_hints
 from urllib.parse import urlsplit
 
-from hgxserve.base.defaults import SGLANG_BOOTSTRAP_PORT, schema_default
+from hgxserve.base.defaults import (
+    DRAIN_MARGIN_S,
+    DRAIN_OUTPUT_TOKENS,
+    SGLANG_BOOTSTRAP_PORT,
+    schema_default,
+)
 from hgxserve.base.errors import Found
 from hgxserve.base.sizes import parse_size
 
@@ -43,6 +48,25 @@ MAX_BODY_BYTES = parse_size(schema_default("proxy", "max_body"))
 # the topology's one upstream timeout: the whole prefill call, and the silence between two
 # bytes of a decode/combined answer
 UPSTREAM_TIMEOUT_S = float(schema_default("proxy", "timeout_s"))
+
+
+def drain_bound(output_tokens: int, tpot_ms: float, cap_s: float) -> float:
+    """Seconds the proxy lets requests in flight finish when it stops or pauses: the longest
+    answer (`output_tokens`) at the TPOT the topology targets, plus DRAIN_MARGIN_S, at most
+    `cap_s` (docs/proxy.md "Drain and reload").
+
+    >>> drain_bound(8192, 40, 900)
+    337.68
+    """
+    return round(min(output_tokens * tpot_ms / 1000 + DRAIN_MARGIN_S, cap_s), 3)
+
+
+# what a proxy.json without $.limits.drain_timeout_s gets: the schema's TPOT and cap
+DRAIN_TIMEOUT_S = drain_bound(
+    DRAIN_OUTPUT_TOKENS,
+    schema_default("proxy", "drain_tpot_ms"),
+    schema_default("proxy", "drain_max_s"),
+)
 
 
 def at_least(minimum: float, default: T) -> T:
@@ -112,6 +136,8 @@ class Limits:
     # idle keep-alive connections to one engine, and how long one may stay idle
     upstream_max_idle: int = at_least(0, 1024)
     upstream_idle_timeout_s: float = at_least(0.01, 4.0)
+    # on stop or pause, requests in flight get this long to finish (drain_bound)
+    drain_timeout_s: float = at_least(0, DRAIN_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -337,6 +363,33 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
         api_key_file=auth.get("api_key_file"),
         upstream_api_key_file=auth.get("upstream_api_key_file"),
     )
+
+
+# What a reload (SIGHUP) cannot change in a running proxy: its socket, its engine connection
+# pool and the keys it read at start. A new proxy.json that changes any of these needs a restart.
+RESTART_ONLY = (
+    "host",
+    "port",
+    "api_key_file",
+    "upstream_api_key_file",
+    "limits.header_timeout_s",
+    "limits.connect_timeout_s",
+    "limits.upstream_max_idle",
+    "limits.upstream_idle_timeout_s",
+)
+
+
+def restart_needed(old: ProxyConfig, new: ProxyConfig) -> list[str]:
+    """The RESTART_ONLY settings that differ between `old` and `new` (empty: a reload does).
+
+    Example: restart_needed(cfg, replace(cfg, port=9000)) == ["port"]
+    """
+
+    def value(cfg: ProxyConfig, name: str) -> Any:
+        section, _, key = name.rpartition(".")
+        return getattr(getattr(cfg, section) if section else cfg, key)
+
+    return [name for name in RESTART_ONLY if value(old, name) != value(new, name)]
 
 
 def load_proxy_config(path: str | Path) -> ProxyConfig:

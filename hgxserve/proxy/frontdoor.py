@@ -149,13 +149,18 @@ class FrontDoor(web.Server):
 
     A connection over `max_connections` gets a canned 503 and is closed without being parsed.
     The handler's `keepalive_timeout` bounds the wait for a complete request head (aiohttp closes
-    a connection whose head is unfinished when it fires, idle or not).
+    a connection whose head is unfinished when it fires, idle or not). `limits` may be replaced
+    while serving (a reload): caps and body size apply from the next connection or request.
     """
 
-    def __init__(self, handler: Handler, *, max_connections: int, metrics: Metrics, **kw: Any):
+    def __init__(self, handler: Handler, *, limits: Limits, metrics: Metrics, **kw: Any):
         super().__init__(handler, **kw)
-        self.max_connections = max_connections
+        self.limits = limits
         self.metrics = metrics
+
+    @property
+    def max_connections(self) -> int:
+        return self.limits.max_connections
 
     def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
@@ -178,9 +183,8 @@ def front_door(routes: Routes, limits: Limits, metrics: Metrics) -> FrontDoor:
     Routes marked capped count against `max_in_flight`; the others (/health, /metrics) never
     do, so probes still answer under load.
     """
-    max_body = limits.max_body_bytes
-    max_in_flight = limits.max_in_flight
     loop = asyncio.get_running_loop()
+    door: FrontDoor
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         route = routes.get(request.path)
@@ -193,7 +197,7 @@ def front_door(routes: Routes, limits: Limits, metrics: Metrics) -> FrontDoor:
             return resp
         if not capped:
             return await handler(request)
-        if metrics.in_flight >= max_in_flight:
+        if metrics.in_flight >= door.limits.max_in_flight:
             metrics.refuse("in_flight")
             resp = error_response(
                 429, "Too many requests in flight at the proxy; retry shortly.", "rate_limit"
@@ -218,14 +222,15 @@ def front_door(routes: Routes, limits: Limits, metrics: Metrics) -> FrontDoor:
         message: Any, payload: Any, protocol: Any, writer: Any, task: Any
     ) -> web.BaseRequest:
         return web.BaseRequest(
-            message, payload, protocol, writer, task, loop, client_max_size=max_body
-        )
+            message, payload, protocol, writer, task, loop,
+            client_max_size=door.limits.max_body_bytes,
+        )  # fmt: skip
 
     # handler_cancellation: a client that disconnects cancels its handler, which closes
     # the upstream connections, so the engines abort the request
-    return FrontDoor(
+    door = FrontDoor(
         handle,
-        max_connections=limits.max_connections,
+        limits=limits,
         metrics=metrics,
         request_factory=make_request,
         handler_cancellation=True,
@@ -236,6 +241,7 @@ def front_door(routes: Routes, limits: Limits, metrics: Metrics) -> FrontDoor:
         lingering_time=LINGER_S,
         logger=http_log,
     )
+    return door
 
 
 # ---------------------------------------------------------------------- admitting requests

@@ -46,6 +46,7 @@ class Metrics:
         self.refused: dict[str, int] = {}
         self.open_connections = 0
         self.in_flight = 0
+        self.draining = 0  # 1 while paused or draining (new requests get 503 + Retry-After)
         self.buffered_body_bytes = 0
         self.added_ttft = [0] * (len(LATENCY_BUCKETS) + 1)
         self.added_sum = 0.0
@@ -169,6 +170,12 @@ class Metrics:
                 "gauge",
                 "Client requests being answered now.",
                 self.in_flight,
+            ),
+            (
+                "hgxserve_proxy_draining",
+                "gauge",
+                "1 while the proxy is paused or draining: new requests get 503 + Retry-After.",
+                self.draining,
             ),
             (
                 "hgxserve_proxy_buffered_body_bytes",

@@ -7,6 +7,11 @@ This module wires the parts together: the front door (frontdoor: connections, li
 admission), the balancer (balancer: instances, health, the route for a prompt), the P/D protocols
 (pd), one call's relay to an engine (relay), the request body (body) and the metrics (metrics);
 and retries a request on another engine while nothing has reached its client.
+
+Stop, pause and reload (docs/proxy.md "Drain and reload"): SIGTERM drains (new requests get
+503 + Retry-After while the listener stays open; requests in flight finish within
+`limits.drain_timeout_s`; then it exits); SIGUSR1 pauses (the same refusal, but the proxy keeps
+running: a release switch stops engines behind it); SIGHUP reloads proxy.json and admits again.
 """
 
 from __future__ import annotations
@@ -14,18 +19,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from hgxserve.base.defaults import DRAIN_RETRY_AFTER_S
 from hgxserve.proxy.balancer import HealthChecker, Instance, Pool
 from hgxserve.proxy.body import estimate_prompt_tokens
-from hgxserve.proxy.config import ProxyConfig, read_api_key
+from hgxserve.proxy.config import (
+    ProxyConfig,
+    ProxyConfigError,
+    load_proxy_config,
+    read_api_key,
+    restart_needed,
+)
 from hgxserve.proxy.frontdoor import (
     UNAUTHORIZED,
     Admission,
     BodyHold,
     Call,
+    FrontDoor,
     Routes,
     bound_logs,
     error_response,
@@ -38,6 +55,9 @@ from hgxserve.proxy.relay import Relay, UpstreamUnavailable
 from hgxserve.proxy.upstream import Upstream
 
 log = logging.getLogger("hgxserve.proxy")
+SHUTDOWN_S = 1.0  # after the drain: the last bytes of answers already complete
+IDLE_POLL_S = 0.05  # how often a drain looks at the requests still in flight
+SERVING, PAUSED, DRAINING = "serving", "paused", "draining"
 
 
 class Proxy:
@@ -63,6 +83,8 @@ class Proxy:
         self.relay = Relay(self.upstream, self.metrics, limits)
         self.door = Admission(limits, self.metrics, self.api_key)
         self.checker_task: asyncio.Task[None] | None = None
+        self.front: FrontDoor | None = None
+        self.state = SERVING  # paused or draining: new requests get 503 + Retry-After
         bound_logs()
 
     # ------------------------------------------------------------------ lifecycle
@@ -77,7 +99,8 @@ class Proxy:
             "/v1/completions": ("POST", self.completions, True),
             "/v1/chat/completions": ("POST", self.chat_completions, True),
         }
-        return front_door(routes, self.config.limits, self.metrics)
+        self.front = front_door(routes, self.config.limits, self.metrics)
+        return self.front
 
     async def start(self) -> None:
         # health checks and /v1/models only: a few connections per engine at most
@@ -95,18 +118,95 @@ class Proxy:
         )
         self.checker_task = asyncio.create_task(HealthChecker(self.pool, self.session).run())
 
-    async def stop(self) -> None:
+    async def stop_checks(self) -> None:
         if self.checker_task:
             self.checker_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.checker_task
+            self.checker_task = None
+
+    async def stop(self) -> None:
+        await self.stop_checks()
         if self.session:
             await self.session.close()
         self.upstream.close()
 
     # ------------------------------------------------------------------ small endpoints
 
+    # ------------------------------------------------------------------ drain, pause, reload
+
+    def set_state(self, state: str) -> None:
+        if state != self.state:
+            log.info("proxy %s (was %s; %d requests in flight)", state, self.state,
+                     self.metrics.in_flight)  # fmt: skip
+        self.state = state
+        self.metrics.draining = int(state != SERVING)
+
+    def turned_away(self, endpoint: str) -> web.Response:
+        """The answer to a request that arrives while paused or draining: 503 + Retry-After,
+        before any byte of it reached an engine, so the client can safely send it again."""
+        self.metrics.refuse(self.state)
+        self.metrics.request("none", endpoint, 503)
+        resp = error_response(
+            503,
+            f"The proxy is {self.state} for a restart or release; retry shortly.",
+            "service_unavailable",
+        )
+        resp.headers["Retry-After"] = str(DRAIN_RETRY_AFTER_S)
+        return resp
+
+    async def wait_idle(self, bound_s: float) -> int:
+        """Wait until no request is in flight or `bound_s` passed; the number still in flight."""
+        deadline = time.monotonic() + bound_s
+        while self.metrics.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(IDLE_POLL_S)
+        return self.metrics.in_flight
+
+    async def drain(self) -> None:
+        """Stop admitting and let the requests in flight finish, within the drain bound."""
+        self.set_state(DRAINING)
+        bound = self.config.limits.drain_timeout_s
+        started = time.monotonic()
+        left = await self.wait_idle(bound)
+        if left:
+            log.warning("drain bound of %g s passed: cutting %d request(s) in flight", bound, left)
+        else:
+            log.info("drained in %.1f s: no request in flight", time.monotonic() - started)
+
+    async def reload(self, path: str | Path) -> bool:
+        """Read `path` again and route by it from now on (requests in flight keep their
+        engines); a paused proxy admits again. An invalid file, or one that changes what only a
+        restart can (`restart_needed`), leaves everything as it was, and says why."""
+        try:
+            new = load_proxy_config(path)
+            key = read_api_key(new.api_key_file) if new.api_key_file else None
+        except ProxyConfigError as exc:
+            log.error("reload refused, the running configuration stays: %s", exc)
+            return False
+        needs = restart_needed(self.config, new)
+        if needs:
+            log.error("reload refused: %s change only with a restart", ", ".join(needs))
+            return False
+        pool = Pool(new)
+        carry_health(self.pool, pool)
+        await self.stop_checks()
+        self.config, self.pool, self.api_key = new, pool, key
+        self.relay = Relay(self.upstream, self.metrics, new.limits)
+        self.door = Admission(new.limits, self.metrics, key)
+        if self.front is not None:
+            self.front.limits = new.limits
+        assert self.session is not None
+        self.checker_task = asyncio.create_task(HealthChecker(pool, self.session).run())
+        log.info("reloaded %s: %d P/D groups, %d combined", path, len(new.pd_groups),
+                 len(new.combined))  # fmt: skip
+        self.set_state(SERVING)
+        return True
+
+    # ------------------------------------------------------------------ small endpoints
+
     async def health(self, _request: web.BaseRequest) -> web.Response:
+        if self.state != SERVING:
+            return web.json_response({"status": self.state}, status=503)
         if self.pool.routable():
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "no healthy route"}, status=503)
@@ -117,6 +217,8 @@ class Proxy:
         )
 
     async def models(self, request: web.BaseRequest) -> web.Response:
+        if self.state != SERVING:
+            return self.turned_away("models")
         if not self.door.authorized(request):
             return UNAUTHORIZED.answer()
         assert self.session is not None
@@ -144,6 +246,8 @@ class Proxy:
     async def generate(
         self, request: web.BaseRequest, path: str, endpoint: str
     ) -> web.StreamResponse:
+        if self.state != SERVING:
+            return self.turned_away(endpoint)
         hold = BodyHold(self.metrics)
         try:
             call = await self.door.admit(request, path, endpoint, hold)
@@ -190,9 +294,11 @@ class Proxy:
         if tried:
             # every engine left failed this one request: the request, not the engines
             return error_response(502, "Every engine tried failed before answering.", "bad_gateway")
-        return error_response(
+        resp = error_response(
             503, "No healthy engine can serve this request.", "service_unavailable"
         )
+        resp.headers["Retry-After"] = str(DRAIN_RETRY_AFTER_S)  # engines come back (a switch)
+        return resp
 
     def engine_failed(
         self, call: Call, exc: UpstreamUnavailable, attempts: int
@@ -213,15 +319,73 @@ class Proxy:
         return None
 
 
-async def serve(config: ProxyConfig) -> None:
-    """Run the proxy until cancelled (SIGTERM/SIGINT stop it cleanly under `hgxserve proxy`).
+def carry_health(old: Pool, new: Pool) -> None:
+    """Engines in both pools keep their health in the new one (a reload must not take healthy
+    engines out of rotation until their next check)."""
+    known = {(i.role, i.url): i for i in old.instances}
+    for inst in new.instances:
+        before = known.get((inst.role, inst.url))
+        if before is not None:
+            inst.healthy, inst.reason, inst.since = before.healthy, before.reason, before.since
+            inst.ok_streak, inst.fail_streak = before.ok_streak, before.fail_streak
 
-    Example: asyncio.run(serve(load_proxy_config("proxy.json")))
+
+class Signals:
+    """What the proxy does on each signal: SIGTERM/SIGINT drain and exit (a second one exits
+    at once), SIGUSR1 pauses, SIGHUP reloads `config_path`."""
+
+    def __init__(self, proxy: Proxy, config_path: str | Path | None) -> None:
+        self.proxy = proxy
+        self.config_path = config_path
+        self.exit = asyncio.Event()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.on_stop)
+        loop.add_signal_handler(signal.SIGINT, self.on_stop)
+        loop.add_signal_handler(signal.SIGUSR1, self.on_pause)
+        loop.add_signal_handler(signal.SIGHUP, self.on_reload)
+
+    def spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def on_stop(self) -> None:
+        if self.stopping:
+            log.warning("second stop signal: exiting with %d request(s) in flight",
+                        self.proxy.metrics.in_flight)  # fmt: skip
+            self.exit.set()
+            return
+        self.stopping = True
+        self.spawn(self.drain_then_exit())
+
+    async def drain_then_exit(self) -> None:
+        await self.proxy.drain()
+        self.exit.set()
+
+    def on_pause(self) -> None:
+        if self.proxy.state == SERVING:
+            self.proxy.set_state(PAUSED)
+
+    def on_reload(self) -> None:
+        if self.config_path is None or self.stopping:
+            return
+        self.spawn(self.proxy.reload(self.config_path))
+
+
+async def serve(config: ProxyConfig, config_path: str | Path | None = None) -> None:
+    """Run the proxy until a stop signal drained it (`Signals`), or until cancelled.
+
+    Example: asyncio.run(serve(load_proxy_config("proxy.json"), "proxy.json"))
     """
     return_large_buffers_to_the_system()
     proxy = Proxy(config)
     await proxy.start()
-    runner = web.ServerRunner(proxy.server())
+    # the drain already waited for requests in flight (Signals): what still runs then is cut
+    runner = web.ServerRunner(proxy.server(), shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
     try:
@@ -239,8 +403,10 @@ async def serve(config: ProxyConfig) -> None:
         len(config.combined),
         "on" if proxy.api_key else "off",
     )
+    signals = Signals(proxy, config_path)
+    signals.install()
     try:
-        await asyncio.Event().wait()
+        await signals.exit.wait()
     finally:
         await runner.cleanup()
         await proxy.stop()

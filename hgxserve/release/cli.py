@@ -19,6 +19,8 @@ from hgxserve.release.switch import (
     arm,
     confirm,
     diagnosis,
+    moves,
+    pause_proxy,
     reconcile,
     revert,
     rollback_target,
@@ -133,8 +135,28 @@ def confirm_cmd(release_id: str, root: str) -> None:
 @root_option
 @cli_errors
 def start_proxy_cmd(release_id: str, root: str) -> None:
-    """Start RELEASE_ID's proxy (left stopped by `switch --defer-proxy`) and wait for it."""
+    """Start RELEASE_ID's proxy (left stopped by `switch --defer-proxy`), or reload it (left
+    paused), and wait for it."""
     _log(start_proxy(_store(root), release_id, log=_log))
+
+
+@release.command("moves")
+@click.argument("release_id", callback=_checked_id)
+@root_option
+@cli_errors
+def moves_cmd(release_id: str, root: str) -> None:
+    """JSON: whether switching to RELEASE_ID stops or starts an engine here, and the hgxserve
+    proxies running here (the controller pauses them when other hosts' engines move)."""
+    click.echo(json.dumps(moves(_store(root), release_id), sort_keys=True))
+
+
+@release.command("pause-proxy")
+@root_option
+@cli_errors
+def pause_proxy_cmd(root: str) -> None:
+    """Pause the hgxserve proxy running here (503 + Retry-After to new requests) and wait
+    until nothing is in flight, at most its drain bound."""
+    _log(pause_proxy(_store(root), log=_log))
 
 
 @release.command("arm")

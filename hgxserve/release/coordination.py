@@ -55,6 +55,10 @@ class Coordination:
     kv_needs: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     kv_policy: str = "off"
     kv_short: dict[str, str] = field(default_factory=dict)
+    # the proxy across the switch: host -> whether its switch stops or starts an engine, and
+    # the hosts where an hgxserve proxy runs (paused first when other hosts' engines move)
+    engines_move: dict[str, bool] = field(default_factory=dict)
+    proxy_hosts: set[str] = field(default_factory=set)
 
 
 def coordination(state: State, key: str) -> Coordination:

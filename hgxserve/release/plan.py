@@ -10,6 +10,7 @@ from hgxserve.base.digests import tree_digest
 from hgxserve.release.evidence import unchecked_transport
 from hgxserve.release.store import ReleaseSpec, UnitSpec
 from hgxserve.render import credential_for, render_host
+from hgxserve.render.proxy import drain_bound_s, proxy_drains
 from hgxserve.topology import Topology
 from hgxserve.topology.model import Engine, Proxy, SecretRef
 from hgxserve.topology.ports import engine_url, proxy_url
@@ -147,7 +148,8 @@ def plan_release(
                 proxy = topo.proxy
                 assert proxy is not None
                 url = proxy_url(topo, proxy.host) + "/health"
-                units.append(UnitSpec(unit.name, "proxy", url, []))
+                drain = drain_bound_s(topo) if proxy_drains(topo) else None
+                units.append(UnitSpec(unit.name, "proxy", url, [], drain_s=drain))
                 continue
             engine = topo.engines[unit.engine]
             if host == engine.head:
@@ -190,14 +192,17 @@ def plan_release(
 
 def switch_bound_s(plans: dict[str, HostRelease], overhead_s: float) -> int:
     """The longest any host of the run may take to switch: `overhead_s` (stopping the old
-    units, waiting for their GPUs, starting the proxy) plus its slowest engine's start (capped
-    by `--data health_timeout`). A host that switched early keeps its dead-man timer beyond
-    this, so it never reverts on its own while the others still start."""
+    units, waiting for their GPUs, starting the proxy) plus the proxy's drain bound plus its
+    slowest engine's start (capped by `--data health_timeout`). A host that switched early
+    keeps its dead-man timer beyond this, so it never reverts on its own while the others
+    still start."""
     from hgxserve.release.switch import start_timeout
 
     longest = 0.0
+    drain = 0.0
     for plan in plans.values():
         for unit in plan.spec.units:
             if unit.start_timeout_s is not None:
                 longest = max(longest, start_timeout(unit, plan.spec.health_timeout_s))
-    return int(overhead_s + longest) + 1
+            drain = max(drain, unit.drain_s or 0.0)
+    return int(overhead_s + drain + longest) + 1

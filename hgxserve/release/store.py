@@ -53,6 +53,8 @@ class UnitSpec:
     health_url: str | None = None
     gpus: list[int] = field(default_factory=list)
     start_timeout_s: float | None = None  # the engine's TimeoutStartSec= (topology start_timeout_s)
+    # an hgxserve proxy that drains, pauses and reloads: its drain bound (limits.drain_timeout_s)
+    drain_s: float | None = None
 
 
 @dataclass

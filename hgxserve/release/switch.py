@@ -1,7 +1,9 @@
-"""Switch a host between releases: stop old units (proxy first), wait for the GPUs to be
-released, install the new tree, start engines then proxy, wait for health, and roll back to
-the old release on any failure. A switch stays `pending` until the controller confirms it; a
-dead-man timer reverts it if no confirmation comes (the controller died or lost the host).
+"""Switch a host between releases: pause and drain the hgxserve proxy
+(hgxserve.release.proxydrain), stop old units (proxy first, unless it only pauses), wait for
+the GPUs to be released, install the new tree, start engines then proxy (a paused or
+reconfigured one is reloaded), wait for health, and roll back to the old release on any
+failure. A switch stays `pending` until the controller confirms it; a dead-man timer reverts
+it if no confirmation comes (the controller died or lost the host).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from hgxserve.caches.logscan import scan
 from hgxserve.parsers.outputs import diagnose_errors
 from hgxserve.release.kvcap import observation, observed_line, read_capacity
 from hgxserve.release.progress import phase
+from hgxserve.release.proxydrain import drains, pause, proxy_plan
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
 
 DEADMAN_UNIT = "hgxserve-release-deadman"
@@ -60,6 +63,12 @@ class Systemd:
         # (TimeoutStartSec= bounds that), minutes on real GPUs; the health wait follows every
         # starting unit at once, reading state, result and journal.
         self.run("systemctl", "start", "--no-block", unit, check=False)
+
+    def reload(self, unit: str) -> None:
+        self.run("systemctl", "reload", unit)
+
+    def signal(self, unit: str, signal: str) -> None:
+        self.run("systemctl", "kill", "--kill-whom=main", "-s", signal, unit)
 
     def reset_failed(self, unit: str) -> None:
         self.run("systemctl", "reset-failed", unit, check=False)
@@ -144,6 +153,22 @@ def stop_units(
         systemd.stop(unit.name)
 
 
+def resume_proxy(unit: UnitSpec, systemd: Systemd, log: Log) -> None:
+    """A paused or reconfigured hgxserve proxy: reload it (it reads the installed proxy.json
+    and admits again); one that is not running is started."""
+    if systemd.state(unit.name) != "active":
+        systemd.reset_failed(unit.name)
+        log(f"starting {unit.name}")
+        systemd.start(unit.name)
+        return
+    log(f"reloading {unit.name}: it reads the installed proxy.json and admits again")
+    systemd.reload(unit.name)
+
+
+def _engines(spec: ReleaseSpec) -> frozenset[str]:
+    return frozenset(u.name for u in spec.units if u.kind != "proxy")
+
+
 def start_units(
     spec: ReleaseSpec,
     systemd: Systemd,
@@ -223,19 +248,31 @@ class _Host:
 def _transition(
     host: _Host, old: ReleaseSpec | None, new: ReleaseSpec, defer_proxy: bool = False
 ) -> None:
-    """Go from `old` to `new`: stop what changes, wait for its GPUs, install, start."""
+    """Go from `old` to `new`: pause and drain the proxy when engines behind it stop, stop what
+    changes, wait for its GPUs, install, start; a proxy whose change a reload covers (or that
+    was only paused) is reloaded, not restarted (hgxserve.release.proxydrain)."""
     store, systemd, log = host.store, host.systemd, host.log
     keep = unchanged_units(store, old, new)
+    proxies = proxy_plan(store, old, new, keep)
+    for unit in proxies.pause:
+        pause(unit, systemd, log)
+    staying = keep | proxies.reload
     if old is not None:
-        stop_units(old, systemd, log, keep)
-    moving = {g for spec in (old, new) if spec for u in spec.units if u.name not in keep
+        stop_units(old, systemd, log, staying)
+    moving = {g for spec in (old, new) if spec for u in spec.units if u.name not in staying
               for g in u.gpus}  # fmt: skip
     wait_gpus_free(moving, host.gpu_timeout_s, log)
     store.install(new, old)
     systemd.daemon_reload()
     if old is not None and old.id != new.id:
         store.carry_observed(old.id, new.id, keep)
-    _record(store, new.id, start_units(new, systemd, log, keep, defer_proxy))
+    _record(store, new.id, start_units(new, systemd, log, staying, defer_proxy=True))
+    if not defer_proxy:
+        # a kept proxy may have been paused by the controller (engines of other hosts moved)
+        for unit in new.units:
+            if unit.name in proxies.reload or (drains(unit) and unit.name in keep):
+                resume_proxy(unit, systemd, log)
+        start_units(new, systemd, log, staying | _engines(new))
 
 
 def _record(store: Store, release_id: str, observed: Observed) -> None:
@@ -497,15 +534,58 @@ def start_proxy(
     if running != release_id:
         raise ReleaseError(f"release {release_id} is not the one switched to here ({running})")
     spec = store.load(release_id)
+    # an hgxserve proxy that runs (paused for the switch, or with its new proxy.json not yet
+    # read) is reloaded: it admits again without dropping what it holds
+    running = [u for u in spec.units if drains(u) and systemd.state(u.name) == "active"]
     stopped = [u for u in spec.units if u.kind == "proxy" and systemd.state(u.name) != "active"]
-    if not stopped:
+    if not stopped and not running:
         return f"release {release_id}: no proxy to start here"
+    for unit in running:
+        log(f"reloading {unit.name} (every engine of the release is healthy and warm)")
+        systemd.reload(unit.name)
     for unit in stopped:
         systemd.reset_failed(unit.name)
         log(f"starting {unit.name} (every engine of the release is healthy and warm)")
         systemd.start(unit.name)
-    _wait_healthy(stopped, systemd, log, spec.health_timeout_s)
-    return f"release {release_id}: proxy started"
+    _wait_healthy(running + stopped, systemd, log, spec.health_timeout_s)
+    return f"release {release_id}: proxy {'reloaded' if running and not stopped else 'started'}"
+
+
+def _running(store: Store) -> ReleaseSpec | None:
+    """The release that runs here now: a pending switch, else the current one."""
+    pending = store.pending()
+    running = pending["id"] if pending else store.link("current")
+    return store.load(running) if running else None
+
+
+def moves(store: Store, release_id: str) -> dict[str, Any]:
+    """What a switch to `release_id` does here, for the controller before any host switches:
+    whether it stops or starts an engine (`engines`), and the drainable proxies running here
+    (`proxies`), which the controller pauses when engines of other hosts move."""
+    new = store.load(release_id)
+    old = _running(store)
+    if old is not None and old.id == release_id:
+        return {"engines": False, "proxies": [u.name for u in old.units if drains(u)]}
+    keep = unchanged_units(store, old, new)
+    engines = any(
+        u.kind != "proxy" and u.name not in keep for spec in (old, new) if spec for u in spec.units
+    )
+    proxies = [u.name for u in old.units if drains(u)] if old else []
+    return {"engines": engines, "proxies": proxies}
+
+
+def pause_proxy(store: Store, systemd: Systemd | None = None, log: Log = print) -> str:
+    """Pause the running hgxserve proxy here and wait until nothing is in flight (at most its
+    drain bound): engines of other hosts are about to stop. The switch's `start-proxy`, or a
+    rollback or revert, reloads it (admits again)."""
+    systemd = systemd or Systemd()
+    running = _running(store)
+    units = [u for u in running.units if drains(u)] if running else []
+    if not units:
+        return "no hgxserve proxy runs here: nothing to pause"
+    for unit in units:
+        pause(unit, systemd, log)
+    return f"paused {', '.join(u.name for u in units)}"
 
 
 def _restart_stopped(store: Store, spec: ReleaseSpec, systemd: Systemd, log: Log) -> str:

@@ -13,15 +13,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hgxserve.base.defaults import SGLANG_BOOTSTRAP_PORT
+from hgxserve.base.defaults import DRAIN_OUTPUT_TOKENS, DRAIN_STOP_SLACK_S, SGLANG_BOOTSTRAP_PORT
 from hgxserve.base.paths import (
     AGENT,
     AGENT_PREFIX,
     PROXY_CONFIG,
     unit_credentials_dir,
 )
-from hgxserve.base.units import environment_value, exec_line, path_value
-from hgxserve.proxy.config import ProxyConfigError, parse_proxy_config
+from hgxserve.base.units import environment_value, exec_line, path_value, signal_main_pid
+from hgxserve.proxy.config import ProxyConfigError, drain_bound, parse_proxy_config
 from hgxserve.render.types import (
     CONTAINER_TOOLS,
     CredentialSpec,
@@ -44,6 +44,39 @@ from hgxserve.topology.wiring import (
 
 PROXY_UNIT = "hgxserve-proxy.service"
 PRIVILEGED_PORTS = 1024
+ROUTER_STOP_S = 60  # vllm-router / sglang-router: no drain of their own to wait for
+KILL = "/bin/kill"
+
+
+def drain_output_tokens(topo: Topology) -> int:
+    """The most output tokens one answer through the proxy can have: the smallest context
+    (max_model_len) of the engines it routes to, or DRAIN_OUTPUT_TOKENS when none states one."""
+    lens = [
+        int(topo.engines[n].args["max_model_len"])
+        for n in proxy_targets(topo)
+        if n in topo.engines and topo.engines[n].args.get("max_model_len")
+    ]
+    return min(lens) if lens else DRAIN_OUTPUT_TOKENS
+
+
+def proxy_drains(topo: Topology) -> bool:
+    """Whether the proxy drains on stop, pauses and reloads (docs/proxy.md "Drain and
+    reload"): hgxserve's own, run natively (signals reach it as its unit's main process)."""
+    proxy = topo.proxy
+    return (
+        proxy is not None
+        and proxy.kind == "hgxserve"
+        and not (proxy.runtime is not None and proxy.runtime.is_container)
+    )
+
+
+def drain_bound_s(topo: Topology) -> float:
+    """Seconds the proxy gives requests in flight when it stops or pauses for a switch: the
+    longest answer (drain_output_tokens) at `proxy.drain_tpot_ms`, plus a margin, at most
+    `proxy.drain_max_s` (docs/proxy.md "Drain and reload")."""
+    proxy = topo.proxy
+    assert proxy is not None
+    return drain_bound(drain_output_tokens(topo), proxy.drain_tpot_ms, proxy.drain_max_s)
 
 
 def _protocol(topo: Topology) -> str:
@@ -83,6 +116,7 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
             "max_body_bytes": proxy.max_body,
             "prefill_timeout_s": proxy.timeout_s,
             "read_timeout_s": proxy.timeout_s,
+            "drain_timeout_s": drain_bound_s(topo),
         },
     }
     auth: dict[str, str] = {}
@@ -168,6 +202,16 @@ def _unique(engines: list[Engine]) -> list[Engine]:
     return list(seen.values())
 
 
+def _stop_s(topo: Topology) -> int:
+    """The proxy unit's TimeoutStopSec= (the container's stop time: the same): past the
+    hgxserve proxy's drain bound, so it exits by itself first."""
+    proxy = topo.proxy
+    assert proxy is not None
+    if proxy.kind != "hgxserve":
+        return ROUTER_STOP_S
+    return int(drain_bound_s(topo)) + DRAIN_STOP_SLACK_S
+
+
 def render_proxy(
     topo: Topology, creds: dict[str, CredentialSpec]
 ) -> tuple[RenderedUnit, dict[str, RenderedFile]]:
@@ -210,6 +254,7 @@ def render_proxy(
         argv = _router_argv(topo)
         notes.append(f"{proxy.kind}: no prompt-length buckets, no combined fallback")
     exec_stop: list[str] = []
+    stop_s = _stop_s(topo)
     runtime = proxy.runtime
     in_container = runtime is not None and runtime.is_container
     if not in_container:
@@ -231,7 +276,8 @@ def render_proxy(
             str(runtime.image),
             *argv[1:],
         ]
-        exec_stop.append(exec_line([tool, "stop", "--time", "30", name]))
+        exec_stop.append(exec_line([tool, "stop", "--time", str(stop_s), name]))
+        stop_s += DRAIN_STOP_SLACK_S
     listen = f"{proxy.listen_host}:{proxy.listen_port}"
     content = (
         templates()
@@ -247,7 +293,9 @@ def render_proxy(
             credentials=credentials,
             exec_start_pre=[],
             exec_start=exec_line(argv),
+            exec_reload=signal_main_pid(KILL, "HUP") if proxy_drains(topo) else None,
             exec_stop=exec_stop,
+            timeout_stop_s=stop_s,
             exec_stop_post=[],
             # podman/docker need root; a native proxy needs nothing of it
             dynamic_user=not in_container,

@@ -342,6 +342,8 @@ class Proxy:
     max_body: int
     timeout_s: float
     runtime: Runtime | None
+    drain_tpot_ms: float = 40.0  # the schema's defaults; _proxy reads them from there
+    drain_max_s: float = 900.0
 
 
 @dataclass(frozen=True)
@@ -672,6 +674,8 @@ def _proxy(data: dict[str, Any] | None) -> Proxy | None:
         max_body=parse_size(_get(data, "proxy", "max_body")),
         timeout_s=float(_get(data, "proxy", "timeout_s")),
         runtime=_runtime(data.get("runtime")),
+        drain_tpot_ms=float(_get(data, "proxy", "drain_tpot_ms")),
+        drain_max_s=float(_get(data, "proxy", "drain_max_s")),
     )
 
 

@@ -9,13 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from hgxserve.base.defaults import DRAIN_MARGIN_S, DRAIN_OUTPUT_TOKENS
 from hgxserve.base.sizes import parse_size
 from hgxserve.proxy.body import estimate_prompt_tokens
 from hgxserve.proxy.config import (
     ProxyConfig,
     ProxyConfigError,
+    drain_bound,
     load_proxy_config,
     parse_proxy_config,
+    restart_needed,
 )
 
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
@@ -155,7 +158,15 @@ def test_defaults_are_the_topology_schema_defaults() -> None:
     props = json.loads(SCHEMA.read_text())["$defs"]["proxy"]["properties"]
     defaults = {key: prop["default"] for key, prop in props.items() if "default" in prop}
     # `kind` picks the proxy implementation: not a setting of this one
-    assert set(defaults) == {"listen", "kind", "pd_min_prompt_tokens", "max_body", "timeout_s"}
+    assert set(defaults) == {
+        "listen",
+        "kind",
+        "pd_min_prompt_tokens",
+        "max_body",
+        "timeout_s",
+        "drain_tpot_ms",
+        "drain_max_s",
+    }
     parsed = parse_proxy_config(
         {"protocol": "vllm-nixl", "served_model_name": "m", "combined": ["http://127.0.0.1:1"]}
     )
@@ -165,3 +176,39 @@ def test_defaults_are_the_topology_schema_defaults() -> None:
         assert cfg.limits.max_body_bytes == parse_size(defaults["max_body"]) == 16 << 20
         assert cfg.limits.prefill_timeout_s == defaults["timeout_s"]
         assert cfg.limits.read_timeout_s == defaults["timeout_s"]
+        # the drain bound of the longest default answer at the schema's TPOT and cap
+        assert cfg.limits.drain_timeout_s == drain_bound(
+            DRAIN_OUTPUT_TOKENS, defaults["drain_tpot_ms"], defaults["drain_max_s"]
+        )
+
+
+def test_drain_bound_is_output_tokens_times_tpot_plus_margin_capped() -> None:
+    # 256 tokens at 40 ms: 10.24 s of decoding, plus the margin
+    assert drain_bound(256, 40, 900) == round(10.24 + DRAIN_MARGIN_S, 3)
+    # 8192 tokens at 40 ms: 327.68 s, plus the margin
+    assert drain_bound(8192, 40, 900) == round(327.68 + DRAIN_MARGIN_S, 3)
+    # a 128K context at 40 ms would be 87 minutes: the cap holds it
+    assert drain_bound(131072, 40, 900) == 900
+    assert drain_bound(131072, 40, 1800) == 1800
+
+
+def test_drain_timeout_is_read_and_checked() -> None:
+    base = {"protocol": "vllm-nixl", "served_model_name": "m", "combined": ["http://a:1"]}
+    cfg = parse_proxy_config({**base, "limits": {"drain_timeout_s": 12.5}})
+    assert cfg.limits.drain_timeout_s == 12.5
+    with pytest.raises(ProxyConfigError, match=r"drain_timeout_s: must be a number >= 0"):
+        parse_proxy_config({**base, "limits": {"drain_timeout_s": -1}})
+
+
+def test_restart_needed_names_what_a_reload_cannot_change() -> None:
+    base = {"protocol": "vllm-nixl", "served_model_name": "m", "combined": ["http://a:1"]}
+    cfg = parse_proxy_config(base)
+    routes = parse_proxy_config({**base, "combined": ["http://a:1", "http://b:2"]})
+    limits = parse_proxy_config({**base, "limits": {"max_in_flight": 3, "max_body_bytes": 4096}})
+    assert restart_needed(cfg, routes) == [] and restart_needed(cfg, limits) == []
+    moved = parse_proxy_config({**base, "listen": {"host": "127.0.0.1", "port": 9000}})
+    assert restart_needed(cfg, moved) == ["host", "port"]
+    keyed = parse_proxy_config({**base, "auth": {"api_key_file": "/run/k"}})
+    assert restart_needed(cfg, keyed) == ["api_key_file"]
+    pooled = parse_proxy_config({**base, "limits": {"upstream_max_idle": 2}})
+    assert restart_needed(cfg, pooled) == ["limits.upstream_max_idle"]

@@ -23,7 +23,7 @@ SYSTEM_UNITS = next(
     (p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if p.is_dir()), None
 )
 TOPOLOGIES = sorted((ROOT / "topologies").glob("**/*.yml")) + sorted(TEST_TOPOLOGIES.glob("*.yml"))
-EXEC = re.compile(r"^Exec(?:Start|StartPre|Stop|StopPost)=[-@:+!]*(/\S+)", re.M)
+EXEC = re.compile(r"^Exec(?:Start|StartPre|Reload|Stop|StopPost)=[-@:+!]*(/\S+)", re.M)
 
 pytestmark = pytest.mark.skipif(
     ANALYZE is None or SYSTEM_UNITS is None,
