@@ -23,6 +23,7 @@ import pytest
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
+from testbed.simaccept import accept_simulation_env
 
 pytestmark = pytest.mark.e2e
 
@@ -47,7 +48,7 @@ def variant(tmp: Path, name: str, token_s: str, proxy_extra: str = "") -> Path:
         assert old in text
         text = text.replace(old, old + proxy_extra)
     path = tmp / f"{name}.yml"
-    path.write_text(text)
+    path.write_text(accept_simulation_env(text))
     return path
 
 
@@ -290,7 +291,7 @@ def pd_variant(tmp: Path, name: str, token_s: str) -> Path:
     assert old in text
     text = text.replace(old, old + f'    env: {{HGXSERVE_SIM_TOKEN_SECONDS: "{token_s}"}}\n')
     path = tmp / f"{name}.yml"
-    path.write_text(text)
+    path.write_text(accept_simulation_env(text))
     return path
 
 
