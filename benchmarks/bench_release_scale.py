@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from testbed import demo  # noqa: E402
 from testbed import hosts as testbed_hosts  # noqa: E402
+from testbed.simaccept import accept_simulation_env  # noqa: E402
 
 PYINFRA = [str(REPO / ".venv/bin/pyinfra"), "-y", "inventory/testhosts.py"]
 
@@ -44,11 +45,11 @@ def topology(names: list[str], addresses: dict[str, str], marker: str) -> str:
     hosts = "\n".join(f"  {n}: {{address: {addresses[n]}, gpu: H200, gpus: 8}}" for n in names)
     engines = "\n".join(
         f"  combined-{i}:\n    role: combined\n    place: {{{n}: [0, 1]}}\n    tp: 2\n"
-        f"    port: 8100\n    env: {{HGXSERVE_BENCH: {marker}}}"
+        f"    port: 8100\n    env: {{HGXSERVE_SIM_BENCH_MARKER: {marker}}}"
         for i, n in enumerate(names)
     )
     combined = ", ".join(f"combined-{i}" for i in range(len(names)))
-    return f"""name: bench-scale-{len(names)}
+    return accept_simulation_env(f"""name: bench-scale-{len(names)}
 hosts:
 {hosts}
 model:
@@ -73,7 +74,7 @@ proxy:
   host: {names[0]}
   listen: 0.0.0.0:8000
   combined: [{combined}]
-"""
+""")
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
