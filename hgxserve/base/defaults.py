@@ -111,3 +111,9 @@ DRAIN_RETRY_AFTER_S = 5
 # systemd's TimeoutStopSec= of the proxy unit exceeds its drain bound by this much: the proxy
 # exits by itself once the bound passed, before systemd's SIGKILL.
 DRAIN_STOP_SLACK_S = 30
+
+# What a host's switch spends besides its engines' starts: stopping the old units
+# (TimeoutStopSec=180 in the rendered engine units), waiting up to GPU_FREE_TIMEOUT_S for their
+# GPUs to hold no memory, starting and checking the proxy (60 s).
+GPU_FREE_TIMEOUT_S = 300.0
+SWITCH_OVERHEAD_S = 180 + GPU_FREE_TIMEOUT_S + 60

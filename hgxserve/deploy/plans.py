@@ -23,6 +23,7 @@ from pyinfra.api.host import Host
 from pyinfra.api.inventory import Inventory
 
 from hgxserve.base.cachelayout import DEFAULT_ROOT as CACHE_ROOT
+from hgxserve.base.defaults import SWITCH_OVERHEAD_S
 from hgxserve.base.paths import AGENT
 from hgxserve.base.runstate import per_run
 from hgxserve.bench.releasegate import BenchStep, bench_step_for
@@ -50,7 +51,7 @@ from hgxserve.release.kvcap import kv_needs_by_host
 from hgxserve.release.kvpath import kv_endpoints, kv_only_rails
 from hgxserve.release.plan import HostRelease, gate_host, switch_bound_s
 from hgxserve.release.store import UnitSpec
-from hgxserve.release.switch import SWITCH_OVERHEAD_S, start_timeout
+from hgxserve.release.switch import start_timeout
 from hgxserve.render import render_host
 from hgxserve.runtime.files import FileSourceError, local_copy
 from hgxserve.runtime.images import archive_name, image_digest

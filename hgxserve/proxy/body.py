@@ -29,11 +29,19 @@ def new_request_id() -> str:
 
 
 def request_id(client_id: str | None) -> str:
-    """The client's X-Request-Id when it is short and plain, else a fresh one.
+    """The proxy's own id for a request: unique whatever clients send (two clients may send
+    one id), led by the client's X-Request-Id when it is short and plain so the request stays
+    findable by it in every log (the client's id also travels as X-Client-Request-Id).
 
-    Example: request_id("abc-1") == "abc-1"; len(request_id("a b")) == 32
+    Example: request_id("abc-1")[:6] == "abc-1."; len(request_id("a b")) == 32
     """
-    return client_id if client_id and REQUEST_ID.match(client_id) else new_request_id()
+    own = new_request_id()
+    return f"{client_id}.{own[:16]}" if client_id and REQUEST_ID.match(client_id) else own
+
+
+def client_request_id(client_id: str | None) -> str | None:
+    """The client's X-Request-Id as it may travel on (short and plain), else None."""
+    return client_id if client_id and REQUEST_ID.match(client_id) else None
 
 
 def _no_constant(name: str) -> Any:
@@ -61,15 +69,25 @@ def _transfer_field(key: str) -> bool:
     return key in TRANSFER_FIELDS or key.startswith(TRANSFER_PREFIXES)
 
 
+def _nested_transfer(body: dict[str, Any]) -> bool:
+    """vLLM passes `vllm_xargs` on to the request's extra args: a transfer field there is one."""
+    xargs = body.get("vllm_xargs")
+    return isinstance(xargs, dict) and any(_transfer_field(k) for k in xargs)
+
+
 def strip_transfer_fields(raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """The body without client-supplied KV transfer fields; the client's bytes when it had none.
+    """The body without client-supplied KV transfer fields (top level, and inside
+    `vllm_xargs`); the client's bytes when it had none.
 
     Example: strip_transfer_fields(b'{"kv_transfer_params":{}}', {"kv_transfer_params": {}})
              == (b'{}', {})
     """
-    if not any(_transfer_field(k) for k in body):
+    if not any(_transfer_field(k) for k in body) and not _nested_transfer(body):
         return raw, body
     clean = {k: v for k, v in body.items() if not _transfer_field(k)}
+    if _nested_transfer(clean):
+        xargs = {k: v for k, v in clean["vllm_xargs"].items() if not _transfer_field(k)}
+        clean["vllm_xargs"] = xargs
     return json.dumps(clean, separators=(",", ":")).encode(), clean
 
 

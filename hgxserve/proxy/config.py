@@ -30,6 +30,7 @@ from hgxserve.base.defaults import (
     DRAIN_MARGIN_S,
     DRAIN_OUTPUT_TOKENS,
     SGLANG_BOOTSTRAP_PORT,
+    SWITCH_OVERHEAD_S,
     schema_default,
 )
 from hgxserve.base.errors import Found
@@ -67,6 +68,20 @@ DRAIN_TIMEOUT_S = drain_bound(
     schema_default("proxy", "drain_tpot_ms"),
     schema_default("proxy", "drain_max_s"),
 )
+
+
+def pause_bound(start_timeout_s: float, drain_s: float) -> float:
+    """Seconds a paused proxy waits for the release that paused it: the drain, the slowest
+    engine's start timeout and what a switch spends besides (stops, GPUs, proxy).
+
+    >>> pause_bound(1800, 337.68)
+    2677.68
+    """
+    return round(drain_s + start_timeout_s + SWITCH_OVERHEAD_S, 3)
+
+
+# what a proxy.json without $.limits.pause_max_s gets: the schema's engine start timeout
+PAUSE_MAX_S = pause_bound(schema_default("engine", "start_timeout_s"), DRAIN_TIMEOUT_S)
 
 
 def at_least(minimum: float, default: T) -> T:
@@ -138,6 +153,9 @@ class Limits:
     upstream_idle_timeout_s: float = at_least(0.01, 4.0)
     # on stop or pause, requests in flight get this long to finish (drain_bound)
     drain_timeout_s: float = at_least(0, DRAIN_TIMEOUT_S)
+    # a pause that no reload or stop ends this long admits again by itself: the release that
+    # paused it never came (its controller died); the renderer writes the longest switch
+    pause_max_s: float = at_least(1, PAUSE_MAX_S)
 
 
 @dataclass(frozen=True)

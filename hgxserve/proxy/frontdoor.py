@@ -25,7 +25,12 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from hgxserve.base.compat import timeout
-from hgxserve.proxy.body import parse_body, request_id, strip_transfer_fields
+from hgxserve.proxy.body import (
+    client_request_id,
+    parse_body,
+    request_id,
+    strip_transfer_fields,
+)
 from hgxserve.proxy.config import Limits
 from hgxserve.proxy.metrics import Metrics
 
@@ -255,8 +260,16 @@ class Call:
     path: str  # /v1/completions or /v1/chat/completions
     raw: bytes  # the body as the client sent it (relayed as is where possible)
     body: dict[str, Any]
-    req_id: str
+    req_id: str  # the proxy's own (hgxserve.proxy.body.request_id)
     started: float  # perf_counter when the proxy had read the body
+    client_id: str | None = None  # the client's X-Request-Id, when short and plain
+
+    def id_headers(self) -> dict[str, str]:
+        """The ids an answer carries back: the proxy's, and the client's own as it sent it."""
+        out = {"X-Request-Id": self.req_id}
+        if self.client_id is not None:
+            out["X-Client-Request-Id"] = self.client_id
+        return out
 
     @property
     def stream(self) -> bool:
@@ -396,8 +409,10 @@ class Admission:
         if not isinstance(body, dict):
             return self.refuse(endpoint, NOT_AN_OBJECT)
         raw, body = strip_transfer_fields(raw, body)
-        req_id = request_id(request.headers.get("X-Request-Id"))
-        return Call(request, path, raw, body, req_id, time.perf_counter())
+        sent = request.headers.get("X-Request-Id")
+        return Call(
+            request, path, raw, body, request_id(sent), time.perf_counter(), client_request_id(sent)
+        )
 
     async def read_body(self, request: web.BaseRequest, hold: BodyHold) -> bytes:
         """The whole body, within `body_timeout_s` (TimeoutError otherwise).

@@ -156,7 +156,7 @@ class Relay:
         return web.Response(
             body=data,
             status=up.status,
-            headers={"Content-Type": ctype, "X-Request-Id": call.req_id},
+            headers={"Content-Type": ctype, **call.id_headers()},
         )
 
     async def _headers(
@@ -182,10 +182,10 @@ class Relay:
     async def _stream(
         self, call: Call, inst: Instance, up: Response, ctype: str, added: float
     ) -> web.StreamResponse:
-        request, req_id = call.request, call.req_id
+        request = call.request
         out = web.StreamResponse(
             status=200,
-            headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": req_id},
+            headers={"Content-Type": ctype, "Cache-Control": "no-cache", **call.id_headers()},
         )
         first = True
         try:
@@ -201,7 +201,8 @@ class Relay:
                 raise self.unavailable(inst, "stream failed before a byte", exc) from exc
             self.metrics.upstream_error(inst, error_kind(exc))
             # bytes already reached the client: never retried; say so in the stream
-            log.warning("request %s: %s %s broke mid-stream: %r", req_id, inst.role, inst.url, exc)
+            log.warning("request %s: %s %s broke mid-stream: %r",
+                        call.req_id, inst.role, inst.url, exc)  # fmt: skip
             err = {
                 "error": {
                     "message": f"upstream {inst.role} failed mid-stream",

@@ -340,6 +340,7 @@ class Signals:
         self.exit = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
+        self.pauses = 0  # a later pause's own expiry replaces an earlier one's
 
     def install(self) -> None:
         loop = asyncio.get_running_loop()
@@ -369,6 +370,17 @@ class Signals:
     def on_pause(self) -> None:
         if self.proxy.state == SERVING:
             self.proxy.set_state(PAUSED)
+            self.pauses += 1
+            self.spawn(self.resume_after(self.pauses, self.proxy.config.limits.pause_max_s))
+
+    async def resume_after(self, pause: int, seconds: float) -> None:
+        """Admit again once a pause outlived `seconds` with no reload or stop: the switch
+        that paused the proxy never came (its controller died after the pause)."""
+        await asyncio.sleep(seconds)
+        if self.proxy.state == PAUSED and self.pauses == pause and not self.stopping:
+            log.warning("paused for %.0f s and no release reloaded or stopped the proxy: "
+                        "admitting requests again", seconds)  # fmt: skip
+            self.proxy.set_state(SERVING)
 
     def on_reload(self) -> None:
         if self.config_path is None or self.stopping:

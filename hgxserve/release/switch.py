@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hgxserve.base.defaults import schema_default
+from hgxserve.base.defaults import GPU_FREE_TIMEOUT_S, schema_default
 from hgxserve.base.paths import UNIT_DIR
 from hgxserve.caches.logscan import scan
 from hgxserve.parsers.outputs import diagnose_errors
@@ -32,10 +32,7 @@ PROGRESS_EVERY_S = 30.0  # repeat an engine's unchanged start phase this often
 JOURNAL_EVERY_S = 3.0  # read the starting engines' journals this often
 JOURNAL_LINES = 40
 DIAGNOSE_LINES = 2000  # journal lines searched for a known failure's signature
-GPU_TIMEOUT_S = 300.0  # waiting for the old units' GPUs to hold no memory
-# What a switch spends besides its engines' starts: stopping the old units (TimeoutStopSec=180
-# in the rendered units), waiting for their GPUs, starting and checking the proxy.
-SWITCH_OVERHEAD_S = 180 + GPU_TIMEOUT_S + 60
+GPU_TIMEOUT_S = GPU_FREE_TIMEOUT_S  # waiting for the old units' GPUs to hold no memory
 # A unit still `inactive` this long after its (non-blocking) start was queued never started.
 START_GRACE_S = 30.0
 Log = Callable[[str], None]

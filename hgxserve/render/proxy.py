@@ -21,7 +21,12 @@ from hgxserve.base.paths import (
     unit_credentials_dir,
 )
 from hgxserve.base.units import environment_value, exec_line, path_value, signal_main_pid
-from hgxserve.proxy.config import ProxyConfigError, drain_bound, parse_proxy_config
+from hgxserve.proxy.config import (
+    ProxyConfigError,
+    drain_bound,
+    parse_proxy_config,
+    pause_bound,
+)
 from hgxserve.render.types import (
     CONTAINER_TOOLS,
     CredentialSpec,
@@ -117,6 +122,10 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
             "prefill_timeout_s": proxy.timeout_s,
             "read_timeout_s": proxy.timeout_s,
             "drain_timeout_s": drain_bound_s(topo),
+            "pause_max_s": pause_bound(
+                max((e.start_timeout_s for e in topo.engines.values()), default=0),
+                drain_bound_s(topo),
+            ),
         },
     }
     auth: dict[str, str] = {}

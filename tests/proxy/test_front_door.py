@@ -432,10 +432,15 @@ def test_log_stays_bounded_under_a_flood_of_broken_requests(engines, proxy) -> N
     assert completion(px.url)[0] == 200
 
 
-def test_odd_request_ids_are_replaced(engines, proxy) -> None:
+def test_request_ids_are_the_proxys_own_led_by_a_plain_client_id(engines, proxy) -> None:
+    """Two clients sending one id get two ids at the engines; a plain client id leads the
+    proxy's (findable in every log) and comes back as X-Client-Request-Id; an odd one is
+    replaced whole."""
     comb = vllm(engines, None)
     px = proxy(combined_config(comb))
-    for rid, kept in (("trace-42.a:b", True), ("x" * 500, False), ("a b;c", False)):
+    seen_ids = []
+    for rid, kept in (("trace-42.a:b", True), ("trace-42.a:b", True), ("x" * 500, False),
+                      ("a b;c", False)):  # fmt: skip
         status, _, headers = http(
             "POST",
             px.url + "/v1/completions",
@@ -444,9 +449,15 @@ def test_odd_request_ids_are_replaced(engines, proxy) -> None:
         )
         assert status == 200
         seen = comb.requests()[-1]["request_id"]
-        assert (seen == rid) is kept and headers["X-Request-Id"] == seen
-        if not kept:
+        seen_ids.append(seen)
+        assert headers["X-Request-Id"] == seen
+        if kept:
+            assert seen.startswith(rid + ".") and len(seen) == len(rid) + 17
+            assert headers["X-Client-Request-Id"] == rid
+        else:
             assert len(seen) == 32 and int(seen, 16) >= 0
+            assert "X-Client-Request-Id" not in headers
+    assert len(set(seen_ids)) == 4  # the same client id twice: two requests, two ids
 
 
 # ---------------------------------------------------------------- engines behind a key

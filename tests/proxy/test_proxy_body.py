@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hgxserve.proxy.body import new_request_id, with_fields
+from hgxserve.proxy.body import new_request_id, strip_transfer_fields, with_fields
 
 
 def test_with_fields_appends_to_the_clients_bytes() -> None:
@@ -28,3 +28,15 @@ def test_with_fields_reencodes_when_a_key_exists_or_body_is_empty() -> None:
 def test_request_ids_are_128_bit_hex_and_distinct() -> None:
     ids = {new_request_id() for _ in range(1000)}
     assert len(ids) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_transfer_fields_inside_vllm_xargs_are_stripped() -> None:
+    """vLLM passes `vllm_xargs` on to the request's extra args: a client's
+    kv_transfer_params there would tell a decode where to pull KV from."""
+    body = {"prompt": "x", "vllm_xargs": {"kv_transfer_params": {"remote_host": "6.6.6.6"},
+                                         "bootstrap_host": "6.6.6.6", "top_k_sink": 3}}  # fmt: skip
+    raw, clean = strip_transfer_fields(json.dumps(body).encode(), body)
+    assert clean == {"prompt": "x", "vllm_xargs": {"top_k_sink": 3}}
+    assert json.loads(raw) == clean
+    plain = {"prompt": "x", "vllm_xargs": {"a": 1}}
+    assert strip_transfer_fields(b"same bytes", plain) == (b"same bytes", plain)

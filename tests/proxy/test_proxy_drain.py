@@ -199,3 +199,19 @@ def test_a_bad_or_listen_changing_reload_keeps_the_running_config(engines, proxy
     status, raw, _ = http("POST", p.url + "/v1/completions", {"model": "m", "prompt": "x",
                                                               "max_tokens": 2})  # fmt: skip
     assert status == 200, raw
+
+
+def test_a_pause_no_release_ends_admits_again_after_its_bound(engines, proxy) -> None:
+    """The controller paused the proxy and died before the switch: past `pause_max_s` the
+    proxy admits again by itself; a second pause starts its own bound."""
+    p = proxy(config(slow_engine(engines), pause_max_s=1.5))
+    p.wait_in_rotation()
+    p.proc.send_signal(signal.SIGUSR1)
+    wait_until(lambda: http("GET", p.url + "/health")[0] == 503)
+    assert_turned_away(p.url)
+    wait_until(lambda: http("GET", p.url + "/health")[0] == 200, timeout=10)
+    status, raw, _ = http("POST", p.url + "/v1/completions", {"model": "m", "prompt": "x",
+                                                              "max_tokens": 2})  # fmt: skip
+    assert status == 200, raw
+    assert "no release reloaded or stopped the proxy: admitting requests again" in p.log()
+    assert metric(p.metrics(), "hgxserve_proxy_draining") == 0
