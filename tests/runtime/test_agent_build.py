@@ -109,7 +109,16 @@ def test_agent_wheelhouse_per_platform(tmp_path: Path, monkeypatch: pytest.Monke
         with tarfile.open(trixie) as tar:
             assert tar.getnames() == [
                 "hgxserve-0.1.0-py3-none-any.whl",
+                "hgxserve.lock",
+                "requirements.lock",
                 "zstandard-0.25.0-py3-none-any.whl",
+            ]
+            lock = tar.extractfile("requirements.lock")
+            assert lock is not None
+            pins = lock.read().decode().splitlines()
+            assert [p.split(" --hash=sha256:")[0] for p in pins] == [
+                "hgxserve==0.1.0",
+                "zstandard==0.25.0",
             ]
         agent_build.wheelhouse.cache_clear()
         assert agent_build.wheelhouse(JAMMY) == (jammy, jammy_key)

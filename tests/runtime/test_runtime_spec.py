@@ -52,6 +52,8 @@ def test_problems_name_every_engine(tmp_path: Path) -> None:
         "    role: combined\n    version: 0.25.0\n    runtime: {venv: /opt/vllm-sim, "
         "packages: [vllm==0.25.0]}\n",
     )
+    # a package outside the kernel and transfer tables needs an accept (rule package-known)
+    text += '\naccept:\n  "$.engines.combined-0.runtime.packages[0]": "the case under test"\n'
     topo = load_topology(_write(tmp_path, text))
     with pytest.raises(RuntimeSpecError) as err:
         venv_runtimes(topo, "hgx-a")
