@@ -162,18 +162,39 @@ class FrontDoor(web.Server):
         super().__init__(handler, **kw)
         self.limits = limits
         self.metrics = metrics
+        self.by_client: dict[str, int] = {}  # client address -> its open connections
+        self.client_of: dict[int, str] = {}  # id(handler) -> its client address
 
     @property
     def max_connections(self) -> int:
         return self.limits.max_connections
 
+    def client_cap(self) -> int:
+        """Open connections one client address may hold (`max_client_share`)."""
+        return max(1, int(self.limits.max_connections * self.limits.max_client_share))
+
     def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
         self.metrics.open_connections += 1
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        self.client_of[id(handler)] = client
+        self.by_client[client] = self.by_client.get(client, 0) + 1
+        if self.by_client[client] > self.client_cap():
+            self.metrics.refuse("client_share")
+            transport.write(REFUSED_CONNECTION)
+            transport.close()
 
     def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
         self.metrics.open_connections -= 1
+        client = self.client_of.pop(id(handler), None)
+        if client is not None:
+            left = self.by_client.get(client, 1) - 1
+            if left > 0:
+                self.by_client[client] = left
+            else:
+                self.by_client.pop(client, None)
 
     def __call__(self) -> Any:
         if self.metrics.open_connections >= self.max_connections:
