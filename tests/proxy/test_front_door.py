@@ -221,6 +221,21 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_and_engine_freed(engine
     sock.close()
 
 
+def test_a_trickled_body_holds_no_in_flight_slot(engines, proxy) -> None:
+    """A body announced and trickled (held the slots for body_timeout_s, 60 s): the slot is
+    taken once the body is complete, so others are served meanwhile."""
+    px = proxy(combined_config(vllm(engines, None), limits={"max_in_flight": 1}))
+    slow = raw_socket(px.port)
+    slow.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model": "m",'
+    )  # and the rest never comes
+    time.sleep(0.3)
+    for _ in range(3):
+        assert completion(px.url)[0] == 200, "the trickled body holds no slot"
+    slow.close()
+
+
 def test_in_flight_cap_answers_429_while_probes_still_answer(engines, proxy) -> None:
     comb = vllm(engines, None, env={"HGXSERVE_SIM_TOKEN_SECONDS": "0.5"})
     px = proxy(combined_config(comb, limits={"max_in_flight": 2}))
