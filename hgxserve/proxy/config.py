@@ -140,6 +140,14 @@ class Limits:
     body_timeout_s: float = at_least(0.01, 60.0)
     # open client connections; one more gets 503 and is closed
     max_connections: int = at_least(1, 4096)
+    # the share of max_connections one client address may hold (a client that opens more gets
+    # the same 503): one client cannot take the door from all others. Behind a gateway or NAT
+    # every client has one address: set 1.0 there.
+    max_client_share: float = at_least(0.01, 0.5)
+    # a streamed answer's write to a client that stopped reading may wait this long; then the
+    # client is cut, and its in-flight slot and engine request released (a client reading
+    # tokens as they come never waits: a token is a few hundred bytes)
+    client_write_timeout_s: float = at_least(0.01, 60.0)
     # generation and /v1/models requests being handled; one more gets 429
     max_in_flight: int = at_least(1, 2048)
     # bytes of request bodies held by requests in flight; one that would pass it gets 503

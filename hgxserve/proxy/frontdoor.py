@@ -162,24 +162,71 @@ class FrontDoor(web.Server):
         super().__init__(handler, **kw)
         self.limits = limits
         self.metrics = metrics
+        self.by_client: dict[str, int] = {}  # client address -> its open connections
+        self.client_of: dict[int, str] = {}  # id(handler) -> its client address
 
     @property
     def max_connections(self) -> int:
         return self.limits.max_connections
 
+    def client_cap(self) -> int:
+        """Open connections one client address may hold (`max_client_share`)."""
+        return max(1, int(self.limits.max_connections * self.limits.max_client_share))
+
     def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
         self.metrics.open_connections += 1
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        self.client_of[id(handler)] = client
+        self.by_client[client] = self.by_client.get(client, 0) + 1
+        if self.by_client[client] > self.client_cap():
+            self.metrics.refuse("client_share")
+            transport.write(REFUSED_CONNECTION)
+            transport.close()
 
     def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
         self.metrics.open_connections -= 1
+        client = self.client_of.pop(id(handler), None)
+        if client is not None:
+            left = self.by_client.get(client, 1) - 1
+            if left > 0:
+                self.by_client[client] = left
+            else:
+                self.by_client.pop(client, None)
 
     def __call__(self) -> Any:
         if self.metrics.open_connections >= self.max_connections:
             self.metrics.refuse("connections")
             return _Refused()
         return super().__call__()
+
+
+async def _capped(request: web.BaseRequest, handler: Handler, door: FrontDoor) -> Any:
+    """A route that counts against `max_in_flight`. A POST takes its slot once its body is in
+    (FrontDoor.admit, BodyHold.take_slot): a client that announces a body and trickles it holds
+    no slot meanwhile; other methods take it here. A defect in the handler is one bounded log
+    line and a 500, never a traceback."""
+    metrics = door.metrics
+    early = request.method != "POST"
+    if early:
+        if metrics.in_flight >= door.limits.max_in_flight:
+            metrics.refuse("in_flight")
+            return TOO_MANY_IN_FLIGHT.answer()
+        metrics.in_flight += 1
+    try:
+        return await handler(request)
+    except (asyncio.CancelledError, ConnectionError, web.HTTPException):
+        raise
+    except Exception as exc:
+        log.error("%s %s failed inside the proxy: %r", request.method, request.path, exc)
+        if request.writer is not None and request.writer.output_size:
+            raise ConnectionResetError("answer already started") from None
+        return error_response(500, "Internal proxy error.", "internal_error")
+    finally:
+        if early:
+            metrics.in_flight -= 1
 
 
 def front_door(routes: Routes, limits: Limits, metrics: Metrics) -> FrontDoor:
@@ -202,26 +249,7 @@ def front_door(routes: Routes, limits: Limits, metrics: Metrics) -> FrontDoor:
             return resp
         if not capped:
             return await handler(request)
-        if metrics.in_flight >= door.limits.max_in_flight:
-            metrics.refuse("in_flight")
-            resp = error_response(
-                429, "Too many requests in flight at the proxy; retry shortly.", "rate_limit"
-            )
-            resp.headers["Retry-After"] = "1"
-            return resp
-        metrics.in_flight += 1
-        try:
-            return await handler(request)
-        except (asyncio.CancelledError, ConnectionError, web.HTTPException):
-            raise
-        except Exception as exc:
-            # a defect, not the client's fault: one bounded line, never a traceback
-            log.error("%s %s failed inside the proxy: %r", request.method, request.path, exc)
-            if request.writer is not None and request.writer.output_size:
-                raise ConnectionResetError("answer already started") from None
-            return error_response(500, "Internal proxy error.", "internal_error")
-        finally:
-            metrics.in_flight -= 1
+        return await _capped(request, handler, door)
 
     def make_request(
         message: Any, payload: Any, protocol: Any, writer: Any, task: Any
@@ -312,18 +340,37 @@ BODY_BUDGET_SPENT = Refusal(
 )
 
 
+TOO_MANY_IN_FLIGHT = Refusal(
+    429,
+    "Too many requests in flight at the proxy; retry shortly.",
+    "rate_limit",
+    reason="in_flight",
+    retry_after=True,
+)
+
+
 class BodyBudgetExceeded(Exception):
     """Request bodies in flight would pass `max_buffered_body_bytes`."""
 
 
 class BodyHold:
-    """The bytes of one request's body counted in `Metrics.buffered_body_bytes`."""
+    """The bytes of one request's body counted in `Metrics.buffered_body_bytes`, and its
+    in-flight slot once the body is complete (`take_slot`)."""
 
-    __slots__ = ("metrics", "held")
+    __slots__ = ("metrics", "held", "slot")
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.held = 0
+        self.slot = False
+
+    def take_slot(self, cap: int) -> bool:
+        """Count the request in flight; False when `cap` requests already are."""
+        if self.metrics.in_flight >= cap:
+            return False
+        self.metrics.in_flight += 1
+        self.slot = True
+        return True
 
     def add(self, size: int, budget: int) -> None:
         if self.metrics.buffered_body_bytes + size > budget:
@@ -334,6 +381,9 @@ class BodyHold:
     def release(self) -> None:
         self.metrics.buffered_body_bytes -= self.held
         self.held = 0
+        if self.slot:
+            self.metrics.in_flight -= 1
+            self.slot = False
 
 
 # what reading and parsing a body may raise, and the answer to each (first match)
@@ -408,6 +458,8 @@ class Admission:
             return self.refuse(endpoint, refusal)
         if not isinstance(body, dict):
             return self.refuse(endpoint, NOT_AN_OBJECT)
+        if not hold.take_slot(self.limits.max_in_flight):
+            return self.refuse(endpoint, TOO_MANY_IN_FLIGHT)
         raw, body = strip_transfer_fields(raw, body)
         sent = request.headers.get("X-Request-Id")
         return Call(

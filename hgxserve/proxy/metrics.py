@@ -38,6 +38,7 @@ class Metrics:
         self.upstream_errors: dict[tuple[str, str, str], int] = {}
         self.retries = 0
         self.disconnects = 0
+        self.stalled = 0  # clients cut because they stopped reading (client_write_timeout_s)
         self.started = time.time()
         # P/D KV hand-offs by result: ok (prefill returned the KV to pull / answered), none
         # (vLLM prefill returned no kv_transfer_params: decode computes the prompt itself),
@@ -158,6 +159,12 @@ class Metrics:
                 "counter",
                 "Clients that went away before their answer was complete.",
                 self.disconnects,
+            ),
+            (
+                "hgxserve_proxy_client_stalled_total",
+                "counter",
+                "Clients cut because they stopped reading their streamed answer.",
+                self.stalled,
             ),
             (
                 "hgxserve_proxy_open_connections",

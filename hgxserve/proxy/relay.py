@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from hgxserve.base.compat import timeout
 from hgxserve.proxy.balancer import Instance
 from hgxserve.proxy.config import Limits
 from hgxserve.proxy.frontdoor import Call, error_response
@@ -31,6 +32,10 @@ from hgxserve.proxy.upstream import Response, Upstream, UpstreamError
 log = logging.getLogger("hgxserve.proxy")
 
 RETRYABLE_STATUS = (502, 503, 504)
+
+
+class ClientStalled(ConnectionError):
+    """A client that stopped reading its streamed answer was cut."""
 
 
 class UpstreamUnavailable(Exception):
@@ -179,6 +184,24 @@ class Relay:
                 with contextlib.suppress(BaseException):
                     (await send).release()
 
+    async def _write(self, request: web.BaseRequest, out: web.StreamResponse, data: bytes) -> None:
+        """Write to the client; one that stopped reading (its socket buffer full for
+        `client_write_timeout_s`) is cut: ClientStalled ends the request, which releases its
+        in-flight slot and closes the engine's connection (the engine aborts the request)."""
+        transport = request.transport
+        if transport is None or not transport.get_write_buffer_size():
+            await out.write(data)  # nothing waits to go out: this write does not block
+            return
+        try:
+            async with timeout(self.limits.client_write_timeout_s):
+                await out.write(data)
+        except TimeoutError:
+            self.metrics.stalled += 1
+            transport.abort()
+            raise ClientStalled(
+                f"client stopped reading for {self.limits.client_write_timeout_s:g}s"
+            ) from None
+
     async def _stream(
         self, call: Call, inst: Instance, up: Response, ctype: str, added: float
     ) -> web.StreamResponse:
@@ -194,7 +217,7 @@ class Relay:
                     await out.prepare(request)
                     self.metrics.observe_added_ttft(added)
                     first = False
-                await out.write(chunk)
+                await self._write(request, out, chunk)
         except (TimeoutError, UpstreamError) as exc:
             # (a client that went away while we wrote to it raises ConnectionError: not here)
             if first:

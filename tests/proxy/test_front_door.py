@@ -159,7 +159,8 @@ def test_slow_body_gets_408_and_the_connection_closed(engines, proxy) -> None:
 
 
 def test_connection_cap_answers_503_and_keeps_serving(engines, proxy) -> None:
-    px = proxy(combined_config(vllm(engines, None), limits={"max_connections": 5}))
+    limits = {"max_connections": 5, "max_client_share": 1.0}
+    px = proxy(combined_config(vllm(engines, None), limits=limits))
     held = [raw_socket(px.port) for _ in range(5)]
     time.sleep(0.2)
     extra = raw_socket(px.port)
@@ -173,6 +174,66 @@ def test_connection_cap_answers_503_and_keeps_serving(engines, proxy) -> None:
     time.sleep(0.2)
     assert completion(px.url)[0] == 200, "served again once connections are free"
     assert metric(px.metrics(), "hgxserve_proxy_refused_total", reason="connections") >= 1
+
+
+def test_one_client_holds_at_most_its_share_of_the_connections(engines, proxy) -> None:
+    """One client address cannot take the whole door (it once held 94 of 95 connections):
+    past its share it gets the same 503, and the connections it closes are its own again."""
+    limits = {"max_connections": 8, "max_client_share": 0.5}
+    px = proxy(combined_config(vllm(engines, None), limits=limits))
+    held = [raw_socket(px.port) for _ in range(4)]
+    time.sleep(0.2)
+    extra = raw_socket(px.port)
+    extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = read_all(extra)
+    extra.close()
+    assert got.startswith(b"HTTP/1.1 503") and b"Too many open connections" in got, got[:80]
+    for sock in held:
+        sock.close()
+    time.sleep(0.2)
+    assert completion(px.url)[0] == 200, "its own share is free again"
+    assert metric(px.metrics(), "hgxserve_proxy_refused_total", reason="client_share") == 1
+
+
+def test_a_client_that_stops_reading_is_cut_and_its_slot_and_engine_freed(engines, proxy) -> None:
+    """A streamed answer nobody reads: the write waits `client_write_timeout_s`, then the
+    client is cut, its in-flight slot freed and the engine's request closed."""
+    args = ["serve", "/models/m", "--served-model-name", "m", "--max-model-len", "400000"]
+    comb = engines("vllm", args, env={"HGXSERVE_SIM_TOKEN_SECONDS": "0"})
+    limits = {"client_write_timeout_s": 1, "max_in_flight": 1}
+    px = proxy(combined_config(comb, limits=limits))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", px.port))
+    body = json.dumps(
+        {"model": "m", "prompt": "hi", "max_tokens": 300000, "stream": True, "ignore_eos": True}
+    )
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )  # and never reads
+    deadline = time.monotonic() + 60
+    while metric(px.metrics(), "hgxserve_proxy_client_stalled_total") < 1:
+        assert time.monotonic() < deadline, f"the stalled client was never cut: {px.metrics()}"
+        time.sleep(0.5)
+    assert metric(px.metrics(), "hgxserve_proxy_in_flight_requests") == 0
+    assert completion(px.url)[0] == 200, "the only in-flight slot is free again"
+    sock.close()
+
+
+def test_a_trickled_body_holds_no_in_flight_slot(engines, proxy) -> None:
+    """A body announced and trickled (held the slots for body_timeout_s, 60 s): the slot is
+    taken once the body is complete, so others are served meanwhile."""
+    px = proxy(combined_config(vllm(engines, None), limits={"max_in_flight": 1}))
+    slow = raw_socket(px.port)
+    slow.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model": "m",'
+    )  # and the rest never comes
+    time.sleep(0.3)
+    for _ in range(3):
+        assert completion(px.url)[0] == 200, "the trickled body holds no slot"
+    slow.close()
 
 
 def test_in_flight_cap_answers_429_while_probes_still_answer(engines, proxy) -> None:
