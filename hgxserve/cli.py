@@ -7,6 +7,7 @@ command runs, so `hgxserve validate` does not pay for boto3 or aiohttp imports.
 from __future__ import annotations
 
 import importlib
+import signal
 from typing import Any
 
 import click
@@ -81,3 +82,8 @@ def main() -> None:
     hgxserve plan topologies/h20-v4flash-4p4d.yml
     pyinfra inventory/lab.py deploys/site.py --data topology=topologies/h20-v4flash-4p4d.yml
     """
+    # Ctrl-C stops every command ("Ctrl-C to stop"), also one started where SIGINT is
+    # ignored: a background job of a non-interactive shell inherits SIG_IGN, and Python then
+    # leaves it ignored, so `status --watch` or `logs -f` could only be killed.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
