@@ -13,7 +13,7 @@ These are the rules whose errors an `accept:` entry may lift, one finding at a t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from hgxserve.topology.kernels import KERNELS
 from hgxserve.topology.model import Engine, Topology, normalize_dist
@@ -81,6 +81,21 @@ def loads_code(name: str) -> bool:
     return name.startswith(LOADER_PREFIXES)
 
 
+def _env_findings(
+    topo: Topology, engine: Engine, select: Callable[[str], bool], why: str
+) -> Iterator[Finding]:
+    """One finding per env name of `engine` that `select` picks: `<name> <why>; accept hint`,
+    at the path where the name is written (the engine or `defaults`)."""
+    for name in sorted(engine.env):
+        if select(name):
+            path = setting_path(topo, engine.name, "env", name)
+            yield path, f"{name} {why}; {_accept_hint(path)}"
+
+
+def _outside_families(name: str) -> bool:
+    return not (loads_code(name) or name.startswith(ENV_FAMILIES) or name in PYTHON_HARMLESS)
+
+
 @engine_rule(
     "env-loads-code",
     "error",
@@ -88,14 +103,11 @@ def loads_code(name: str) -> bool:
     "accepted by its path.",
 )
 def env_loads_code(topo: Topology, engine: Engine) -> Iterator[Finding]:
-    for name in sorted(engine.env):
-        if loads_code(name):
-            path = setting_path(topo, engine.name, "env", name)
-            yield (
-                path,
-                f"{name} makes the engine's process load code the topology names (the "
-                f"dynamic loader, Python or a library reads it); {_accept_hint(path)}",
-            )
+    yield from _env_findings(
+        topo, engine, loads_code,
+        "makes the engine's process load code the topology names (the dynamic loader, Python "
+        "or a library reads it)",
+    )  # fmt: skip
 
 
 @engine_rule(
@@ -105,15 +117,10 @@ def env_loads_code(topo: Topology, engine: Engine) -> Iterator[Finding]:
     "CUDA_, ...), unless accepted by its path.",
 )
 def env_family(topo: Topology, engine: Engine) -> Iterator[Finding]:
-    for name in sorted(engine.env):
-        if loads_code(name) or name.startswith(ENV_FAMILIES) or name in PYTHON_HARMLESS:
-            continue
-        path = setting_path(topo, engine.name, "env", name)
-        yield (
-            path,
-            f"{name} is not a variable of the engines' families ({', '.join(ENV_FAMILIES[:8])}"
-            f", ...); {_accept_hint(path)}",
-        )
+    yield from _env_findings(
+        topo, engine, _outside_families,
+        f"is not a variable of the engines' families ({', '.join(ENV_FAMILIES[:8])}, ...)",
+    )  # fmt: skip
 
 
 def _flag_paths(topo: Topology, engine: Engine) -> Iterator[tuple[JsonPath, str, str]]:
