@@ -622,6 +622,8 @@ def start_host(host: Host) -> None:
                 "--keep-unit",
                 "--link-journal=no",
                 f"--network-namespace-path=/run/netns/{host.netns}",
+                # the host's own network namespace: the release stage loads its nftables table
+                "--capability=CAP_NET_ADMIN",
                 "--console=read-only",
                 *_binds(),
             ],  # fmt: skip

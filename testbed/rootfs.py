@@ -34,7 +34,8 @@ VARIANT = "minbase"
 # container-network-stack, a virtual package debootstrap does not resolve by itself); Debian's
 # Prometheus and node exporter, which the monitoring stage installs from the hosts' mirror (the
 # test hosts have none: here they are preinstalled, their units left disabled until the stage
-# enables them).
+# enables them); nftables, the host firewall the release stage loads (real hosts install it from
+# their mirror like the other provision packages).
 PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -54,11 +55,12 @@ PACKAGES = (
     "netavark",
     "prometheus",
     "prometheus-node-exporter",
+    "nftables",
 )
 # Units of preinstalled packages that only a deploy stage may enable and start.
 DISABLED_UNITS = ("prometheus.service", "prometheus-node-exporter.service")
 # Bump when the post-install recipe below changes, so caches built by an older recipe are rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 CACHE_DIR = Path(os.environ.get("HGXSERVE_TESTBED_CACHE", "/var/cache/hgxserve-testbed"))
 
 SSHD_DROPIN = """\
@@ -75,9 +77,11 @@ Storage=volatile
 RuntimeMaxUse=16M
 """
 SIM_TMPFILES = """\
-# hgxserve test host: simulated engines report GPU memory use here (read by the fake nvidia-smi)
+# hgxserve test host: simulated engines report GPU memory use here (read by the fake nvidia-smi);
+# sticky and world-writable, as engines run as an unprivileged user (a real driver's memory use
+# is the kernel's, not a file)
 d /run/hgxserve-sim 0755 root root -
-d /run/hgxserve-sim/gpus 0755 root root -
+d /run/hgxserve-sim/gpus 1777 root root -
 """
 
 
