@@ -1,6 +1,7 @@
 """Rules on addresses as what they are (hgxserve.topology.addresses): IP syntax or a hostname,
 ports inside URLs and `host:port` pairs within 1..65535, one address per host name, and every
-listener a peer on another host dials bound where that peer can reach it.
+listener a peer on another host dials bound where that peer can reach it; the host firewall's
+sources are IP addresses, and with the firewall off no listener is left open unguarded.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hgxserve.topology.addresses import address_problem, canonical, hostport_problem, url_problem
+from hgxserve.topology.firewall import FirewallError, exposed, ip_source
 from hgxserve.topology.model import CephfsSource, Engine, S3Source, Topology, is_loopback
 from hgxserve.topology.ports import (
     bootstrap_dialers_elsewhere,
@@ -18,6 +20,7 @@ from hgxserve.topology.ports import (
 )
 from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.registry import Finding, rule
+from hgxserve.topology.wiring import ENGINE_KEY_VAR, engine_secret_env
 
 
 def _engine_addresses(topo: Topology) -> Iterator[tuple[JsonPath, str]]:
@@ -171,3 +174,69 @@ def _gate_reachable(topo: Topology) -> Iterator[Finding]:
                 "(gate.from) reads its /metrics for the KV evidence; bind 0.0.0.0 (or "
                 f"{topo.hosts[engine.head].address}), or drop gate.from",
             )
+
+
+@rule(
+    "firewall-config",
+    "error",
+    "The host firewall names sources by IP address (hosts in use, firewall.allow); "
+    "turning it off gives a reason.",
+)
+def firewall_config(topo: Topology) -> Iterator[Finding]:
+    wall = topo.firewall
+    if not wall.enabled:
+        if not wall.reason:
+            yield (
+                ("firewall",),
+                (
+                    "firewall.enabled is false without a reason: say why the engines' ports may be "
+                    "reached from anywhere (firewall.reason), or leave the firewall on"
+                ),
+            )
+        return
+    for name in topo.hosts_in_use():
+        host = topo.hosts[name]
+        keys = {host.address: "address"}
+        keys.setdefault(host.side_channel_address, "side_channel_address")
+        for value, key in keys.items():
+            if address_problem(value) is None and not _is_ip(value):
+                yield (
+                    ("hosts", name, key),
+                    (
+                        f"{value} is a hostname: the firewall allows sources by IP address; write "
+                        "the host's IP address (or turn the firewall off with a reason)"
+                    ),
+                )
+    for i, text in enumerate(wall.allow):
+        try:
+            ip_source(text, "firewall.allow")
+        except FirewallError as exc:
+            yield ("firewall", "allow", i), str(exc)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ip_source(text, "")
+    except FirewallError:
+        return False
+    return "/" not in ip_source(text, "")
+
+
+@rule(
+    "exposed-listener",
+    "warning",
+    "With the host firewall off, no engine or exporter port listens beyond loopback unguarded.",
+)
+def exposed_listener(topo: Topology) -> Iterator[Finding]:
+    keyed = {e.name for e in topo.engines.values() if ENGINE_KEY_VAR in engine_secret_env(topo, e)}
+    why = topo.firewall.reason
+    for listener in exposed(topo, keyed):
+        yield (
+            listener.path or ("firewall",),
+            (
+                f"{listener.label()} on {listener.host} port {listener.port} binds "
+                f"{listener.bind} with no key and no firewall (firewall off: {why}): anyone on "
+                "the network reaches it; bind it to loopback, key it, or turn the firewall on "
+                "(a vLLM key guards only /v1/*)"
+            ),
+        )

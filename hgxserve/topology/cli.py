@@ -18,6 +18,7 @@ import click
 
 from hgxserve.base.errors import ExitCode
 from hgxserve.topology import CheckResult, check_topology
+from hgxserve.topology.firewall import firewall_plan
 from hgxserve.topology.model import S3Source, Topology
 from hgxserve.topology.ports import (
     bootstrap_address,
@@ -228,6 +229,7 @@ def build_plan(topo: Topology) -> dict[str, Any]:
         },
         "hosts": hosts,
         "wiring": _wiring(topo),
+        "firewall": firewall_plan(topo),
         "fit": _fit(topo),
         # what the topology makes the hosts load on purpose (hgxserve.topology.load_rules)
         "accepted": {
@@ -360,7 +362,23 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
     for name, host in plan["hosts"].items():
         lines += _host_text(name, host)
     lines += _fit_text(plan["fit"])
-    return lines + _wiring_text(plan["wiring"])
+    return lines + _wiring_text(plan["wiring"]) + _firewall_text(plan["firewall"])
+
+
+def _firewall_text(wall: dict[str, Any]) -> list[str]:
+    """Who may reach which port (hgxserve.topology.firewall), or why the firewall is off."""
+    if not wall["enabled"]:
+        return ["", f"firewall OFF: {wall['reason']}"]
+    lines = ["", "firewall (table inet hgxserve; loopback always, sshd and other ports untouched)"]
+    if wall.get("error"):
+        return [*lines, f"  error: {wall['error']}"]
+    for host, ports in wall["hosts"].items():
+        lines.append(f"  {host}: {'no filtered port' if not ports else ''}".rstrip())
+        for entry in ports:
+            who = [f"{s['why']} {s['address']}" for s in entry["from"]]
+            who += ["the controller"] if entry["controller"] else []
+            lines.append(f"    {entry['port']:<6} {entry['what']} <- {', '.join(who)}")
+    return [*lines, "  anyone else: dropped"]
 
 
 def _host_text(name: str, host: dict[str, Any]) -> list[str]:

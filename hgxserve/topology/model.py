@@ -491,6 +491,23 @@ class Monitoring:
 
 
 @dataclass(frozen=True)
+class Firewall:
+    """`firewall:`: the nftables table hgxserve renders from the port plan (on by default)."""
+
+    enabled: bool = True
+    reason: str | None = None  # why it is off
+    allow: tuple[str, ...] = ()  # further sources allowed on every filtered port
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> Firewall:
+        return cls(
+            enabled=_get(data, "firewall", "enabled"),
+            reason=data.get("reason"),
+            allow=tuple(data.get("allow", ())),
+        )
+
+
+@dataclass(frozen=True)
 class Topology:
     """A validated topology."""
 
@@ -506,6 +523,7 @@ class Topology:
     gate: GatePolicy
     files: dict[str, TopologyFile] = field(default_factory=dict)
     monitoring: Monitoring | None = None
+    firewall: Firewall = field(default_factory=Firewall)
     source_file: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -712,6 +730,7 @@ def build_topology(data: dict[str, Any], source_file: str = "") -> Topology:
         files=_files(data.get("files", {}), source_file),
         monitoring=Monitoring.parse(data["monitoring"]) if "monitoring" in data else None,
         gate=GatePolicy.parse(data.get("gate", {})),
+        firewall=Firewall.parse(data.get("firewall", {})),
         source_file=source_file,
         raw=data,
     )
