@@ -30,6 +30,13 @@ PROXY_CONFIG = f"{CONFIG_DIR}/proxy.json"
 WATCH_CONFIG_DIR = f"{CONFIG_DIR}/watch"
 WATCH_STATE_DIR = f"{STATE_ROOT}/watch"
 CREDENTIALS_DIR = f"{CONFIG_DIR}/credentials"
+# The host firewall (a release file, loaded with `nft -f`) and the one nftables table it owns.
+FIREWALL_FILE = f"{CONFIG_DIR}/firewall.nft"
+FIREWALL_TABLE = "inet hgxserve"
+# what the deploy adds to the table (the controller's address), included by FIREWALL_FILE
+FIREWALL_INCLUDE_DIR = f"{CONFIG_DIR}/firewall.d"
+FIREWALL_CONTROLLER_FILE = f"{FIREWALL_INCLUDE_DIR}/controller.nft"
+NFT = "/usr/sbin/nft"
 
 # systemd: unit files, and where LoadCredential= puts a unit's credentials at run time.
 UNIT_DIR = "/etc/systemd/system"

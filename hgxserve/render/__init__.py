@@ -32,6 +32,7 @@ from hgxserve.base.units import (
 from hgxserve.caches.key import cache_key
 from hgxserve.caches.warmup import Shape, shapes_arg, warmup_plan
 from hgxserve.render.engines import NodePlan, engine_args, engine_program, node_plan
+from hgxserve.render.firewall import render_firewall
 from hgxserve.render.proxy import render_proxy
 from hgxserve.render.types import (
     CONTAINER_TOOLS,
@@ -74,7 +75,8 @@ def render_topology(topo: Topology) -> dict[str, HostRender]:
 
 
 def render_host(topo: Topology, host: str) -> HostRender:
-    """Render one host: its engine units, then the proxy unit and config when it runs there."""
+    """Render one host: its engine units, then the proxy unit and config when it runs there,
+    and its firewall (hgxserve.render.firewall)."""
     try:
         return _render_host(topo, host)
     except UnitValueError as exc:
@@ -104,6 +106,9 @@ def _render_host(topo: Topology, host: str) -> HostRender:
         units.append(unit)
         files[unit.path] = RenderedFile(unit.content)
         files.update(proxy_files)
+    firewall = render_firewall(topo, host)
+    if firewall is not None:
+        files[paths.FIREWALL_FILE] = RenderedFile(firewall)
     return HostRender(host, units, files, sorted(creds.values(), key=lambda c: c.name))
 
 
