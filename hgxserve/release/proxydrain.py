@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hgxserve.base.paths import PROXY_CONFIG, UNIT_DIR
+from hgxserve.base.paths import FIREWALL_FILE, PROXY_CONFIG, UNIT_DIR
 from hgxserve.proxy.config import ProxyConfigError, parse_proxy_config, restart_needed
 from hgxserve.release.store import ReleaseSpec, Store, UnitSpec
 
@@ -111,7 +111,7 @@ def reloads(store: Store, old: ReleaseSpec, new: ReleaseSpec, unit: UnitSpec) ->
     text = _file(store, new, path)
     if text is None or _file(store, old, path) != text:
         return False
-    others = (set(old.files) | set(new.files)) - {path, PROXY_CONFIG}
+    others = (set(old.files) | set(new.files)) - {path, PROXY_CONFIG, FIREWALL_FILE}
     if any(
         _file(store, old, p) != _file(store, new, p)
         for p in others

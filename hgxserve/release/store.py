@@ -211,6 +211,10 @@ class Store:
     def _target(self, path: str) -> Path:
         return self.system_root / path.lstrip("/")
 
+    def installed(self, path: str) -> Path:
+        """Where the release file `path` is installed (under `system_root`)."""
+        return self._target(_check_file_path(path))
+
     def install(self, spec: ReleaseSpec, old: ReleaseSpec | None) -> None:
         """Make the installed files exactly those of `spec` (removing the old release's others)."""
         tree = self.release_dir(spec.id) / "tree"

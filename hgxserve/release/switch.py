@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hgxserve.base.defaults import GPU_FREE_TIMEOUT_S, schema_default
-from hgxserve.base.paths import UNIT_DIR
+from hgxserve.base.paths import FIREWALL_FILE, FIREWALL_TABLE, NFT, UNIT_DIR
 from hgxserve.caches.logscan import scan
 from hgxserve.parsers.outputs import diagnose_errors
 from hgxserve.release.kvcap import observation, observed_line, read_capacity
@@ -35,6 +35,8 @@ DIAGNOSE_LINES = 2000  # journal lines searched for a known failure's signature
 GPU_TIMEOUT_S = GPU_FREE_TIMEOUT_S  # waiting for the old units' GPUs to hold no memory
 # A unit still `inactive` this long after its (non-blocking) start was queued never started.
 START_GRACE_S = 30.0
+# `nft -f` of a few dozen rules takes milliseconds; 30 s bounds a hung netlink socket.
+NFT_TIMEOUT_S = 30.0
 Log = Callable[[str], None]
 Observed = dict[str, dict[str, Any]]  # unit -> its start time and KV capacity (kvcap.observation)
 
@@ -89,6 +91,25 @@ class Systemd:
         if since is not None:
             args += ["--since", f"@{int(since)}"]
         return self.run(*args, check=False).stdout.strip()
+
+    def firewall(self, ruleset: str | None) -> None:
+        """Load the installed ruleset file (`nft -f`: the file declares, deletes and defines
+        hgxserve's table in one transaction), or with None remove the table (nothing to do
+        where nft is not installed: then no table can exist)."""
+        script = None if ruleset else f"table {FIREWALL_TABLE}\ndelete table {FIREWALL_TABLE}\n"
+        argv = [NFT, "-f", ruleset or "-"]
+        try:
+            proc = subprocess.run(
+                argv, input=script, capture_output=True, text=True, timeout=NFT_TIMEOUT_S
+            )
+        except FileNotFoundError:
+            if ruleset is None:
+                return
+            raise ReleaseError(f"{NFT} is not installed: cannot load the firewall") from None
+        except subprocess.TimeoutExpired:
+            raise ReleaseError(f"{' '.join(argv)} did not finish in {NFT_TIMEOUT_S:g}s") from None
+        if proc.returncode != 0:
+            raise ReleaseError(f"{' '.join(argv)} failed: {(proc.stderr or proc.stdout).strip()}")
 
     def arm_deadman(self, seconds: int, command: Sequence[str]) -> None:
         self.disarm_deadman()
@@ -211,7 +232,8 @@ def unchanged_units(store: Store, old: ReleaseSpec | None, new: ReleaseSpec) -> 
     others_same = all(
         content(old, path) == content(new, path)
         for path in set(old.files) | set(new.files)
-        if not path.startswith(f"{UNIT_DIR}/")
+        # the firewall is reloaded in place: a change to it restarts no unit
+        if not path.startswith(f"{UNIT_DIR}/") and path != FIREWALL_FILE
     )
     old_units = {u.name: u for u in old.units}
     keep = set()
@@ -261,6 +283,7 @@ def _transition(
     wait_gpus_free(moving, host.gpu_timeout_s, log)
     store.install(new, old)
     systemd.daemon_reload()
+    apply_firewall(store, new, systemd, log)  # before any unit of `new` starts
     if old is not None and old.id != new.id:
         store.carry_observed(old.id, new.id, keep)
     _record(store, new.id, start_units(new, systemd, log, staying, defer_proxy=True))
@@ -270,6 +293,16 @@ def _transition(
             if unit.name in proxies.reload or (drains(unit) and unit.name in keep):
                 resume_proxy(unit, systemd, log)
         start_units(new, systemd, log, staying | _engines(new))
+
+
+def apply_firewall(store: Store, spec: ReleaseSpec, systemd: Systemd, log: Log) -> None:
+    """Load the release's firewall (its installed FIREWALL_FILE), or remove hgxserve's table
+    when the release has none (a topology without rules, or the firewall turned off)."""
+    if FIREWALL_FILE in spec.files:
+        log(f"loading the host firewall ({FIREWALL_FILE}, table {FIREWALL_TABLE})")
+        systemd.firewall(str(store.installed(FIREWALL_FILE)))
+    else:
+        systemd.firewall(None)
 
 
 def _record(store: Store, release_id: str, observed: Observed) -> None:
@@ -606,8 +639,10 @@ def _restart_stopped(store: Store, spec: ReleaseSpec, systemd: Systemd, log: Log
 def _rollback_to(host: _Host, back: ReleaseSpec | None, failed: ReleaseSpec) -> None:
     if back is None:
         stop_units(failed, host.systemd, host.log)
-        host.store.install(ReleaseSpec("none", "", "", False, failed.host, [], {}), failed)
+        empty = ReleaseSpec("none", "", "", False, failed.host, [], {})
+        host.store.install(empty, failed)
         host.systemd.daemon_reload()
+        apply_firewall(host.store, empty, host.systemd, host.log)
         return
     try:
         _transition(host, failed, back)
@@ -722,7 +757,8 @@ def reconcile(
     log: Log = print,
 ) -> str:
     """At boot: undo a switch that was never confirmed, make the installed files exactly those
-    of the confirmed release, and start its units (without waiting: engines take minutes)."""
+    of the confirmed release, load its firewall (or remove hgxserve's table) and start its
+    units (without waiting: engines take minutes)."""
     systemd = systemd or Systemd()
     pending = store.pending()
     if pending:
@@ -737,6 +773,7 @@ def reconcile(
     empty = ReleaseSpec("none", "", "", False, "", [], {})
     store.install(spec or empty, stray)
     systemd.daemon_reload()
+    apply_firewall(store, spec or empty, systemd, log)  # at boot, before any unit starts
     if spec is None:
         return "no confirmed release on this host; nothing to start"
     for unit in spec.units:

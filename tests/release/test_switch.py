@@ -64,6 +64,9 @@ class FakeSystemd:
     def disarm_deadman(self) -> None:
         self.deadman = None
 
+    def firewall(self, ruleset: str | None) -> None:
+        self.calls.append(("firewall", ruleset or "remove"))
+
 
 def stage(store: Store, rid: str, units: list[str], *, baseline: bool = False) -> ReleaseSpec:
     """Stage a release of these units, each file naming its release and path."""
