@@ -9,12 +9,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pyinfra import host
 from pyinfra.api import deploy
-from pyinfra.operations import files, python, systemd
+from pyinfra.operations import files, python, server, systemd
 
-from hgxserve.base.paths import RELEASE_ROOT
+from hgxserve.base.paths import (
+    FIREWALL_CONTROLLER_FILE,
+    FIREWALL_FILE,
+    FIREWALL_INCLUDE_DIR,
+    NFT,
+    RELEASE_ROOT,
+)
 from hgxserve.bench.releasegate import run_bench_gate
 from hgxserve.deploy.plans import EnginesPlan, FabricPlan, SwitchPlan
+from hgxserve.facts.host import ControllerAddress
 from hgxserve.operations.credentials import secret_file
 from hgxserve.operations.fabric import (
     fabric_allreduce,
@@ -23,6 +31,7 @@ from hgxserve.operations.fabric import (
     fabric_serve,
     fabric_verdict,
 )
+from hgxserve.operations.packages import pinned_packages
 from hgxserve.operations.release import (
     arm_deadman,
     check_kv,
@@ -36,6 +45,7 @@ from hgxserve.operations.release import (
     switched,
 )
 from hgxserve.release.coordination import Coordination
+from hgxserve.render.firewall import controller_elements
 
 RECONCILE_UNIT = (
     Path(__file__).resolve().parent.parent
@@ -72,6 +82,8 @@ def release(*, plan: EnginesPlan, root: str = RELEASE_ROOT) -> None:
         enabled=True,
     )
     staged = plan.release
+    if FIREWALL_FILE in staged.files:
+        host_firewall()
     base = f"{root}/releases/{staged.id}"
     for path in sorted(staged.files):
         content, mode = staged.files[path]
@@ -98,6 +110,34 @@ def release(*, plan: EnginesPlan, root: str = RELEASE_ROOT) -> None:
     if plan.fabric is not None:
         fabric_preflight(plan=plan.fabric, release_id=staged.id, root=root)
     switch_to(plan=plan.switching, root=root)
+
+
+@deploy("Host firewall")
+def host_firewall() -> None:
+    """What the release's firewall (FIREWALL_FILE, loaded by the switch) needs besides the
+    release: nft (from the host's apt sources), and the controller's address as this host sees
+    it (its SSH connection's client) in the table's controller sets, reloaded when it changed.
+    """
+    pinned_packages(name="Install nftables (the host firewall)", packages=["nftables"])
+    address = host.get_fact(ControllerAddress)
+    if address is None:
+        host.noop(
+            "firewall: the controller's address is unknown here ($SSH_CONNECTION unset): "
+            "only firewall.allow and the topology's hosts reach the engines"
+        )
+    files.directory(name="The firewall's include directory", path=FIREWALL_INCLUDE_DIR, mode="755")
+    controller = files.put(
+        name="The controller's address in the host firewall",
+        src=io.StringIO(controller_elements((address,) if address else ())),
+        dest=FIREWALL_CONTROLLER_FILE,
+        mode="644",
+        create_remote_dir=True,
+    )
+    server.shell(
+        name="Reload the host firewall with the controller's address",
+        commands=[f"if [ -f {FIREWALL_FILE} ]; then {NFT} -f {FIREWALL_FILE}; fi"],
+        _if=controller.did_change,
+    )
 
 
 @deploy("Fabric preflight")

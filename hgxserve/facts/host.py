@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shlex
 from typing import Any
@@ -276,3 +277,32 @@ class HeldPackages(FactBase):
 
     def process(self, output: list[str]) -> list[str]:
         return sorted(line.strip() for line in output if line.strip())
+
+
+class ControllerAddress(FactBase):
+    """The controller's address as this host sees it: the client address of the SSH connection
+    the deploy runs over (`$SSH_CONNECTION`: client address, client port, server address, server
+    port). The host firewall allows it on the engines' HTTP APIs (hgxserve.topology.firewall).
+    None when the variable is unset (a local connector, or `sudo` that reset the environment)
+    or not an IP address.
+
+    Example:
+        >>> host.get_fact(ControllerAddress)  # doctest: +SKIP
+        '10.77.0.1'
+    """
+
+    def command(self) -> str:
+        return 'printf "%s\\n" "${SSH_CONNECTION:-}"'
+
+    @staticmethod
+    def default() -> str | None:
+        return None
+
+    def process(self, output: list[str]) -> str | None:
+        words = " ".join(output).split()
+        if not words:
+            return None
+        try:
+            return str(ipaddress.ip_address(words[0].split("%", 1)[0]))
+        except ValueError:
+            return None
