@@ -51,7 +51,8 @@ STATE = testbed_hosts.STATE_DIR / "demo-s3.json"
 FORGET_RELEASES = (
     "systemctl stop 'hgxserve-*' 2>/dev/null; "
     "rm -f /etc/systemd/system/hgxserve-*; rm -rf /var/lib/hgxserve /etc/hgxserve/proxy.json "
-    "/etc/hgxserve/watch; "
+    "/etc/hgxserve/watch /etc/hgxserve/firewall.nft /etc/hgxserve/firewall.d; "
+    "nft delete table inet hgxserve 2>/dev/null; "
     "systemctl daemon-reload; systemctl reset-failed"
 )
 

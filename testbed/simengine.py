@@ -69,7 +69,9 @@ Environment knobs (all optional):
 
 API keys are enforced as the real engines do: vLLM takes `--api-key` (one or more) or else
 VLLM_API_KEY from the environment and then answers 401 {"error": "Unauthorized"} on every /v1
-path without `Authorization: Bearer <key>` (/health and /metrics stay open); SGLang takes
+path without `Authorization: Bearer <key>` (/health, /metrics and vLLM's POST /invocations, which
+dispatches to completions or chat as real vLLM 0.32 does, stay open: its key middleware checks
+/v1 only); SGLang takes
 `--api-key` and guards everything but /health* and /metrics the same way.
 
 Prompts understood specially (deterministic, temperature 0):
@@ -813,7 +815,10 @@ async def route(conn: Conn, method: str, path: str, headers: dict[str, str], raw
         await conn.send_json(200, {"version": "0.0.0+simulated"})
     elif path == "/sim/requests" and method == "GET":
         await conn.send_json(200, {"simulated": True, "requests": s.recent})
-    elif path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
+    elif (
+        path in ("/v1/completions", "/v1/chat/completions")
+        or (path == "/invocations" and s.engine == "vllm")
+    ) and method == "POST":
         if "never_healthy" in s.fail:
             await conn.send_json(
                 503, error_body(503, "engine is not healthy", "ServiceUnavailable")
@@ -828,7 +833,9 @@ async def route(conn: Conn, method: str, path: str, headers: dict[str, str], raw
         except ValueError as exc:  # UnicodeEncodeError included
             await conn.send_json(400, error_body(400, f"invalid JSON body: {exc}"))
             return
-        await generate(conn, body, headers, chat=path.endswith("chat/completions"))
+        # /invocations (vLLM's SageMaker route) takes either body: chat when it has messages
+        chat = path.endswith("chat/completions") or (path == "/invocations" and "messages" in body)
+        await generate(conn, body, headers, chat=chat)
         s.served += 1
         limit = s.fail.get("exit_after")
         if limit is not None and s.served >= int(limit):
