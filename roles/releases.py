@@ -22,7 +22,7 @@ from hgxserve.base.paths import (
 )
 from hgxserve.bench.releasegate import run_bench_gate
 from hgxserve.deploy.plans import EnginesPlan, FabricPlan, SwitchPlan
-from hgxserve.facts.host import ControllerAddress
+from hgxserve.facts.host import ControllerAddress, HostFirewall
 from hgxserve.operations.credentials import secret_file
 from hgxserve.operations.fabric import (
     fabric_allreduce,
@@ -116,7 +116,8 @@ def release(*, plan: EnginesPlan, root: str = RELEASE_ROOT) -> None:
 def host_firewall() -> None:
     """What the release's firewall (FIREWALL_FILE, loaded by the switch) needs besides the
     release: nft (from the host's apt sources), and the controller's address as this host sees
-    it (its SSH connection's client) in the table's controller sets, reloaded when it changed.
+    it (its SSH connection's client) in the table's controller sets, reloaded when it changed;
+    a table that is gone while the installed release has one is loaded again.
     """
     pinned_packages(name="Install nftables (the host firewall)", packages=["nftables"])
     address = host.get_fact(ControllerAddress)
@@ -133,9 +134,16 @@ def host_firewall() -> None:
         mode="644",
         create_remote_dir=True,
     )
+    reload = [f"if [ -f {FIREWALL_FILE} ]; then {NFT} -f {FIREWALL_FILE}; fi"]
+    if host.get_fact(HostFirewall) == "missing":
+        server.shell(
+            name="Load the host firewall again: the installed release has one, its table is gone",
+            commands=reload,
+        )
+        return
     server.shell(
         name="Reload the host firewall with the controller's address",
-        commands=[f"if [ -f {FIREWALL_FILE} ]; then {NFT} -f {FIREWALL_FILE}; fi"],
+        commands=reload,
         _if=controller.did_change,
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
+from hgxserve.base.paths import FIREWALL_FILE, FIREWALL_TABLE, NFT
 from hgxserve.parsers.outputs import parse_ibv_devinfo, parse_os_release
 from hgxserve.parsers.sections import split_sections
 
@@ -306,3 +307,29 @@ class ControllerAddress(FactBase):
             return str(ipaddress.ip_address(words[0].split("%", 1)[0]))
         except ValueError:
             return None
+
+
+class HostFirewall(FactBase):
+    """Whether the host firewall the installed release carries is loaded: `loaded`, `missing`
+    (the release file is installed but the table is gone: a `flush ruleset`, an nftables
+    service restart) or `none` (no firewall file installed).
+
+    Example:
+        >>> host.get_fact(HostFirewall)  # doctest: +SKIP
+        'loaded'
+    """
+
+    def command(self) -> str:
+        return (
+            f"if [ -f {shlex.quote(FIREWALL_FILE)} ]; then "
+            f"if {shlex.quote(NFT)} list table {FIREWALL_TABLE} >/dev/null 2>&1; "
+            "then echo loaded; else echo missing; fi; else echo none; fi"
+        )
+
+    @staticmethod
+    def default() -> str:
+        return "none"
+
+    def process(self, output: list[str]) -> str:
+        word = " ".join(output).strip()
+        return word if word in ("loaded", "missing") else "none"

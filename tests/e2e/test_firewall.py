@@ -6,8 +6,8 @@ In order: the baseline (its engine listens on loopback only: no rules, no table)
 a test host must not reach; a table on every host: a host that is no peer of an engine times
 out on its ports, the proxy's host and the P/D peers get through, the gate passes, the
 controller still reads the engines),
-a second run that changes nothing, the table back after a simulated boot, and the rollback to
-the baseline that removes every table.
+a second run that changes nothing, the table back after a simulated boot and after a deploy
+that finds it gone, and the rollback to the baseline that removes every table.
 """
 
 from __future__ import annotations
@@ -155,6 +155,21 @@ def test_the_table_is_back_after_boot(lab: testbed_hosts.Testbed) -> None:
     assert "table inet hgxserve" in tables(lab, "hgx-b")
     assert connects(lab, "hgx-c", "hgx-b", 5600) == "timeout"
     assert invocations(lab, "hgx-a", "hgx-b", 8200) == "200"  # the prefill's host, a peer
+
+
+def test_a_deploy_loads_a_lost_table_again_and_restarts_nothing(
+    lab: testbed_hosts.Testbed, pd: Path
+) -> None:
+    # an nftables service restart (`flush ruleset`) takes the table away between deploys
+    pids = lab.ssh("hgx-a", "systemctl show -p MainPID --value hgxserve-prefill-0", check=True)
+    lab.ssh("hgx-a", "nft delete table inet hgxserve", check=True)
+    proc = deploy(lab, "deploys/engines.py", f"topology={pd}")
+    assert proc.returncode == 0, output(proc)[-4000:]
+    assert "Load the host firewall again" in output(proc)
+    assert "table inet hgxserve" in tables(lab, "hgx-a")
+    assert connects(lab, "hgx-c", "hgx-a", 5600) == "timeout"
+    again = lab.ssh("hgx-a", "systemctl show -p MainPID --value hgxserve-prefill-0", check=True)
+    assert again.stdout == pids.stdout
 
 
 def test_rollback_to_a_topology_without_rules_removes_the_tables(

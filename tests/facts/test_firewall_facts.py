@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from hgxserve.facts.host import ControllerAddress
+from hgxserve.facts.host import ControllerAddress, HostFirewall
 
 
 def _run(env: dict[str, str]) -> str | None:
@@ -39,3 +39,12 @@ def test_the_client_address_of_the_ssh_connection(value: str, address: str | Non
 
 def test_no_ssh_connection_is_none() -> None:
     assert _run({}) is None
+
+
+@pytest.mark.parametrize(
+    "lines,state",
+    [(["loaded"], "loaded"), (["missing"], "missing"), (["none"], "none"), ([], "none")],
+)
+def test_host_firewall_state(lines: list[str], state: str) -> None:
+    # the command itself runs on the test hosts (tests/e2e/test_firewall.py: a lost table)
+    assert HostFirewall().process(lines) == state
