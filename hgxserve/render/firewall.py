@@ -98,10 +98,7 @@ def render_firewall(topo: Topology, host: str) -> str | None:
         f"delete table {FIREWALL_TABLE}",
         f"table {FIREWALL_TABLE} {{",
         "\t# the controller's address as this host sees it: added by the deploy (firewall.d)",
-        *(
-            f"\tset {name} {{ type {kind}; flags interval; }}"
-            for _, name, kind in CONTROLLER_SETS
-        ),
+        *(f"\tset {name} {{ type {kind}; flags interval; }}" for _, name, kind in CONTROLLER_SETS),
         "\tchain input {",
         "\t\ttype filter hook input priority filter; policy accept;",
         '\t\tiifname "lo" accept',

@@ -21,6 +21,7 @@ def test_render_writes_the_host_tree(tmp_path: Path):
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert files == [
         "h20-a/.hgxserve-render.json",
+        "h20-a/etc/hgxserve/firewall.nft",  # VLLM_PORT 20000, 30000 bind 0.0.0.0
         "h20-a/etc/hgxserve/proxy.json",
         "h20-a/etc/systemd/system/hgxserve-decode-0.service",
         "h20-a/etc/systemd/system/hgxserve-prefill-0.service",
@@ -28,7 +29,7 @@ def test_render_writes_the_host_tree(tmp_path: Path):
     ]
     unit = tmp_path / "h20-a/etc/systemd/system/hgxserve-decode-0.service"
     assert stat.S_IMODE(unit.stat().st_mode) == 0o644
-    assert done.stdout.startswith("h20-a  3 units  4 files  tree ")
+    assert done.stdout.startswith("h20-a  3 units  5 files  tree ")
 
 
 def test_rerender_removes_files_it_no_longer_renders(tmp_path: Path):

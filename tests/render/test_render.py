@@ -33,6 +33,7 @@ def test_units_in_start_order_and_files_keyed_by_host_path():
         "hgxserve-proxy.service",
     ]
     assert sorted(host.files) == [
+        "/etc/hgxserve/firewall.nft",
         "/etc/hgxserve/proxy.json",
         "/etc/systemd/system/hgxserve-decode-0.service",
         "/etc/systemd/system/hgxserve-prefill-0.service",
