@@ -67,6 +67,15 @@ from hgxserve.topology.kernels import deepep_across_hosts
 from hgxserve.topology.model import Host as TopologyHost
 from hgxserve.topology.model import Model, S3Source, TopologyFile
 from hgxserve.topology.placement import pin_digest
+from hgxserve.topology.trust import (
+    TrustError,
+    TrustRoot,
+    env_refusals,
+    load_pins,
+    pinned,
+    trust_root,
+    unpinned_refusal,
+)
 from hgxserve.weights.published import published_manifest_size
 
 Plan = TypeVar("Plan")
@@ -86,14 +95,43 @@ def plan_or_fields(plan: Plan | None, kind: type[Plan], fields: dict[str, Any]) 
 
 
 def stage_topology(host: Host) -> Topology:
-    """The validated topology `--data topology=FILE` (or $HGXSERVE_TOPOLOGY) names."""
-    path = deploy_data(host).get("topology")
+    """The validated topology `--data topology=FILE` (or $HGXSERVE_TOPOLOGY) names, with its
+    weights pinned as the inventory says (`trusted_topology`)."""
+    data = deploy_data(host)
+    path = data.get("topology")
     if not path:
         raise DeployError("no topology given: pass --data topology=topologies/<name>.yml")
     try:
-        return load_topology(path)
+        topology = load_topology(path)
     except TopologyError as exc:
         raise DeployError(f"invalid topology {path}:\n{exc}") from None
+    return trusted_topology(topology, data, host)
+
+
+def trusted_topology(topology: Topology, data: DeployData, host: Host | None = None) -> Topology:
+    """`topology` with `model.digest` set from the inventory's pins file (`model_pins`); a
+    DeployError, before anything runs, for an `{env: VAR}` secret whose VAR the inventory does
+    not allow (`allow_env`), a pin that contradicts `model.digest`, or trust_remote_code on
+    weights nothing but the bucket vouches for."""
+    refused = env_refusals(topology, data.get("allow_env"))
+    if refused:
+        raise DeployError("\n".join(refused))
+    pins_file = data.get("model_pins")
+    try:
+        root = trust_root(topology.model, load_pins(pins_file) if pins_file else {}, pins_file)
+    except TrustError as exc:
+        raise DeployError(str(exc)) from None
+    if data.given("weights_digest"):  # this run's explicit pin (--data weights_digest=)
+        root = TrustRoot(data.get("weights_digest"), "data")
+    refusal = unpinned_refusal(topology, root)
+    if refusal:
+        raise DeployError(refusal)
+    if root.digest is None and host is not None:
+        per_run(host.state, ("unpinned-weights", topology.model.name), lambda: logger.warning(
+            f"weights of {topology.model.name}: {root.text()}; whoever can write the bucket "
+            "chooses them (pin them: model.digest, or the inventory's model_pins)"
+        ))  # fmt: skip
+    return pinned(topology, root)
 
 
 def topology_host(host: Host) -> tuple[Topology, TopologyHost]:

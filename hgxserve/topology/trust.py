@@ -190,3 +190,21 @@ def env_refusals(topo: Topology, allowed: tuple[str, ...] | list[str]) -> list[s
         for path, var in env_refs(topo)
         if var not in allowed
     ]
+
+
+def _one(values: list[object], key: str) -> object:
+    distinct = {repr(v) for v in values}
+    if len(distinct) > 1:
+        raise TrustError(f"inventory: the hosts disagree on {key} ({', '.join(sorted(distinct))})")
+    return values[0] if values else None
+
+
+def inventory_trust(host_data: list[dict[str, object]]) -> tuple[str | None, tuple[str, ...]]:
+    """(pins file, allowed env names) from the inventory's host data of the topology's hosts
+    (keys `model_pins`, `allow_env`, as the deploys read them); they must agree."""
+    pins = _one([d.get("model_pins") or None for d in host_data], "model_pins")
+    allow = _one([d.get("allow_env") or () for d in host_data], "allow_env")
+    names = allow.split(",") if isinstance(allow, str) else allow
+    if not isinstance(names, list | tuple):
+        raise TrustError(f"inventory: allow_env {allow!r} is not a list of names")
+    return (str(pins) if pins else None), tuple(str(n).strip() for n in names if str(n).strip())
