@@ -30,6 +30,7 @@ from hgxserve.bench.releasegate import BenchStep, bench_step_for
 from hgxserve.bench.scenario import kv_shapes
 from hgxserve.deploy.bakers import cache_entries, elect_bakers
 from hgxserve.deploy.data import DeployData, deploy_data
+from hgxserve.deploy.keyfiles import check_env_keys, check_host_key_files
 from hgxserve.deploy.stages import in_site_run, record_site_stages
 from hgxserve.deploy.switching import (
     env_secret_values,
@@ -436,6 +437,7 @@ def _bake_secrets(topology: Topology, host: Host, bakers: dict[str, str]) -> dic
     credentials from the controller's environment go to the host before it."""
     if host.name not in bakers.values():
         return {}
+    check_env_keys(topology)
     rendered = render_host(topology, host.name).credentials
     return env_secret_values({c.path: c.ref for c in rendered if c.path is not None})
 
@@ -564,6 +566,8 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
         coord.kv_needs = kv_needs_by_host(topology, kv_shapes(topology.source_file))
     devices = _counter_devices(topology, host.name, coord)
     bench = _bench(topology, host, active, data)
+    check_env_keys(topology)  # the API keys pushed, and those the units load on this host
+    check_host_key_files(topology, host)
     secrets = secret_values(plan)
     switching = SwitchPlan(
         release_id=plan.id,

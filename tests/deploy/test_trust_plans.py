@@ -24,11 +24,22 @@ FACTS: dict[str, Any] = {
 }
 
 
+# the hosts' files by path (File fact); any other is a private key file of 40 bytes
+FILES: dict[str, Any] = {}
+
+
+def fake_fact(self: Host, fact: type, *args: Any, **kwargs: Any) -> Any:
+    if fact.__name__ == "File":
+        return FILES.get(kwargs["path"], {"mode": 600, "size": 40})
+    return dict(FACTS[fact.__name__])
+
+
 @pytest.fixture(autouse=True)
 def _facts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("HGXSERVE_TOPOLOGY", raising=False)
-    monkeypatch.setattr(Host, "get_fact", lambda self, fact, *a, **k: dict(FACTS[fact.__name__]))
+    monkeypatch.setattr(Host, "get_fact", fake_fact)
+    FILES.clear()
     monkeypatch.setattr(plans, "published_manifest_size", lambda *a: (None, "not read in tests"))
 
 
@@ -134,3 +145,60 @@ def test_an_unpinned_model_is_warned_about_once(
         "weights of tiny: the bucket's own manifest — not pinned; whoever can write the bucket "
         "chooses them (pin them: model.digest, or the inventory's model_pins)"
     ]
+
+
+# -- API keys -----------------------------------------------------------------------------------
+
+
+def test_api_key_files_on_the_hosts_must_be_private_and_long_enough() -> None:
+    inventory, hosts = run({})
+    plans.engines_plan(hosts["hgx-a"], inventory)  # the demo's credential store files: fine
+    FILES["/etc/credstore/hgxserve-engine-key"] = {"mode": 644, "size": 40}
+    with pytest.raises(DeployError) as err:
+        plans.engines_plan(hosts["hgx-a"], inventory)
+    assert str(err.value) == (
+        "hgx-a: $.proxy.auth.engine_api_key: API key file /etc/credstore/hgxserve-engine-key: "
+        "mode 0644 lets group or others at it (chmod 600)"
+    )
+    FILES["/etc/credstore/hgxserve-engine-key"] = {"mode": 400, "size": 12}
+    with pytest.raises(DeployError, match="12 bytes, shorter than the 32 a key needs"):
+        plans.engines_plan(hosts["hgx-a"], inventory)
+    FILES["/etc/credstore/hgxserve-engine-key"] = False  # a directory, a link
+    with pytest.raises(DeployError, match="hgxserve-engine-key: not a regular file"):
+        plans.engines_plan(hosts["hgx-a"], inventory)
+    FILES["/etc/credstore/hgxserve-engine-key"] = None  # systemd looks in the next store
+    FILES["/run/credstore/hgxserve-engine-key"] = {"mode": 600, "size": 40}
+    plans.engines_plan(hosts["hgx-a"], inventory)
+
+
+def test_a_file_api_key_must_be_on_the_host(tmp_path: Path) -> None:
+    text = (REPO / DEMO).read_text().replace("{credential: hgxserve-api-key}", "{file: /k/api}")
+    topology = tmp_path / "file.yml"
+    topology.write_text(text)
+    inventory, hosts = run({"topology": str(topology)})
+    proxy_host = hosts["hgx-c"]  # demo-pd's proxy
+    plans.engines_plan(proxy_host, inventory)
+    FILES["/k/api"] = None
+    with pytest.raises(DeployError, match=r"\$\.proxy\.auth\.api_key: API key file /k/api: not on"):
+        plans.engines_plan(proxy_host, inventory)
+
+
+def test_an_env_api_key_must_be_long_enough(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = (REPO / DEMO).read_text().replace("{credential: hgxserve-api-key}", "{env: PROXY_KEY}")
+    topology = tmp_path / "env.yml"
+    topology.write_text(text)
+    inventory, hosts = run({"topology": str(topology), "allow_env": "PROXY_KEY"})
+    monkeypatch.setenv("PROXY_KEY", "short-key")
+    with pytest.raises(DeployError) as err:
+        plans.engines_plan(hosts["hgx-c"], inventory)
+    assert str(err.value) == (
+        f"{topology}: $.proxy.auth.api_key: the API key in the controller's environment "
+        "variable PROXY_KEY: 9 characters, shorter than the 32 required (generate one: "
+        "openssl rand -hex 32)"
+    )
+    assert "short-key" not in str(err.value)
+    monkeypatch.setenv("PROXY_KEY", "p" * 32)
+    plan = plans.engines_plan(hosts["hgx-c"], inventory)
+    assert plan.secret_values == {"/etc/hgxserve/credentials/api-key": "p" * 32}
