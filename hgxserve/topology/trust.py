@@ -58,6 +58,8 @@ def load_pins(path: str) -> dict[str, str]:
         raise TrustError(f"pins file {path}: cannot read it: {exc.strerror}") from None
     except YAMLError as exc:
         raise TrustError(f"pins file {path}: not YAML: {exc}") from None
+    if data is None:
+        return {}  # an empty pins file pins nothing
     if not isinstance(data, dict):
         raise TrustError(f"pins file {path}: not a mapping of model name or source to sha256:...")
     pins: dict[str, str] = {}
