@@ -8,13 +8,13 @@ Groups: ``testhosts`` (all hosts), ``h200`` / ``h20`` (by simulated GPU kind), `
 ``trixie`` (by image). Host data keys: ``ssh_hostname``, ``ssh_user``, ``ssh_key``,
 ``ssh_known_hosts_file``, ``ssh_strict_host_key_checking`` (how to reach the host),
 ``testbed_gpu`` (the simulated GPU kind, ``h200`` or ``h20``), ``testbed_image`` (the Debian
-suite the host booted, ``bookworm`` or ``trixie``: ``python -m testbed up --image``), and
-``runtime_find_links`` / ``runtime_no_index``: the runtime stage builds its wheelhouse only from
-the simulated engine wheels the harness builds ($HGXSERVE_TESTBED_DIR/wheels), never from an
-index; ``rdma_sysfs``: where the release's RDMA evidence reads port counters (the hosts'
-SIMULATED counters, not /sys/class/infiniband). The
-state file is
-$HGXSERVE_TESTBED_DIR/state.json (default /var/lib/hgxserve-testbed/state.json).
+suite the host booted, ``bookworm`` or ``trixie``: ``python -m testbed up --image``),
+``model_pins``: the demo model's pin (the pins file testbed/demo.py writes when it publishes the
+model, when there is one), ``runtime_find_links`` / ``runtime_no_index``: the runtime stage
+builds its wheelhouse only from the simulated engine wheels the harness builds
+($HGXSERVE_TESTBED_DIR/wheels), never from an index; ``rdma_sysfs``: where the release's RDMA
+evidence reads port counters (the hosts' SIMULATED counters, not /sys/class/infiniband). The
+state file is $HGXSERVE_TESTBED_DIR/state.json (default /var/lib/hgxserve-testbed/state.json).
 """
 
 import json
@@ -22,9 +22,11 @@ import os
 from pathlib import Path
 
 _STATE = Path(os.environ.get("HGXSERVE_TESTBED_DIR", "/var/lib/hgxserve-testbed")) / "state.json"
+# the demo model's manifest digest, pinned outside the bucket (testbed/demo.py PINS)
+_PINS = _STATE.parent / "demo-pins.yml"
 
 
-def _hosts() -> list[tuple[str, dict[str, str]]]:
+def _hosts() -> list[tuple[str, dict[str, object]]]:
     if not _STATE.is_file():
         raise SystemExit(
             f"inventory/testhosts.py: no test hosts recorded ({_STATE} is missing); "
@@ -47,6 +49,7 @@ def _hosts() -> list[tuple[str, dict[str, str]]]:
                 "runtime_no_index": True,
                 # simulated RDMA port counters (testbed/hosts.py SIM_RDMA_DIR)
                 "rdma_sysfs": "/var/lib/hgxserve-sim/infiniband",
+                **({"model_pins": str(_PINS)} if _PINS.is_file() else {}),
             },
         )
         for host in state["hosts"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,6 +48,10 @@ def api_key_file(directory: Path) -> Path:
 
 
 STATE = testbed_hosts.STATE_DIR / "demo-s3.json"
+# The demo model's pin, kept outside the bucket as a lab keeps its pins file: inventory/
+# testhosts.py names this file as every host's `model_pins`, so the weights stage verifies, and
+# the engine units check, the digest published here (docs/weights.md "Trust root").
+PINS = testbed_hosts.STATE_DIR / "demo-pins.yml"
 # Make a test host look as if it never ran an hgxserve release (tests start from and leave this).
 FORGET_RELEASES = (
     "systemctl stop 'hgxserve-*' 2>/dev/null; "
@@ -135,7 +140,8 @@ def s3_env() -> dict[str, str]:
 
 
 def publish_model(model_dir: Path) -> str:
-    """Upload the model to the local S3 and publish its manifest; return the manifest digest."""
+    """Upload the model to the local S3 and publish its manifest; pin its digest in PINS and
+    return it."""
     import boto3
 
     s3 = boto3.client("s3", endpoint_url=S3_ENDPOINT, **_boto_kwargs())
@@ -150,7 +156,13 @@ def publish_model(model_dir: Path) -> str:
          "--addressing", "path"],
         env=s3_env(), capture_output=True, text=True, check=True,
     )  # fmt: skip
-    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    found = re.search(r"digest (sha256:[0-9a-f]{64})", proc.stderr)
+    if found is None:
+        raise RuntimeError(f"weights manifest --publish printed no digest: {proc.stderr[-500:]}")
+    pins = PINS.with_suffix(".tmp")
+    pins.write_text(f"s3://{BUCKET}/{PREFIX.rstrip('/')}: {found[1]}\n")
+    pins.replace(PINS)
+    return found[1]
 
 
 def _boto_kwargs() -> dict[str, str]:

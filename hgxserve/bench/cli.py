@@ -44,6 +44,16 @@ def bench() -> None:
     """
 
 
+def _api_key(path: str | None) -> str | None:
+    """The proxy's key from --api-key-file: a private file with a full-length key."""
+    from hgxserve.base.apikeys import KeyFileError, read_key_file
+
+    try:
+        return read_key_file(path) if path else None
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+
+
 @bench.command("run")
 @click.argument("topology", type=click.Path(dir_okay=False))
 @click.option("--scenario", "-s", "names", multiple=True, help="Run only this scenario (repeat).")
@@ -143,7 +153,7 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
         if not sep or not url.startswith(("http://", "https://")):
             raise UsageError(f"--engine-url {item!r}: want ENGINE=http://HOST:PORT")
         urls[name] = url
-    api_key = Path(api_key_file).read_text().strip() if api_key_file else None
+    api_key = _api_key(api_key_file)
     register_secret(api_key)
     observed: dict[str, Any] = {}
     if inventory is not None:

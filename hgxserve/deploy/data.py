@@ -170,6 +170,22 @@ KEYS: tuple[DataKey, ...] = (
         ("weights", "engines"), shown_default="the topology's model.digest",
     ),
     DataKey(
+        "model_pins", "path", None,
+        "The pins file: a YAML mapping `{<model name or source URL>: sha256:...}` of the "
+        "manifest digests the weights must match, kept outside the bucket (docs/weights.md "
+        "\"Trust root\"). A model's pin reaches the weights stage and the engine units as "
+        "model.digest does; one that differs from model.digest is refused. Set it in the "
+        "inventory (inventory/lab.yml `model_pins:`).",
+        _TOPOLOGY_STAGES, shown_default="no pins: the topology's model.digest only",
+    ),
+    DataKey(
+        "allow_env", "list", (),
+        "Controller environment variables the topology's `{env: VAR}` secrets may push to the "
+        "hosts (comma-separated); any other is refused before anything runs. Set it in the "
+        "inventory (inventory/lab.yml `allow_env:`).",
+        (*_TOPOLOGY_STAGES, "monitoring"), shown_default="none",
+    ),
+    DataKey(
         "agent", "path", AGENT,
         "Where the hgxserve agent lives on the hosts.",
         ("weights",),

@@ -30,6 +30,7 @@ from hgxserve.bench.releasegate import BenchStep, bench_step_for
 from hgxserve.bench.scenario import kv_shapes
 from hgxserve.deploy.bakers import cache_entries, elect_bakers
 from hgxserve.deploy.data import DeployData, deploy_data
+from hgxserve.deploy.keyfiles import check_env_keys, check_host_key_files
 from hgxserve.deploy.stages import in_site_run, record_site_stages
 from hgxserve.deploy.switching import (
     env_secret_values,
@@ -67,6 +68,15 @@ from hgxserve.topology.kernels import deepep_across_hosts
 from hgxserve.topology.model import Host as TopologyHost
 from hgxserve.topology.model import Model, S3Source, TopologyFile
 from hgxserve.topology.placement import pin_digest
+from hgxserve.topology.trust import (
+    TrustError,
+    TrustRoot,
+    env_refusals,
+    load_pins,
+    pinned,
+    trust_root,
+    unpinned_refusal,
+)
 from hgxserve.weights.published import published_manifest_size
 
 Plan = TypeVar("Plan")
@@ -86,14 +96,43 @@ def plan_or_fields(plan: Plan | None, kind: type[Plan], fields: dict[str, Any]) 
 
 
 def stage_topology(host: Host) -> Topology:
-    """The validated topology `--data topology=FILE` (or $HGXSERVE_TOPOLOGY) names."""
-    path = deploy_data(host).get("topology")
+    """The validated topology `--data topology=FILE` (or $HGXSERVE_TOPOLOGY) names, with its
+    weights pinned as the inventory says (`trusted_topology`)."""
+    data = deploy_data(host)
+    path = data.get("topology")
     if not path:
         raise DeployError("no topology given: pass --data topology=topologies/<name>.yml")
     try:
-        return load_topology(path)
+        topology = load_topology(path)
     except TopologyError as exc:
         raise DeployError(f"invalid topology {path}:\n{exc}") from None
+    return trusted_topology(topology, data, host)
+
+
+def trusted_topology(topology: Topology, data: DeployData, host: Host | None = None) -> Topology:
+    """`topology` with `model.digest` set from the inventory's pins file (`model_pins`); a
+    DeployError, before anything runs, for an `{env: VAR}` secret whose VAR the inventory does
+    not allow (`allow_env`), a pin that contradicts `model.digest`, or trust_remote_code on
+    weights nothing but the bucket vouches for."""
+    refused = env_refusals(topology, data.get("allow_env"))
+    if refused:
+        raise DeployError("\n".join(refused))
+    pins_file = data.get("model_pins")
+    try:
+        root = trust_root(topology.model, load_pins(pins_file) if pins_file else {}, pins_file)
+    except TrustError as exc:
+        raise DeployError(str(exc)) from None
+    if data.given("weights_digest"):  # this run's explicit pin (--data weights_digest=)
+        root = TrustRoot(data.get("weights_digest"), "data")
+    refusal = unpinned_refusal(topology, root)
+    if refusal:
+        raise DeployError(refusal)
+    if root.digest is None and host is not None:
+        per_run(host.state, ("unpinned-weights", topology.model.name), lambda: logger.warning(
+            f"weights of {topology.model.name}: {root.text()}; whoever can write the bucket "
+            "chooses them (pin them: model.digest, or the inventory's model_pins)"
+        ))  # fmt: skip
+    return pinned(topology, root)
 
 
 def topology_host(host: Host) -> tuple[Topology, TopologyHost]:
@@ -398,6 +437,7 @@ def _bake_secrets(topology: Topology, host: Host, bakers: dict[str, str]) -> dic
     credentials from the controller's environment go to the host before it."""
     if host.name not in bakers.values():
         return {}
+    check_env_keys(topology)
     rendered = render_host(topology, host.name).credentials
     return env_secret_values({c.path: c.ref for c in rendered if c.path is not None})
 
@@ -526,6 +566,8 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
         coord.kv_needs = kv_needs_by_host(topology, kv_shapes(topology.source_file))
     devices = _counter_devices(topology, host.name, coord)
     bench = _bench(topology, host, active, data)
+    check_env_keys(topology)  # the API keys pushed, and those the units load on this host
+    check_host_key_files(topology, host)
     secrets = secret_values(plan)
     switching = SwitchPlan(
         release_id=plan.id,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast, get_type_hints
 from urllib.parse import urlsplit
 
+from hgxserve.base.apikeys import KeyFileError, read_key_file
 from hgxserve.base.defaults import (
     DRAIN_MARGIN_S,
     DRAIN_OUTPUT_TOKENS,
@@ -443,12 +444,10 @@ def read_api_key(path: str) -> str:
 
     Example: read_api_key("/run/credentials/hgxserve-proxy.service/api-key")
     """
-    try:
-        key = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ProxyConfigError(f"{path}: cannot read the API key file: {exc.strerror}") from exc
-    if not key:
-        raise ProxyConfigError(f"{path}: the API key file is empty")
+    try:  # a private regular file, a key of MIN_API_KEY_LENGTH or more (hgxserve.base.apikeys)
+        key = read_key_file(path)
+    except KeyFileError as exc:
+        raise ProxyConfigError(str(exc)) from None
     if not all("!" <= c <= "~" for c in key):
         # it goes into an HTTP header: a CR/LF or space there would split or end the header
         raise ProxyConfigError(

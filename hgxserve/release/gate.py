@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from hgxserve.base.apikeys import KeyFileError, read_key_file
 from hgxserve.base.errors import Found
 from hgxserve.base.promtext import parse_samples
 
@@ -366,8 +367,10 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
 def _api_key(spec: GateSpec) -> str | None:
     if not spec.api_key_file:
         return None
-    with open(spec.api_key_file, encoding="utf-8") as fh:
-        return fh.read().strip()
+    try:  # the key the release wrote (0600), or the topology's file / credential store file
+        return read_key_file(spec.api_key_file, "proxy API key")
+    except KeyFileError as exc:
+        raise GateError(str(exc)) from None
 
 
 def _check_front_door(spec: GateSpec, base: str, key: str | None, log: Any) -> None:

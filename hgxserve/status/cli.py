@@ -64,6 +64,25 @@ def _inventory(path: str, names: list[str]) -> Any:
         _fail(str(exc))
 
 
+def _inventory_pinned(topo: Any, hosts: list[Any]) -> Any:
+    """`topo` with its weights pinned from the inventory's pins file (`model_pins`), as the
+    deploys pin them (so the expected release matches)."""
+    from hgxserve.topology.trust import (
+        TrustError,
+        inventory_trust,
+        load_pins,
+        pinned,
+        trust_root,
+    )
+
+    try:
+        pins_file, _ = inventory_trust([h.data for h in hosts])
+        pins = load_pins(pins_file) if pins_file else {}
+        return pinned(topo, trust_root(topo.model, pins, pins_file or ""))
+    except TrustError as exc:
+        _fail(str(exc))
+
+
 # ------------------------------------------------------------------------------- status
 
 
@@ -136,9 +155,10 @@ def status(  # noqa: PLR0913 - a click command: one parameter per option
     from hgxserve.status.table import render
     from hgxserve.topology.placement import pin_digest
 
-    # the engines deploy pins the units the same way, so the expected release matches
-    topo = pin_digest(_topology(topology), weights_digest)
+    topo = _topology(topology)
     hosts = _inventory(inventory, list(topo.hosts))
+    # the engines deploy pins the units the same way, so the expected release matches
+    topo = pin_digest(_inventory_pinned(topo, hosts), weights_digest)
     code = EXIT_UNKNOWN
     with Sessions(hosts, connect_timeout=connect_timeout) as sessions:
         try:

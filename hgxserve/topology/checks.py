@@ -336,6 +336,26 @@ def remote_code_integrity(topo: Topology, engine: Engine) -> Iterator[Finding]:
         )
 
 
+@engine_rule(
+    "remote-code-pin",
+    "error",
+    "trust_remote_code needs pinned weights: model.digest, or digest_from: inventory.",
+)
+def remote_code_pin(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    model = topo.model
+    if model.integrity != "sha256" or model.digest or model.digest_from == "inventory":
+        return  # the opt-out is rule remote-code-integrity's
+    if engine.args.get("trust_remote_code"):
+        yield (
+            setting_path(topo, engine.name, "args", "trust_remote_code"),
+            "trust_remote_code runs Python from the model tree, and without a pin the weights "
+            "are verified only against the bucket's own manifest: whoever can write the bucket "
+            "runs code on every host; pin the manifest digest (model.digest: sha256:..., from "
+            "`hgxserve weights manifest SRC`) or keep the pin in the inventory's pins file "
+            "(model.digest_from: inventory)",
+        )
+
+
 # -- 3. P/D --------------------------------------------------------------------------------------
 
 

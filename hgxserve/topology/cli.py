@@ -30,6 +30,11 @@ from hgxserve.topology.ports import (
 from hgxserve.topology.problems import Problem, sort_problems
 
 EXIT_OK, EXIT_ERRORS, EXIT_UNREADABLE = ExitCode.OK, ExitCode.FOUND, ExitCode.USAGE
+UNPINNED = (
+    "the weights are not pinned: they are verified against the bucket's own manifest, so "
+    "whoever can write the bucket chooses them; pin them with model.digest or the inventory's "
+    "pins file (model_pins)"
+)
 
 
 def _safe_check(path: str) -> CheckResult:
@@ -179,6 +184,39 @@ def _model_source(topo: Topology) -> str:
     if hasattr(source, "monitors"):
         return f"cephfs:{source.path}"
     return f"local:{source.path}"
+
+
+def trust_plan(topo: Topology, inventory: str | None) -> tuple[dict[str, Any], list[str]]:
+    """The model's trust root as plain data, and the refusals a deploy would make for it and
+    for the topology's `{env: VAR}` secrets (only with the inventory, which holds the pins file
+    and the allowed names)."""
+    from hgxserve.topology.trust import (
+        TrustError,
+        env_refusals,
+        inventory_trust,
+        load_pins,
+        trust_root,
+        unpinned_refusal,
+    )
+
+    if inventory is None:
+        root = trust_root(topo.model)
+        data = {"kind": root.kind, "digest": root.digest, "where": root.where}
+        if root.digest is None and topo.model.digest_from == "inventory":
+            data["text"] = "the inventory's pins file (model_pins; give --inventory to see it)"
+        return {**data, "text": data.get("text") or root.text()}, []
+    from hgxserve.remote.inventory import InventoryError, load_inventory
+
+    try:
+        hosts = load_inventory(inventory).select(topo.hosts_in_use())
+        pins_file, allowed = inventory_trust([h.data for h in hosts])
+        root = trust_root(topo.model, load_pins(pins_file) if pins_file else {}, pins_file or "")
+    except (InventoryError, TrustError) as exc:
+        return {"kind": "error", "digest": None, "where": "", "text": str(exc)}, [str(exc)]
+    refusals = env_refusals(topo, allowed)
+    refusal = unpinned_refusal(topo, root)
+    data = {"kind": root.kind, "digest": root.digest, "where": root.where, "text": root.text()}
+    return data, refusals + ([refusal] if refusal else [])
 
 
 def build_plan(topo: Topology) -> dict[str, Any]:
@@ -349,6 +387,7 @@ def _plan_text(plan: dict[str, Any]) -> list[str]:
         f"digest {plan['digest'][:16]}",
         f"model {plan['model']['name']} served as {plan['model']['served_name']} at "
         f"{plan['model']['path']} from {plan['model']['source']}",
+        f"weights trust root: {plan['trust_root']['text']}",
         "weights integrity: "
         + (
             "sha256 required (published manifest or S3 object checksums)"
@@ -550,6 +589,19 @@ def _echo_plan(data: dict[str, Any], warnings: Sequence[Any], fmt: str) -> None:
         click.echo("\n".join(last_release_lines(last["from"], last["engines"])))
 
 
+def _checked_trust(file: str, topo: Topology, inventory: str | None, fmt: str) -> dict[str, Any]:
+    """The trust root for the plan; the deploy's refusals exit 1 (on stderr), an unpinned
+    model is a warning."""
+    trust, refusals = trust_plan(topo, inventory)
+    for refusal in refusals:
+        click.echo(f"error: {refusal}", err=True)
+    if refusals:
+        sys.exit(EXIT_ERRORS)
+    if trust["kind"] == "bucket" and topo.model.digest_from != "inventory" and fmt == "text":
+        click.echo(f"{file}: warning: {UNPINNED}", err=True)
+    return trust
+
+
 @click.command("plan")
 @click.argument("file", type=click.Path(dir_okay=False))
 @FORMAT
@@ -566,13 +618,23 @@ def _echo_plan(data: dict[str, Any], warnings: Sequence[Any], fmt: str) -> None:
     help="The last release's record (a `status --json` report, a bench run.json or a host's "
     "`release status`): show each engine's start time and KV capacity against this topology.",
 )
-def plan(file: str, fmt: str, diagram_out: str | None, last_file: str | None) -> None:
+@click.option(
+    "--inventory",
+    type=click.Path(dir_okay=False, exists=True),
+    help="The inventory the deploys use: show the weights' pin from its pins file "
+    "(model_pins) and refuse, as a deploy would, trust_remote_code on unpinned weights and "
+    "{env: VAR} secrets it does not allow (allow_env).",
+)
+def plan(
+    file: str, fmt: str, diagram_out: str | None, last_file: str | None, inventory: str | None
+) -> None:
     """Show per host the GPU map, listeners, engine commands and the P/D wiring.
 
     \b
     hgxserve plan topologies/h20-v4flash-4p4d.yml
     hgxserve plan topologies/h200-dsv32-2p1d.yml --format json
     hgxserve plan topologies/h200-dsv32-2p1d.yml --diagram dsv32.svg
+    hgxserve plan topologies/h200-dsv32-tp8.yml --inventory inventory/lab.py
 
     An invalid topology is refused with the same output as `validate` (exit 1, or 2); one the
     renderer cannot write (a bug: the rules refuse every such topology) exits 6.
@@ -587,8 +649,10 @@ def plan(file: str, fmt: str, diagram_out: str | None, last_file: str | None) ->
             _print_problems([result], False)
         sys.exit(_exit_code([result], False))
     topo = result.topology
+    trust = _checked_trust(file, topo, inventory, fmt)
     try:
         data = build_plan(topo)
+        data["trust_root"] = trust
         data["warnings"] = [p.to_json() for p in result.warnings]
         if last_file:
             data["last_release"] = _last_release(topo, last_file)

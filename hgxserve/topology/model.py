@@ -142,6 +142,7 @@ class Model:
     config: str | None = None  # config.json for the fit estimate (hgxserve.topology.fit)
     integrity: str = "sha256"  # sha256 | size-etag (explicit opt-out)
     digest: str | None = None  # pinned manifest digest (sha256:...)
+    digest_from: str | None = None  # "inventory": the pin is in the inventory's pins file
 
 
 # A wheel's file name: distribution, version, optional build tag, python, abi, platform.
@@ -617,6 +618,7 @@ def _model(data: dict[str, Any]) -> Model:
         config=data.get("config"),
         integrity=_get(data, "model", "integrity"),
         digest=data.get("digest"),
+        digest_from=data.get("digest_from"),
     )
 
 

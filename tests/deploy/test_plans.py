@@ -83,7 +83,9 @@ def test_provision_sets_ibgda_where_deepep_spans_hosts():
     _, hosts = run({})
     assert plans.provision_plan(hosts["hgx-a"]).ibgda is False  # the demo has no DeepEP
     names = ["h200-a", "h200-e"]
-    _, hosts = run({"topology": "topologies/h200-dsv32-2p1d.yml"}, names)
+    # trust_remote_code: deployed only with its weights pinned (here for this run)
+    pin = "sha256:" + "1" * 64
+    _, hosts = run({"topology": "topologies/h200-dsv32-2p1d.yml", "weights_digest": pin}, names)
     assert all(plans.provision_plan(hosts[n]).ibgda for n in names)
 
 

@@ -466,7 +466,8 @@ def test_odd_json_values_never_make_a_500(engines, proxy, body: dict[str, Any]) 
 
 def test_garbage_authorization_gets_401_and_no_traceback(engines, proxy, tmp_path: Path) -> None:
     key = tmp_path / "key"
-    key.write_text("k-0123456789\n")
+    key.touch(mode=0o600)  # a key file is private (hgxserve.base.apikeys)
+    key.write_text("k-0123456789abcdef0123456789abcdef\n")
     px = proxy(combined_config(vllm(engines, None), auth={"api_key_file": str(key)}))
     sock = raw_socket(px.port)
     payload = b'{"model":"m","prompt":"hi"}'
@@ -527,7 +528,7 @@ def test_request_ids_are_the_proxys_own_led_by_a_plain_client_id(engines, proxy)
 
 
 def test_keyed_engines_refuse_others_and_serve_the_proxy(engines, proxy, tmp_path: Path) -> None:
-    key = "engine-key-0123456789"
+    key = "engine-key-0123456789abcdef0123456789"
     pre = vllm(engines, "prefill", env={"VLLM_API_KEY": key})
     dec = vllm(engines, "decode", env={"VLLM_API_KEY": key})
     comb = vllm(engines, None, env={"VLLM_API_KEY": key})
@@ -540,6 +541,7 @@ def test_keyed_engines_refuse_others_and_serve_the_proxy(engines, proxy, tmp_pat
         assert http("POST", eng.url + "/v1/completions", body, headers=wrong)[0] == 401
         assert http("GET", eng.url + "/health")[0] == 200
     key_file = tmp_path / "engine-key"
+    key_file.touch(mode=0o600)
     key_file.write_text(key + "\n")
     px = proxy(
         pd_config(

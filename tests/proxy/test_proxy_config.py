@@ -137,14 +137,15 @@ def test_front_door_limits_and_keys_are_checked(tmp_path: Path) -> None:
     assert "$.limits.max_buffered_body_bytes: must be at least max_body_bytes" in text
     assert "$.auth.upstream_api_key_file: must be an absolute path" in text
     key = tmp_path / "engine-key"
-    key.write_text("line one\r\nInjected: header\n")
+    key.touch(mode=0o600)  # a key file is private (hgxserve.base.apikeys)
+    key.write_text("line one of the key\r\nInjected: header-0123456789\n")
     config = tmp_path / "p.json"
     config.write_text(json.dumps({**base, "auth": {"upstream_api_key_file": str(key)}}))
     out = subprocess.run(
         [str(HGXSERVE), "proxy", "check", "--config", str(config)], capture_output=True, text=True
     )
     assert out.returncode == 1 and "printable ASCII" in out.stderr, "it would split a header"
-    key.write_text("engine-k3y\n")
+    key.write_text("engine-k3y-0123456789abcdef0123456789\n")
     out = subprocess.run(
         [str(HGXSERVE), "proxy", "check", "--config", str(config)], capture_output=True, text=True
     )

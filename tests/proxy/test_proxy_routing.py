@@ -291,7 +291,8 @@ def test_retry_on_dead_decode_before_any_byte(engines, proxy) -> None:
 def test_auth_refused_without_key(engines, proxy, tmp_path) -> None:
     comb = vllm(engines, None)
     key_file = tmp_path / "api-key"
-    key_file.write_text("s3cr3t-key-0123\n")
+    key_file.touch(mode=0o600)  # a key file is private (hgxserve.base.apikeys)
+    key_file.write_text("s3cr3t-key-0123456789abcdef0123456789\n")
     px = proxy(
         {
             "protocol": "vllm-nixl",
@@ -306,7 +307,7 @@ def test_auth_refused_without_key(engines, proxy, tmp_path) -> None:
     bad = {"Authorization": "Bearer wrong"}
     assert http_json("POST", px.url + "/v1/completions", body, headers=bad)[0] == 401
     assert http_json("GET", px.url + "/v1/models")[0] == 401
-    good = {"Authorization": "Bearer s3cr3t-key-0123"}
+    good = {"Authorization": "Bearer s3cr3t-key-0123456789abcdef0123456789"}
     assert http_json("POST", px.url + "/v1/completions", body, headers=good)[0] == 200
     status, models = http_json("GET", px.url + "/v1/models", headers=good)
     assert status == 200 and models["data"][0]["id"] == "m"
