@@ -31,6 +31,7 @@ from hgxserve.base.paths import (
     PROMETHEUS_DROPIN,
     UNIT_DIR,
 )
+from hgxserve.deploy.switching import env_secret_values
 from hgxserve.facts.files import FilesUnder
 from hgxserve.monitoring.host_files import (
     DCGM_UNIT,
@@ -39,8 +40,10 @@ from hgxserve.monitoring.host_files import (
     NODE_EXPORTER_UNIT,
     PROMETHEUS_PACKAGE,
     PROMETHEUS_UNIT,
+    PROMETHEUS_USER,
     HostMonitoring,
 )
+from hgxserve.operations.credentials import secret_file
 from hgxserve.operations.packages import APT_CACHE_SECONDS, pinned_packages
 
 
@@ -120,6 +123,15 @@ def monitoring(part: HostMonitoring, cache_time: int = APT_CACHE_SECONDS) -> Non
 def _prometheus(part: HostMonitoring, cache_time: int) -> None:
     assert part.prometheus_args is not None
     pinned_packages(name="Install Prometheus", packages=[PROMETHEUS_PACKAGE], cache_time=cache_time)
+    # before the config that names them (promtool checks the file is there); Prometheus reads
+    # a key at every scrape, so a new one needs no reload
+    for path, value in sorted(env_secret_values(part.prometheus_keys).items()):
+        secret_file(
+            name=f"Install the key Prometheus sends to the proxy's /metrics ({path}, 0640)",
+            dest=path,
+            content=value,
+            group=PROMETHEUS_USER,
+        )
     config = [
         _put(f"Write {path}", text, path) for path, text in sorted(part.prometheus_files.items())
     ]

@@ -92,3 +92,11 @@ NODE_EXPORTER_DEFAULTS = "/etc/default/prometheus-node-exporter"
 MONITORING_CONFIG_DIR = f"{CONFIG_DIR}/monitoring"
 DCGM_COUNTERS = f"{MONITORING_CONFIG_DIR}/dcgm-counters.csv"
 GRAFANA_DASHBOARDS_DIR = "/var/lib/grafana/dashboards/hgxserve"
+# the keys Prometheus sends (the proxy's /metrics key), relative to PROMETHEUS_DIR as the
+# drop-in is: a directory of its own, root:prometheus 0750, each file 0640
+PROMETHEUS_KEYS = "hgxserve-keys"
+
+
+def prometheus_proxy_key(topology: str) -> str:
+    """The proxy's /metrics key for Prometheus, relative to PROMETHEUS_DIR."""
+    return f"{PROMETHEUS_KEYS}/{topology}-proxy-metrics.key"

@@ -85,6 +85,11 @@ def _api_key(path: str | None) -> str | None:
     help="File holding the proxy's API key (never put the key on the command line).",
 )
 @click.option(
+    "--metrics-key-file",
+    type=click.Path(dir_okay=False, exists=True),
+    help="File holding the key the proxy's /metrics wants (proxy.auth.metrics_key).",
+)
+@click.option(
     "--release-id",
     help="Release the hosts run, recorded with the results (default: read from the hosts "
     "with --inventory, else 'unknown').",
@@ -126,6 +131,7 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     engine_urls: tuple[str, ...],
     tokenizer: str | None,
     api_key_file: str | None,
+    metrics_key_file: str | None,
     release_id: str | None,
     inventory: str | None,
     from_host: str | None,
@@ -155,6 +161,8 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
         urls[name] = url
     api_key = _api_key(api_key_file)
     register_secret(api_key)
+    metrics_key = Path(metrics_key_file).read_text().strip() if metrics_key_file else None
+    register_secret(metrics_key)
     observed: dict[str, Any] = {}
     if inventory is not None:
         running, observed = _running_releases(spec.topology, inventory)
@@ -174,6 +182,7 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
         engine_urls=reach.engine_urls,
         tokenizer=tokenizer,
         api_key=api_key,
+        metrics_key=metrics_key,
         release_id=release_id,
         round_timeout_s=float(timeouts["round_timeout"] or 3600),
         drain_timeout_s=timeouts["drain_timeout"],

@@ -46,9 +46,12 @@ class MetricsError(HgxserveError):
     exit_code = ExitCode.SOURCE
 
 
-def fetch_text(url: str, timeout: float = 10.0) -> str:
+def fetch_text(url: str, timeout: float = 10.0, key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=timeout
+        ) as resp:
             return str(resp.read().decode("utf-8", "replace"))
     except urllib.error.HTTPError as exc:
         raise MetricsError(f"{url}: HTTP {exc.code}") from None
@@ -80,6 +83,7 @@ class Targets:
     proxy_url: str
     engines: tuple[EngineTarget, ...]
     served_name: str = ""
+    metrics_key: str | None = None  # the proxy's /metrics wants it (proxy.auth.metrics_key)
 
     @property
     def answering(self) -> list[EngineTarget]:
@@ -148,7 +152,7 @@ class Snapshot:
 
 
 def snapshot(t: Targets) -> Snapshot:
-    snap = Snapshot(fetch_text(t.proxy_url + "/metrics"))
+    snap = Snapshot(fetch_text(t.proxy_url + "/metrics", key=t.metrics_key))
     for e in t.engines:
         snap.engines[e.name] = fetch_text(e.url + "/metrics")
     return snap

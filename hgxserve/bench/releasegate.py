@@ -48,6 +48,7 @@ class BenchStep:
     max_regression_pct: float | None = None
     tokenizer: str | None = None  # a local tokenizer directory on the controller
     api_key_file: str | None = None  # on the gate's host, read over SSH (never logged)
+    metrics_key_file: str | None = None  # the proxy's /metrics key there, read the same way
     connections: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> SSH settings
     previous: tuple[str, str] | None = None  # (host, release id) of the last confirmed gate
     out_root: str = BENCH_RUNS_DIR  # the controller keeps its copy of every run here too
@@ -82,17 +83,19 @@ def _inventory_file(directory: Path, connections: dict[str, dict[str, Any]]) -> 
 
 def bench_argv(
     step: BenchStep, *, inventory: Path, from_host: str, release_id: str,
-    api_key_file: Path | None,
+    key_files: dict[str, Path | None],
 ) -> list[str]:  # fmt: skip
-    """The bench child's command line: its results go under the step's out_root."""
+    """The bench child's command line: its results go under the step's out_root; `key_files`
+    maps a key option (--api-key-file, --metrics-key-file) to the local copy of that key."""
     argv = [
         str(Path(sys.executable).with_name("hgxserve")), "bench", "run", step.topology_file,
         "--scenario", step.scenario, "--inventory", str(inventory), "--from", from_host,
         "--release-id", release_id, "--out", str(Path(step.out_root)),
         "--round-timeout", str(max(1, step.timeout_s - MARGIN_S)),
     ]  # fmt: skip
-    if api_key_file is not None:
-        argv += ["--api-key-file", str(api_key_file)]
+    for option, path in sorted(key_files.items()):
+        if path is not None:
+            argv += [option, str(path)]
     if step.tokenizer:
         argv += ["--tokenizer", step.tokenizer]
     return argv
@@ -169,6 +172,19 @@ def _failure(code: int, lines: list[str]) -> str:
     return f"the bench could not run (exit {code}): {errors[-1] if errors else 'no output'}"
 
 
+def _local_key(host: Host, remote: str | None, local: Path) -> Path | None:
+    """A copy (0600) in `local` of the key file `remote` on `host`; None without one;
+    KeyError(remote) when it cannot be read."""
+    if not remote:
+        return None
+    key = _read_remote(host, remote)
+    if not key:
+        raise KeyError(remote)
+    local.touch(mode=0o600)
+    local.write_text(key.strip() + "\n")
+    return local
+
+
 def run_bench_gate(  # noqa: PLR0913 - pyinfra's python.call: state and host, then its keywords
     state: State, host: Host, coord: Coordination, release_id: str, step: BenchStep,
     root: str = RELEASE_ROOT,
@@ -179,21 +195,20 @@ def run_bench_gate(  # noqa: PLR0913 - pyinfra's python.call: state and host, th
         return True  # the probes failed (or did not run): settle reverts without a bench
     with tempfile.TemporaryDirectory(prefix="hgxserve-release-bench-") as tmp:
         work = Path(tmp)
-        key_file = None
-        if step.api_key_file:
-            key = _read_remote(host, step.api_key_file)
-            if not key:
-                coord.verdict = (False, f"bench: cannot read the proxy's key {step.api_key_file}")
-                host.log_styled(coord.verdict[1], fg="red")
-                return True
-            key_file = work / "api-key"
-            key_file.touch(mode=0o600)
-            key_file.write_text(key.strip() + "\n")
+        try:
+            key_file = _local_key(host, step.api_key_file, work / "api-key")
+            metrics_key = _local_key(host, step.metrics_key_file, work / "metrics-key")
+        except KeyError as exc:
+            coord.verdict = (False, f"bench: cannot read the proxy's key {exc.args[0]}")
+            host.log_styled(coord.verdict[1], fg="red")
+            return True
         inventory = _inventory_file(work, step.connections)
         hosts_ids = " ".join(f"{h}={i}" for h, i in sorted(coord.targets.items()))
         earlier = _runs(Path(step.out_root))
         argv = bench_argv(step, inventory=inventory, from_host=host.name,
-                          release_id=hosts_ids or release_id, api_key_file=key_file)  # fmt: skip
+                          release_id=hosts_ids or release_id,
+                          key_files={"--api-key-file": key_file,
+                                     "--metrics-key-file": metrics_key})  # fmt: skip
         host.log_styled(
             f"bench gate: scenario {step.scenario} through the proxy from {host.name} "
             f"(up to {step.timeout_s} s)",
@@ -304,6 +319,7 @@ def bench_step_for(
         max_regression_pct=gate.max_regression_pct,
         tokenizer=tokenizer,
         api_key_file=spec.get("api_key_file"),  # type: ignore[arg-type]
+        metrics_key_file=spec.get("metrics_key_file"),  # type: ignore[arg-type]
         connections={h.name: connection_data(h) for h in hosts},
         previous=previous_gate(states),
     )

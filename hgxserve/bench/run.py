@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ class RunOptions:
     engine_urls: dict[str, str] = field(default_factory=dict)
     tokenizer: str | None = None
     api_key: str | None = None
+    metrics_key: str | None = None  # the proxy's /metrics key (proxy.auth.metrics_key)
     release_id: str | None = None
     round_timeout_s: float = 3600.0
     drain_timeout_s: float | None = None
@@ -146,6 +147,7 @@ def run_bench(
     """Run every round; write run.json into a new run directory; return (dir, result)."""
     topo = spec.topology
     t = metrics.targets(topo, proxy_url=opts.proxy_url, engine_urls=opts.engine_urls)
+    t = replace(t, metrics_key=opts.metrics_key)
     gpus = t.gpus()
     started = datetime.now(timezone.utc)
     run_id = f"{started:%Y%m%dT%H%M%SZ}-{topo.name}"

@@ -12,13 +12,13 @@ the DCGM it was built against (NVIDIA/dcgm-exporter `hack/versions.env`: DCGM 4.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hgxserve.base.paths import DCGM_COUNTERS
 from hgxserve.base.units import exec_line, path_list
 from hgxserve.monitoring.metrics import UNIT_INCLUDE
 from hgxserve.render.types import CONTAINER_TOOLS, templates
-from hgxserve.topology.model import Monitoring, Topology
+from hgxserve.topology.model import Monitoring, SecretRef, Topology
 
 DCGM_VERSION = "4.6.0"
 DCGM_EXPORTER_VERSION = "4.8.3"
@@ -35,6 +35,7 @@ NODE_EXPORTER_PACKAGE = "prometheus-node-exporter"
 NODE_EXPORTER_UNIT = "prometheus-node-exporter.service"
 PROMETHEUS_PACKAGE = "prometheus"
 PROMETHEUS_UNIT = "prometheus.service"
+PROMETHEUS_USER = "prometheus"  # Debian's package runs Prometheus as this user and group
 
 # Debian's node exporter unit runs as `prometheus` with no sandbox: ours, as for hgxserve's units.
 # It reads /proc and /sys (read-only under ProtectSystem=strict) and netlink for netdev stats.
@@ -130,6 +131,9 @@ class HostMonitoring:
     dcgm_packages: tuple[tuple[str, str], ...]
     prometheus_files: dict[str, str]  # host path -> content ({} when Prometheus runs elsewhere)
     prometheus_args: str | None
+    # host path -> the proxy's /metrics key (rule monitoring-host: an env reference), which
+    # the scrape job sends; pushed root:prometheus 0640 before promtool checks the config
+    prometheus_keys: dict[str, SecretRef] = field(default_factory=dict)
 
 
 def host_monitoring(topo: Topology, host: str, tool: str = "podman") -> HostMonitoring | None:
@@ -138,9 +142,9 @@ def host_monitoring(topo: Topology, host: str, tool: str = "podman") -> HostMoni
     >>> host_monitoring(topo, "hgx-c").prometheus_args  # doctest: +SKIP
     'ARGS="--web.listen-address=:9090 --storage.tsdb.retention.time=1d"\\n'
     """
-    from hgxserve.base.paths import PROMETHEUS_DIR
+    from hgxserve.base.paths import PROMETHEUS_DIR, prometheus_proxy_key
     from hgxserve.monitoring.metrics import dcgm_counters_csv
-    from hgxserve.monitoring.render import render_tree
+    from hgxserve.monitoring.render import proxy_metrics_keyed, render_tree
     from hgxserve.monitoring.targets import gpu_hosts
 
     mon = topo.monitoring
@@ -152,6 +156,10 @@ def host_monitoring(topo: Topology, host: str, tool: str = "podman") -> HostMoni
         return None
     dcgm = mon.dcgm_exporter and host in gpu_hosts(topo)
     prom_files: dict[str, str] = {}
+    keys: dict[str, SecretRef] = {}
+    if runs_prometheus and topo.proxy is not None and proxy_metrics_keyed(topo):
+        assert topo.proxy.metrics_key is not None
+        keys[f"{PROMETHEUS_DIR}/{prometheus_proxy_key(topo.name)}"] = topo.proxy.metrics_key
     if runs_prometheus:
         prefix = "prometheus/"
         prom_files = {
@@ -168,4 +176,5 @@ def host_monitoring(topo: Topology, host: str, tool: str = "podman") -> HostMoni
         dcgm_packages=DCGM_PACKAGES if dcgm and mon.dcgm_source == "package" else (),
         prometheus_files=prom_files,
         prometheus_args=prometheus_args(mon) if runs_prometheus else None,
+        prometheus_keys=keys,
     )

@@ -22,11 +22,11 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
-from hgxserve.base.paths import GRAFANA_DASHBOARDS_DIR, PROMETHEUS_DROPIN
+from hgxserve.base.paths import GRAFANA_DASHBOARDS_DIR, PROMETHEUS_DROPIN, prometheus_proxy_key
 from hgxserve.monitoring.dashboard import dashboard
 from hgxserve.monitoring.metrics import dcgm_counters_csv
 from hgxserve.monitoring.rules import rule_groups
-from hgxserve.monitoring.targets import JOBS, Target, monitoring_of, scrape_targets
+from hgxserve.monitoring.targets import JOB_PROXY, JOBS, Target, monitoring_of, scrape_targets
 from hgxserve.topology.model import Topology
 
 HEADER = "# Rendered by hgxserve from topology {name} (digest {digest}); do not edit here.\n"
@@ -76,18 +76,29 @@ def scrape_configs(topo: Topology, targets: list[Target]) -> list[dict[str, Any]
     for job in JOBS:
         if not any(t.job == job for t in targets):
             continue
-        out.append(
-            {
-                "job_name": f"hgxserve-{topo.name}-{_kind(job)}",
-                "scrape_interval": f"{interval}s",
-                "scrape_timeout": f"{min(interval, 10)}s",
-                "metrics_path": "/metrics",
-                "file_sd_configs": [
-                    {"files": [f"{PROMETHEUS_DROPIN}/file_sd/{file_sd_name(topo, job)}"]}
-                ],
+        config: dict[str, Any] = {
+            "job_name": f"hgxserve-{topo.name}-{_kind(job)}",
+            "scrape_interval": f"{interval}s",
+            "scrape_timeout": f"{min(interval, 10)}s",
+            "metrics_path": "/metrics",
+        }
+        if job == JOB_PROXY and proxy_metrics_keyed(topo):
+            # Prometheus reads the file at every scrape; relative to its config, as file_sd
+            config["authorization"] = {
+                "type": "Bearer",
+                "credentials_file": prometheus_proxy_key(topo.name),
             }
-        )
+        config["file_sd_configs"] = [
+            {"files": [f"{PROMETHEUS_DROPIN}/file_sd/{file_sd_name(topo, job)}"]}
+        ]
+        out.append(config)
     return out
+
+
+def proxy_metrics_keyed(topo: Topology) -> bool:
+    """Whether the topology's proxy wants a key on /metrics (hgxserve's own, metrics_key set)."""
+    proxy = topo.proxy
+    return proxy is not None and proxy.kind == "hgxserve" and proxy.metrics_key is not None
 
 
 def prometheus_config(topo: Topology, targets: list[Target]) -> dict[str, Any]:

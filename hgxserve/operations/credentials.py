@@ -27,11 +27,13 @@ def _mode(info: object) -> int | None:
 
 
 @operation()
-def secret_file(dest: str, content: str):
-    """Hold `content` in `dest` (root, 0600) inside a root 0700 directory.
+def secret_file(dest: str, content: str, group: str = "root"):
+    """Hold `content` in `dest` (root, 0600) inside a root 0700 directory; with a `group`,
+    0640 inside a 0750 directory, both of that group (a service user that reads the secret).
 
     + dest: absolute path of the secret file on the host
     + content: the secret (never in a command line: it travels as an upload)
+    + group: the group that may read it (root: none but root)
 
     Example:
         secret_file(name="Install credential", dest="/etc/hgxserve/credentials/k", content=k)
@@ -40,13 +42,18 @@ def secret_file(dest: str, content: str):
         raise OperationError(f"secret file {dest!r}: not an absolute file path")
     directory = posixpath.dirname(dest)
     q = shlex.quote
+    dir_mode, mode = (0o700, 0o600) if group == "root" else (0o750, 0o640)
     have_dir = host.get_fact(Directory, path=directory)
-    if not have_dir or _mode(have_dir) != 0o700:
-        yield f"install -d -m 700 -o root -g root {q(directory)}"
+    if not have_dir or _mode(have_dir) != dir_mode or have_dir.get("group") != group:
+        yield f"install -d -m {dir_mode:o} -o root -g {q(group)} {q(directory)}"
     have = host.get_fact(File, path=dest)
-    if not have or _mode(have) != 0o600:
-        # created empty at 0600 (umask 077 covers the instant before chmod) before content
-        yield f"(umask 077 && touch {q(dest)}) && chown root:root {q(dest)} && chmod 600 {q(dest)}"
+    if not have or _mode(have) != mode or have.get("group") != group:
+        # created empty and unreadable (umask 077 covers the instant before chmod) before content
+        yield (
+            f"(umask 077 && touch {q(dest)}) && chown root:{q(group)} {q(dest)} && "
+            f"chmod {mode:o} {q(dest)}"
+        )
     yield from files.put._inner(
-        src=StringIO(content), dest=dest, user="root", group="root", mode="600", assume_exists=False
-    )
+        src=StringIO(content), dest=dest, user="root", group=group, mode=f"{mode:o}",
+        assume_exists=False,
+    )  # fmt: skip

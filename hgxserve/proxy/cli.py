@@ -39,7 +39,7 @@ def check(config_path: str) -> None:
     hgxserve proxy check --config /etc/hgxserve/proxy.json
     """
     cfg = load_proxy_config(config_path)
-    for key_file in (cfg.api_key_file, cfg.upstream_api_key_file):
+    for key_file in (cfg.api_key_file, cfg.upstream_api_key_file, cfg.metrics_key_file):
         if key_file:
             read_api_key(key_file)
     click.echo(
@@ -57,7 +57,8 @@ def check(config_path: str) -> None:
         click.echo(f"  prompts >= {threshold} tokens go to P/D, shorter ones to combined")
     click.echo(
         f"  clients: {'key required' if cfg.api_key_file else 'no key (auth off)'}; "
-        f"engines: {'keyed' if cfg.upstream_api_key_file else 'no key sent'}"
+        f"engines: {'keyed' if cfg.upstream_api_key_file else 'no key sent'}; "
+        f"/metrics: {'key required' if cfg.metrics_key_file else 'open'}"
     )
     limits = cfg.limits
     click.echo(

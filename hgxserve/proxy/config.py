@@ -11,7 +11,8 @@ Example (vLLM NIXL, one P/D group, one combined engine for short prompts):
                      "decode": [{"url": "http://10.0.0.12:8200"}]}],
       "combined": [{"url": "http://10.0.0.13:8000"}],
       "routing": {"pd_min_prompt_tokens": 2049},
-      "auth": {"api_key_file": "/run/credentials/hgxserve-proxy.service/api-key"}
+      "auth": {"api_key_file": "/run/credentials/hgxserve-proxy.service/api-key",
+               "metrics_key_file": "/run/credentials/hgxserve-proxy.service/metrics-key"}
     }
 
 `load_proxy_config("proxy.json")` returns a `ProxyConfig` or raises `ProxyConfigError` naming
@@ -194,6 +195,8 @@ class ProxyConfig:
     api_key_file: str | None = None
     # the key the engines want (vLLM's VLLM_API_KEY), sent upstream as a Bearer token
     upstream_api_key_file: str | None = None
+    # when set, GET /metrics wants this key as a Bearer token (Prometheus, status, drains)
+    metrics_key_file: str | None = None
 
 
 class _Checker:
@@ -251,7 +254,7 @@ def _endpoint(chk: _Checker, raw: Any, path: str, sglang_prefill: bool) -> Endpo
 # defaults and least values (`at_least`); a path (str) must start with /.
 SECTIONS: dict[str, type] = {"routing": Routing, "limits": Limits, "health": Health}
 TOP_KEYS = {"listen", "protocol", "served_model_name", "pd_groups", "combined", "auth", *SECTIONS}
-AUTH_KEYS = ("api_key_file", "upstream_api_key_file")
+AUTH_KEYS = ("api_key_file", "upstream_api_key_file", "metrics_key_file")
 
 
 def _value(chk: _Checker, value: Any, path: str, kind: type, minimum: Any) -> Any:
@@ -389,6 +392,7 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
         health=health,
         api_key_file=auth.get("api_key_file"),
         upstream_api_key_file=auth.get("upstream_api_key_file"),
+        metrics_key_file=auth.get("metrics_key_file"),
     )
 
 
@@ -399,6 +403,7 @@ RESTART_ONLY = (
     "port",
     "api_key_file",
     "upstream_api_key_file",
+    "metrics_key_file",
     "limits.header_timeout_s",
     "limits.connect_timeout_s",
     "limits.upstream_max_idle",

@@ -396,6 +396,19 @@ _BODY_ERRORS = (
 )
 
 
+def bearer_ok(request: web.BaseRequest, key: str | None) -> bool:
+    """Whether `request` carries `key` as its Bearer token (always, when `key` is None),
+    compared in constant time."""
+    if key is None:
+        return True
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    # surrogateescape: aiohttp decodes header bytes that way, so any token encodes back
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode("utf-8", "surrogateescape"), key.encode()
+    )
+
+
 class Admission:
     """Turns a generation request into a `Call`, or into the answer that refuses it."""
 
@@ -422,14 +435,7 @@ class Admission:
         )
 
     def authorized(self, request: web.BaseRequest) -> bool:
-        if self.api_key is None:
-            return True
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        # surrogateescape: aiohttp decodes header bytes that way, so any token encodes back
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("utf-8", "surrogateescape"), self.api_key.encode()
-        )
+        return bearer_ok(request, self.api_key)
 
     def refuse(self, endpoint: str, refusal: Refusal) -> web.Response:
         """Count a refused request (route "none") and answer it."""

@@ -44,6 +44,7 @@ from hgxserve.proxy.frontdoor import (
     Call,
     FrontDoor,
     Routes,
+    bearer_ok,
     bound_logs,
     error_response,
     front_door,
@@ -70,6 +71,10 @@ class Proxy:
         self.api_key = read_api_key(config.api_key_file) if config.api_key_file else None
         self.upstream_key = (
             read_api_key(config.upstream_api_key_file) if config.upstream_api_key_file else None
+        )
+        # /metrics wants this key when set (read at start, like the others: restart-only)
+        self.metrics_key = (
+            read_api_key(config.metrics_key_file) if config.metrics_key_file else None
         )
         # aiohttp for health checks and /v1/models; the lean pooled client for generation
         self.session: aiohttp.ClientSession | None = None
@@ -211,7 +216,10 @@ class Proxy:
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "no healthy route"}, status=503)
 
-    async def metrics_page(self, _request: web.BaseRequest) -> web.Response:
+    async def metrics_page(self, request: web.BaseRequest) -> web.Response:
+        if not bearer_ok(request, self.metrics_key):
+            # nothing in the body: a scraper without the key learns only that it needs one
+            return web.Response(status=401, headers={"WWW-Authenticate": "Bearer"})
         return web.Response(
             text=self.metrics.render(self.pool), content_type="text/plain", charset="utf-8"
         )
@@ -407,13 +415,14 @@ async def serve(config: ProxyConfig, config_path: str | Path | None = None) -> N
         await proxy.stop()
         raise
     log.info(
-        "hgxserve proxy listening on %s:%d (%s, %d P/D groups, %d combined, auth %s)",
+        "hgxserve proxy listening on %s:%d (%s, %d P/D groups, %d combined, auth %s, /metrics %s)",
         config.host,
         config.port,
         config.protocol,
         len(config.pd_groups),
         len(config.combined),
         "on" if proxy.api_key else "off",
+        "keyed" if proxy.metrics_key else "open",
     )
     signals = Signals(proxy, config_path)
     signals.install()

@@ -63,6 +63,8 @@ class GateSpec:
     proxy_url: str
     served_name: str
     api_key_file: str | None = None
+    # the proxy's /metrics key (proxy.auth.metrics_key), where the gate's host holds it
+    metrics_key_file: str | None = None
     pd_engine: str | None = None  # vllm when the topology has vLLM P/D routes
     decode_metrics: list[str] = field(default_factory=list)
     # what carried cross-host KV when the deploy does not check RDMA counters (gate.rdma: off),
@@ -185,12 +187,14 @@ def vllm_kv_evidence(before: KvCounters, after: KvCounters, spec: GateSpec) -> s
 INSTANCE_HEALTHY = "hgxserve_proxy_instance_healthy"
 
 
-def wait_instances_admitted(base: str, timeout_s: float, log: Any) -> None:
+def wait_instances_admitted(
+    base: str, timeout_s: float, log: Any, metrics_key: str | None = None
+) -> None:
     """Wait until the proxy has every engine in rotation (its health checks run on an interval,
     so right after start a request could fall back to combined and hide a P/D problem)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        status, text = _request(f"{base}/metrics", timeout=10)
+        status, text = _request(f"{base}/metrics", key=metrics_key, timeout=10)
         samples = [
             (labels.get("instance", ""), value)
             for name, labels, value in parse_samples(text)
@@ -350,7 +354,8 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
     key = _api_key(spec)
     base = spec.proxy_url.rstrip("/")
     _check_front_door(spec, base, key, log)
-    wait_instances_admitted(base, spec.instances_timeout_s, log)
+    metrics_key = _key_file(spec.metrics_key_file)
+    wait_instances_admitted(base, spec.instances_timeout_s, log, metrics_key)
     before = _kv_counters(spec) if spec.pd_engine else KvCounters()
     completion = _deterministic_completion(spec, base, key)
     log(f"gate: deterministic completion {completion!r}")
@@ -365,10 +370,14 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
 
 
 def _api_key(spec: GateSpec) -> str | None:
-    if not spec.api_key_file:
+    return _key_file(spec.api_key_file)
+
+
+def _key_file(path: str | None) -> str | None:
+    if not path:
         return None
     try:  # the key the release wrote (0600), or the topology's file / credential store file
-        return read_key_file(spec.api_key_file, "proxy API key")
+        return read_key_file(path, "proxy key")
     except KeyFileError as exc:
         raise GateError(str(exc)) from None
 

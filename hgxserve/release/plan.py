@@ -14,6 +14,7 @@ from hgxserve.render.proxy import drain_bound_s, proxy_drains
 from hgxserve.topology import Topology
 from hgxserve.topology.model import Engine, Proxy, SecretRef
 from hgxserve.topology.ports import engine_url, proxy_url
+from hgxserve.topology.wiring import METRICS_KEY_CREDENTIAL, proxy_key_credential
 
 
 @dataclass
@@ -124,7 +125,19 @@ def gate_spec(topo: Topology) -> dict[str, object] | None:
         "tool_call": _enabled(
             gate.tool_call, served, "tool_call_parser", "enable_auto_tool_choice"
         ),
+        # only when set: a release without a /metrics key keeps the id it always had
+        **_metrics_key_file(proxy),
     }
+
+
+def _metrics_key_file(proxy: Proxy) -> dict[str, str]:
+    """The gate's `metrics_key_file` where the proxy's /metrics wants a key: read where the
+    proxy's unit loads it from, as the API key is."""
+    if proxy.metrics_key is None or proxy.kind != "hgxserve":
+        return {}
+    ref = proxy.metrics_key
+    path = proxy_key_credential(ref, METRICS_KEY_CREDENTIAL)[2]  # env: where the role writes it
+    return {"metrics_key_file": path or _credential_source(ref)}
 
 
 def plan_release(
@@ -164,6 +177,10 @@ def plan_release(
     if gate and proxy and proxy.api_key and host != proxy.host and proxy.api_key.kind == "env":
         # `gate.from` another host: it needs the proxy's key where the gate reads it
         secrets[_credential_source(proxy.api_key)] = proxy.api_key
+    if gate and proxy and "metrics_key_file" in gate and host != proxy.host:
+        assert proxy.metrics_key is not None
+        if proxy.metrics_key.kind == "env":
+            secrets[str(gate["metrics_key_file"])] = proxy.metrics_key
     tree = tree_digest(files)
     identity = json.dumps(
         {

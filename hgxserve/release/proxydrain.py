@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from hgxserve.base.paths import FIREWALL_FILE, PROXY_CONFIG, UNIT_DIR
 from hgxserve.proxy.config import ProxyConfigError, parse_proxy_config, restart_needed
+from hgxserve.proxy.scrape import metrics_headers
 from hgxserve.release.store import ReleaseSpec, Store, UnitSpec
 
 IN_FLIGHT = re.compile(r"^hgxserve_proxy_in_flight_requests (\d+)", re.M)
@@ -51,7 +52,8 @@ def in_flight(health_url: str | None) -> int | None:
         return None
     url = health_url.rsplit("/", 1)[0] + "/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=3) as resp:
+        req = urllib.request.Request(url, headers=metrics_headers())
+        with urllib.request.urlopen(req, timeout=3) as resp:
             text = resp.read(METRICS_MAX_BYTES).decode("utf-8", "replace")
     except (urllib.error.URLError, OSError, ValueError):
         return None

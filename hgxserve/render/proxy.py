@@ -37,10 +37,11 @@ from hgxserve.render.types import (
     templates,
     unit_name,
 )
-from hgxserve.topology.model import Engine, Topology
+from hgxserve.topology.model import Engine, SecretRef, Topology
 from hgxserve.topology.ports import bootstrap_address, engine_url, proxy_targets
 from hgxserve.topology.wiring import (
     ENGINE_KEY_VAR,
+    METRICS_KEY_CREDENTIAL,
     credential_for,
     proxy_key_credential,
     proxy_protocol,
@@ -134,6 +135,9 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
     engine_key = _engine_key_credential(topo)
     if engine_key is not None:
         auth["upstream_api_key_file"] = f"{unit_credentials_dir(PROXY_UNIT)}/{engine_key[0]}"
+    if proxy.metrics_key is not None:
+        name = proxy_key_credential(proxy.metrics_key, METRICS_KEY_CREDENTIAL)[0]
+        auth["metrics_key_file"] = f"{unit_credentials_dir(PROXY_UNIT)}/{name}"
     if auth:
         config["auth"] = auth
     return config
@@ -221,6 +225,36 @@ def _stop_s(topo: Topology) -> int:
     return int(drain_bound_s(topo)) + DRAIN_STOP_SLACK_S
 
 
+def _proxy_credentials(topo: Topology, creds: dict[str, CredentialSpec]) -> list[tuple[str, str]]:
+    """(LoadCredential= value, unit note) of each key the hgxserve proxy loads, recorded in
+    `creds`: the clients' key, the engines' key, the /metrics key."""
+    proxy = topo.proxy
+    assert proxy is not None
+    keys: list[tuple[SecretRef, tuple[str, str, str | None], str]] = []
+    if proxy.api_key is not None:
+        note = "API key: systemd credential, read from $CREDENTIALS_DIRECTORY"
+        keys.append((proxy.api_key, proxy_key_credential(proxy.api_key), note))
+    engine_key = _engine_key_credential(topo)
+    if engine_key is not None:
+        assert proxy.engine_api_key is not None
+        note = "engine key: systemd credential, sent to every engine as a Bearer token"
+        keys.append((proxy.engine_api_key, engine_key, note))
+    if proxy.metrics_key is not None:
+        note = "/metrics key: systemd credential, read from $CREDENTIALS_DIRECTORY"
+        keys.append(
+            (
+                proxy.metrics_key,
+                proxy_key_credential(proxy.metrics_key, METRICS_KEY_CREDENTIAL),
+                note,
+            )
+        )
+    out = []
+    for ref, (name, line, path), note in keys:
+        add_credential(creds, PROXY_UNIT, name, ref, path)
+        out.append((line, note))
+    return out
+
+
 def render_proxy(
     topo: Topology, creds: dict[str, CredentialSpec]
 ) -> tuple[RenderedUnit, dict[str, RenderedFile]]:
@@ -245,20 +279,10 @@ def render_proxy(
             raise RenderError(f"rendered proxy config is invalid:\n{exc}") from exc
         files[PROXY_CONFIG] = RenderedFile(json.dumps(config, indent=2) + "\n")
         argv = [AGENT, "proxy", "serve", "--config", PROXY_CONFIG]
-        if proxy.api_key is not None:
-            ref = proxy.api_key
-            name, line, path = proxy_key_credential(ref)
-            add_credential(creds, PROXY_UNIT, name, ref, path)
-            credentials.append(path_value(line))
-            notes.append("API key: systemd credential, read from $CREDENTIALS_DIRECTORY")
-        engine_key = _engine_key_credential(topo)
-        if engine_key is not None:
-            assert proxy.engine_api_key is not None
-            key_name, key_line, key_path = engine_key
-            add_credential(creds, PROXY_UNIT, key_name, proxy.engine_api_key, key_path)
-            if path_value(key_line) not in credentials:
-                credentials.append(path_value(key_line))
-            notes.append("engine key: systemd credential, sent to every engine as a Bearer token")
+        for line, note in _proxy_credentials(topo, creds):
+            if path_value(line) not in credentials:
+                credentials.append(path_value(line))
+            notes.append(note)
     else:
         argv = _router_argv(topo)
         notes.append(f"{proxy.kind}: no prompt-length buckets, no combined fallback")

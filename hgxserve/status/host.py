@@ -29,6 +29,7 @@ from hgxserve.base.cachelayout import BAKE_RECORD, read_marker, valid_key
 from hgxserve.base.paths import CACHE_ROOT, RELEASE_ROOT
 from hgxserve.base.promtext import parse_samples
 from hgxserve.parsers import outputs as parsers
+from hgxserve.proxy.scrape import metrics_headers
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store
 from hgxserve.release.switch import DEADMAN_UNIT
 
@@ -76,10 +77,11 @@ def _run(argv: list[str], timeout: float) -> tuple[int, str]:
     return proc.returncode, proc.stdout + (proc.stderr if proc.returncode else "")
 
 
-def _get(url: str) -> tuple[int | None, str]:
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int | None, str]:
     """(HTTP status or None when nothing answered, body or the connection error)."""
     try:
-        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
+        req = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as resp:
             return resp.status, resp.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode("utf-8", "replace")[:300]
@@ -331,8 +333,9 @@ def engine_metrics(url: str) -> dict[str, Any]:
 
 def proxy_part(url: str) -> dict[str, Any]:
     """The proxy's view from its /metrics: each engine in/out of rotation and why, outstanding
-    requests, KV hand-offs, upstream errors, since when it runs."""
-    status, text = _get(_base(url) + "/metrics")
+    requests, KV hand-offs, upstream errors, since when it runs (with the /metrics key its
+    proxy.json names, when it names one)."""
+    status, text = _get(_base(url) + "/metrics", metrics_headers())
     if status != 200:
         return {"url": _base(url), "error": f"HTTP {status}" if status else text}
     return {"url": _base(url), **parse_proxy_metrics(text)}

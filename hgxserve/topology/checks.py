@@ -120,7 +120,8 @@ def _cross_host(a: Engine, b: Engine) -> bool:
 @rule(
     "monitoring-host",
     "error",
-    "monitoring: Prometheus runs on a topology host; a container DCGM exporter names its image.",
+    "monitoring: Prometheus runs on a topology host; a container DCGM exporter names its image; "
+    "the proxy's /metrics key is one the controller can hand Prometheus (env).",
 )
 def monitoring_host(topo: Topology) -> Iterator[Finding]:
     mon = topo.monitoring
@@ -136,6 +137,15 @@ def monitoring_host(topo: Topology) -> Iterator[Finding]:
         yield (
             ("monitoring", "dcgm_exporter", "source"),
             "source: container needs image: (nvcr.io/nvidia/k8s/dcgm-exporter@sha256:<digest>)",
+        )
+    key = topo.proxy.metrics_key if topo.proxy else None
+    if mon.prometheus_host is not None and key is not None and key.kind != "env":
+        yield (
+            ("proxy", "auth", "metrics_key"),
+            f"Prometheus on {mon.prometheus_host} scrapes the proxy with this key, which the "
+            f"controller pushes to it from its environment: use metrics_key: {{env: NAME}} "
+            f"(not {key.kind}:), or drop monitoring.prometheus.host and give an existing "
+            "Prometheus the key yourself (docs/monitoring.md)",
         )
 
 

@@ -345,6 +345,7 @@ class Proxy:
     runtime: Runtime | None
     drain_tpot_ms: float = 40.0  # the schema's defaults; _proxy reads them from there
     drain_max_s: float = 900.0
+    metrics_key: SecretRef | None = None  # GET /metrics wants it (proxy.auth.metrics_key)
 
 
 @dataclass(frozen=True)
@@ -696,6 +697,9 @@ def _proxy(data: dict[str, Any] | None) -> Proxy | None:
         runtime=_runtime(data.get("runtime")),
         drain_tpot_ms=float(_get(data, "proxy", "drain_tpot_ms")),
         drain_max_s=float(_get(data, "proxy", "drain_max_s")),
+        metrics_key=(
+            SecretRef.parse(auth["metrics_key"]) if auth and "metrics_key" in auth else None
+        ),
     )
 
 

@@ -21,6 +21,8 @@ from hgxserve.topology.problems import JsonPath
 ENGINE_KEY_VAR = "VLLM_API_KEY"
 # the credential name of the proxy's client key, unless a `credential:` reference names one
 API_KEY_CREDENTIAL = "api-key"
+# the same for the key the proxy's /metrics wants (proxy.auth.metrics_key)
+METRICS_KEY_CREDENTIAL = "metrics-key"
 
 
 def credential_for(var: str, ref: SecretRef) -> tuple[str, str, str | None]:
@@ -35,14 +37,17 @@ def credential_for(var: str, ref: SecretRef) -> tuple[str, str, str | None]:
     return name, f"{name}:{path}", path
 
 
-def proxy_key_credential(ref: SecretRef) -> tuple[str, str, str | None]:
-    """(name, LoadCredential= value, file the release role writes) of the proxy's client key."""
+def proxy_key_credential(
+    ref: SecretRef, name: str = API_KEY_CREDENTIAL
+) -> tuple[str, str, str | None]:
+    """(name, LoadCredential= value, file the release role writes) of the proxy's client key
+    (or, with `name` METRICS_KEY_CREDENTIAL, of its /metrics key)."""
     if ref.kind == "credential":
         return ref.value, ref.value, None
     if ref.kind == "file":
-        return API_KEY_CREDENTIAL, f"{API_KEY_CREDENTIAL}:{ref.value}", None
-    path = f"{CREDENTIALS_DIR}/{API_KEY_CREDENTIAL}"
-    return API_KEY_CREDENTIAL, f"{API_KEY_CREDENTIAL}:{path}", path
+        return name, f"{name}:{ref.value}", None
+    path = f"{CREDENTIALS_DIR}/{name}"
+    return name, f"{name}:{path}", path
 
 
 def keyed_by_proxy(topo: Topology, engine: Engine) -> bool:
@@ -119,4 +124,8 @@ def host_credentials(topo: Topology, host: str) -> list[LoadedCredential]:
         name, _, path = credential_for(ENGINE_KEY_VAR, proxy.engine_api_key)
         at = ("proxy", "auth", "engine_api_key")
         out.append(LoadedCredential("proxy", name, proxy.engine_api_key, path, at))
+    if proxy.metrics_key is not None:
+        name, _, path = proxy_key_credential(proxy.metrics_key, METRICS_KEY_CREDENTIAL)
+        at = ("proxy", "auth", "metrics_key")
+        out.append(LoadedCredential("proxy", name, proxy.metrics_key, path, at))
     return out

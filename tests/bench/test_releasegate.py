@@ -83,7 +83,7 @@ def test_the_bench_process_gets_the_hosts_ssh_settings(tmp_path: Path) -> None:
     assert {n: h.data for n, h in inv.hosts.items()} == connections
     step = releasegate.BenchStep("topologies/demo/demo-pd.yml", "tight", 300, tokenizer="/tok")
     argv = releasegate.bench_argv(step, inventory=path, from_host="hgx-c", release_id="hgx-c=ccc",
-                                api_key_file=None)  # fmt: skip
+                                key_files={"--api-key-file": None})  # fmt: skip
     assert argv[1:5] == ["bench", "run", "topologies/demo/demo-pd.yml", "--scenario"]
     joined = shlex.join(argv)
     assert "--from hgx-c" in joined and "--round-timeout 240" in joined
