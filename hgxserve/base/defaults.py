@@ -117,3 +117,13 @@ DRAIN_STOP_SLACK_S = 30
 # GPUs to hold no memory, starting and checking the proxy (60 s).
 GPU_FREE_TIMEOUT_S = 300.0
 SWITCH_OVERHEAD_S = 180 + GPU_FREE_TIMEOUT_S + 60
+
+# The system user every venv engine unit runs as (User=/Group=, a group of the same name), and
+# the supplementary groups it joins where the host has them: `video` owns /dev/nvidia* when the
+# NVIDIA driver restricts its device files (NVreg_DeviceFileMode=0660, NVreg_DeviceFileGID=<gid
+# of video> on Ubuntu; the stock driver makes them 0666), `rdma` owns /dev/infiniband/* on sites
+# that restrict rdma-core's 0666 default (docs/render.md "Engines run unprivileged"). The cache
+# bake starts its engine as the same user, so what it writes is the unit's to write.
+ENGINE_USER = "hgxserve-engine"
+ENGINE_GROUPS = ("video", "rdma")
+ENGINE_SHELL = "/usr/sbin/nologin"
