@@ -281,6 +281,7 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
         "env": dict(sorted(spec.env.items())),
         "secret_env": dict(sorted(spec.secret_env.items())),  # credential names, no values
         "cache_dirs": dirs,
+        "user": spec.user,  # who the engine ran as (None: the caller)
         "shapes": [s.as_dict() for s in spec.shapes],
         **spec.extra,
     }
@@ -321,6 +322,8 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
         json.dump(record, fh, indent=1, sort_keys=True)
         fh.write("\n")
     os.replace(path + ".tmp", path)
+    if run_as is not None:
+        run_as.hand_over([path])
     return record
 
 

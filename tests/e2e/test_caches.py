@@ -38,6 +38,9 @@ CACHE_ROOT = "/var/cache/hgxserve-e2e-caches"
 PORT = 8171
 ENGINE_PREFIX = "fakejit-"
 MARKER = ".hgxserve-cache.json"
+# the stage's engine user operations on each host (roles/engine_user.py): group, user, home
+ENGINE_USER = "hgxserve-engine"
+ENGINE_USER_OPS = 3
 TOPOLOGY_GPU = {"h200": "H200", "h20": "H20-3e"}  # testbed kind -> topology `gpu`
 
 FAKE_SHIM = f"""#!/bin/sh
@@ -268,6 +271,16 @@ def test_first_run_bakes_once_per_kind_and_restores_everywhere_else(lab: Lab) ->
         )
         assert record["host"] == baker and record["settled"] is True
         assert record["rounds"][0]["jit_lines"] > 0 and record["rounds"][-1]["jit_lines"] == 0
+        assert record["user"] == ENGINE_USER  # the bake's engine ran as the units' do
+    # baked or restored (as root), every cache is the engine user's to write
+    for name in lab.bed.names:
+        assert not_owned(lab, name, key) == "", name
+
+
+def not_owned(lab: Lab, host: str, key: str) -> str:
+    """What in the key directory the engine user does not own ("" when nothing)."""
+    find = f"find {CACHE_ROOT}/{key} ! -user {ENGINE_USER} -printf '%u %p\\n'"
+    return lab.bed.ssh(host, find, check=True).stdout
 
 
 def test_second_run_changes_nothing(lab: Lab) -> None:
@@ -279,7 +292,7 @@ def test_second_run_changes_nothing(lab: Lab) -> None:
     assert proc.returncode == 0, output(proc)[-4000:]
     _, success, error, no_change = grand_total(proc)
     assert (success, error) == ("-", "-"), output(proc)[-3000:]
-    assert no_change == str(len(lab.bed.names))
+    assert no_change == str(len(lab.bed.names) * (1 + ENGINE_USER_OPS))
     assert "Bake JIT cache" not in output(proc)
     assert {n: marker(lab, n, key) for n in lab.bed.names} == before
 
@@ -300,12 +313,14 @@ def test_only_the_host_missing_the_cache_gets_it(lab: Lab) -> None:
     lab.timings["one-host repair run"] = time.monotonic() - started
     assert proc.returncode == 0, output(proc)[-4000:]
     _, success, error, no_change = grand_total(proc)
-    assert (success, error, no_change) == ("1", "-", str(len(others))), output(proc)[-3000:]
+    unchanged = len(others) + len(names) * ENGINE_USER_OPS
+    assert (success, error, no_change) == ("1", "-", str(unchanged)), output(proc)[-3000:]
     results = host_results(proc, "Restore JIT cache")
     assert results == {victim: "Success", **{n: "No changes" for n in others}}, results
     assert "Bake JIT cache" not in output(proc)  # the store had it: pushed, not baked again
     assert marker(lab, victim, key) == expected
     assert tree_digest(lab, victim, key) == digest
+    assert not_owned(lab, victim, key) == ""  # restored as root, handed to the engine user
     assert {n: lab.bed.ssh(n, stat, check=True).stdout for n in others} == untouched
 
 
