@@ -24,6 +24,7 @@ import json
 import os
 import pwd
 import signal
+import stat
 import subprocess
 import time
 import urllib.error
@@ -105,12 +106,19 @@ class RunAs:
         return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
 
     def hand_over(self, paths: list[str]) -> None:
-        """Make each path and everything under it this user's (as `chown -R`)."""
+        """Make each path and everything under it this user's, as the caches stage does
+        (hgxserve.operations.caches.hand_over): depth first, each directory after what is in
+        it; links themselves, never what they point at; no file with other hard links."""
         for top in paths:
-            os.chown(top, self.uid, self.gid)
-            for folder, dirs, files in os.walk(top):
-                for name in [*dirs, *files]:
-                    os.chown(os.path.join(folder, name), self.uid, self.gid, follow_symlinks=False)
+            for folder, dirs, files in os.walk(top, topdown=False):
+                for name in [*files, *dirs]:
+                    self._own(os.path.join(folder, name))
+            self._own(top)
+
+    def _own(self, path: str) -> None:
+        st = os.lstat(path)
+        if st.st_uid != self.uid and (stat.S_ISDIR(st.st_mode) or st.st_nlink == 1):
+            os.chown(path, self.uid, self.gid, follow_symlinks=False)
 
 
 def unit_environment(env: dict[str, str]) -> dict[str, str]:

@@ -60,7 +60,8 @@ class CacheNotOwned(FactBase):
         return (
             f"if id -u {who} >/dev/null 2>&1; then "
             f'for d in {keys}; do [ -d "$d" ] || continue; '
-            f'[ -z "$(find "$d" ! -user {who} -print -quit)" ] || basename "$d"; done; '
+            f'[ -z "$(find "$d" ! -user {who} \\( -type d -o -links 1 \\) -print -quit)" ] '
+            '|| basename "$d"; done; '
             f'else for d in {keys}; do [ -d "$d" ] && basename "$d"; done; fi; true'
         )
 

@@ -49,10 +49,21 @@ def store_index(store: str, full_key: str) -> dict[str, Any] | None:
     return value
 
 
+# What of a key directory is handed to the engine user: directories and files of one link
+# (a hard link to a file elsewhere, where fs.protected_hardlinks is off, is never chowned).
+HANDED_OVER = ("(", "-type", "d", "-o", "-links", "1", ")")
+
+
 def hand_over(root: str, key: str, owner: str) -> StringCommand:
     """Give a key directory and everything in it to the engine user its units run as (a
-    restore or bake runs as root; the engines write their JIT caches there)."""
-    return shell_words("chown", "-R", "--no-dereference", f"{owner}:{owner}", f"{root}/{key}")
+    restore or bake runs as root; the engines write their JIT caches there). Depth first:
+    each directory changes owner after what is in it, so no directory on the way is the
+    user's (to swap for a link) while entries under it are handed over; links themselves,
+    never what they point at."""
+    return shell_words(
+        "find", f"{root}/{key}", "-depth", "!", "-user", owner, *HANDED_OVER,
+        "-exec", "chown", "--no-dereference", f"{owner}:{owner}", "{}", "+",
+    )  # fmt: skip
 
 
 def _restore_commands(  # noqa: PLR0913 - the restore operation's own arguments, passed on

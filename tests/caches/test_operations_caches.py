@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +33,10 @@ def store(tmp_path):
 
 
 NOT_OWNED = "hgxserve.facts.caches.CacheNotOwned"
-CHOWN = f"chown -R --no-dereference hgxserve-engine:hgxserve-engine {ROOT}/k1"
+CHOWN = (
+    f"find {ROOT}/k1 -depth '!' -user hgxserve-engine '(' -type d -o -links 1 ')' "
+    "-exec chown --no-dereference hgxserve-engine:hgxserve-engine '{}' +"
+)
 
 
 def facts(state, not_owned=()):
@@ -70,7 +74,7 @@ def test_cache_not_owned_fact_names_keys_with_foreign_entries():
     fact = CacheNotOwned()
     command = fact.command("/var/cache/my root", "hgxserve-engine")
     assert "'/var/cache/my root'/*/" in command
-    assert 'find "$d" ! -user hgxserve-engine -print -quit' in command
+    assert 'find "$d" ! -user hgxserve-engine \\( -type d -o -links 1 \\) -print -quit' in command
     # every key counts as not owned while the user does not exist yet
     assert command.startswith("if id -u hgxserve-engine >/dev/null 2>&1; then ")
     assert fact.process(["k2", "", "k1 "]) == ["k1", "k2"]
@@ -188,3 +192,40 @@ def test_cache_key_facts_fact_reads_probe_and_manifest_digest():
         "model_manifest_sha256": "c" * 64,
         "sm_count": 78,
     }
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing files to another user needs root")
+def test_hand_over_gives_the_tree_to_the_user_but_never_a_link_target_or_hard_link(tmp_path):
+    """Run for real: what the fact finds is what the command hands over, then nothing is left
+    (a second run changes nothing); a symlink out of the cache changes owner itself, its
+    target does not; a file with a second hard link (one elsewhere, where protected_hardlinks
+    is off) keeps its owner."""
+    import pwd
+    import subprocess
+
+    from hgxserve.facts.caches import CacheNotOwned
+    from hgxserve.operations.caches import hand_over
+
+    user = "daemon"  # a user whose group of the same name exists on Debian
+    outside = tmp_path / "outside"
+    outside.write_text("root's\n")
+    key = tmp_path / "root" / "k1"
+    (key / "vllm" / "deep").mkdir(parents=True)
+    (key / "vllm" / "deep" / "kernel.so").write_text("x")
+    (key / "escape").symlink_to(outside)
+    os.link(outside, key / "vllm" / "linked")
+
+    def sh(command: str) -> str:
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True).stdout
+
+    fact = CacheNotOwned()
+    before = fact.process(sh(fact.command(str(tmp_path / "root"), user)).splitlines())
+    assert before == ["k1"]
+    subprocess.run(["sh", "-c", hand_over(str(tmp_path / "root"), "k1", user).get_raw_value()],
+                   check=True)  # fmt: skip
+    uid = pwd.getpwnam(user).pw_uid
+    for path in (key, key / "vllm", key / "vllm" / "deep", key / "vllm" / "deep" / "kernel.so"):
+        assert os.lstat(path).st_uid == uid, path
+    assert os.lstat(key / "escape").st_uid == uid  # the link itself
+    assert os.stat(outside).st_uid == 0  # not what it points at, nor the hard-linked file
+    assert fact.process(sh(fact.command(str(tmp_path / "root"), user)).splitlines()) == []
