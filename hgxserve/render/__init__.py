@@ -238,7 +238,7 @@ def _engine_unit(
     pre_dirs = sorted({env[v] for v in ENV_SUBDIRS if v in env})
     pre_dirs += [f"{rundir}/{d}" for d in ("tmp", "rpc", "cache", "hf")]
     user = None if engine.runtime.is_container else ENGINE_USER
-    execs = _Exec([_make_dirs(user, [key_dir, rundir, *pre_dirs])])
+    execs = _Exec([_make_dirs(user, [key_dir, rundir], pre_dirs)])
     secrets = engine_secret_env(topo, engine)
     credential_lines, wrapper = secret_wrapper(secrets, name, creds)
     shipped = {f.host_path: f for f in topo.files.values()}
@@ -345,14 +345,16 @@ def _wait_ready(
     return _as_root(user, wait) if keyed else exec_line(wait)
 
 
-def _make_dirs(user: str | None, dirs: list[str]) -> UnitText:
-    """The ExecStartPre= that creates the engine's cache and run directories. For an engine
-    that runs as `user` it runs with full privileges (`+`): the directories are made under
-    root's cache and state roots and handed to the user (install -d sets the owner and mode
-    of each directory named, also of one that exists; what is inside stays as it is)."""
+def _make_dirs(user: str | None, tops: list[str], dirs: list[str]) -> UnitText:
+    """The ExecStartPre= that creates the engine's cache and run directories (`dirs`, inside
+    `tops`: the key and run directories). For an engine that runs as `user` it runs with full
+    privileges (`+`): the directories are made under root's cache and state roots and handed
+    to the user, the tops included (install -d sets the owner and mode of each directory
+    named, also of one that exists; what is inside stays as it is)."""
     if user is None:
         return exec_line([MKDIR, "-p", *dirs])
-    return UnitText("+" + exec_line([INSTALL, "-d", "-o", user, "-g", user, "-m", "0750", *dirs]))
+    owned = [INSTALL, "-d", "-o", user, "-g", user, "-m", "0750", *tops, *dirs]
+    return UnitText("+" + exec_line(owned))
 
 
 def _as_root(user: str | None, argv: list[str]) -> UnitText:
