@@ -324,6 +324,32 @@ def test_only_the_host_missing_the_cache_gets_it(lab: Lab) -> None:
     assert {n: lab.bed.ssh(n, stat, check=True).stdout for n in others} == untouched
 
 
+def test_a_cache_left_to_root_is_handed_to_the_engine_user_without_a_restore(lab: Lab) -> None:
+    """A host whose cache was restored before the engines ran unprivileged (root's files): the
+    next run only hands it over; the one after changes nothing."""
+    key = render_key(lab)
+    host = lab.bed.names[0]
+    expected = marker(lab, host, key)
+    digest = tree_digest(lab, host, key)
+    inodes = f"stat -c %i {CACHE_ROOT}/{key} {CACHE_ROOT}/{key}/{MARKER}"
+    before = lab.bed.ssh(host, inodes, check=True).stdout
+    lab.bed.ssh(host, f"chown -R root:root {CACHE_ROOT}/{key}", check=True)
+    assert not_owned(lab, host, key) != ""
+    proc = lab.deploy()
+    assert proc.returncode == 0, output(proc)[-4000:]
+    results = host_results(proc, "Restore JIT cache") | host_results(proc, "Bake JIT cache")
+    assert {n: r for n, r in results.items() if r != "Skipped"} == {
+        n: "Success" if n == host else "No changes" for n in lab.bed.names
+    }, output(proc)[-3000:]
+    # not restored again (a restore swaps in a new directory and marker) nor baked
+    assert lab.bed.ssh(host, inodes, check=True).stdout == before
+    assert not_owned(lab, host, key) == ""
+    assert marker(lab, host, key) == expected and tree_digest(lab, host, key) == digest
+    again = lab.deploy()
+    assert again.returncode == 0, output(again)[-4000:]
+    assert grand_total(again)[1:3] == ("-", "-"), output(again)[-3000:]
+
+
 def test_lost_store_is_refilled_from_the_baker_without_a_new_bake(lab: Lab) -> None:
     """A fresh controller (empty store): the baker's packed archive is fetched, nothing else."""
     key = render_key(lab)
