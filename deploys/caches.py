@@ -16,9 +16,11 @@ from hgxserve.deploy.plans import caches_plan
 from roles.agent import agent
 from roles.caches import caches
 from roles.credentials import bake_credentials
+from roles.engine_user import engine_user
 
 plan = caches_plan(host, inventory)
 if plan.runs:
     agent()  # `hgxserve cache bake|restore` run on the host
+    engine_user()  # a bake runs its engine as the units do; the caches are handed to the user
     bake_credentials(values=plan.bake_secrets)
     caches(plan=plan)

@@ -15,8 +15,10 @@ from pyinfra import host, inventory
 
 from hgxserve.deploy.plans import engines_plan
 from roles.agent import agent
+from roles.engine_user import engine_user
 from roles.releases import release
 
 plan = engines_plan(host, inventory)
 agent()
+engine_user()  # the units' User=: created before any unit of the release starts
 release(plan=plan)

@@ -507,6 +507,10 @@ def install_simulation(host: Host) -> bool:
         for counter in ("port_xmit_data", "port_rcv_data"):
             if not (counters / counter).exists():  # counters only grow, as on a real NIC
                 _write(counters / counter, "0\n")
+        # the engines run as an unprivileged user (hgxserve.base.defaults.ENGINE_USER) and
+        # replace a counter file to add to it: the directory is theirs to write, not sticky
+        # (a sticky one would refuse replacing the 0644 root files written above)
+        counters.chmod(0o777)
         _sim_port(counters.parent, host)
     # Engines used to be placed here by hand; now only the runtime stage installs them.
     for legacy in ("opt/vllm-sim", "opt/sglang-sim"):

@@ -117,10 +117,19 @@ DRAIN_STOP_SLACK_S = 30
 # GPUs to hold no memory, starting and checking the proxy (60 s).
 GPU_FREE_TIMEOUT_S = 300.0
 SWITCH_OVERHEAD_S = 180 + GPU_FREE_TIMEOUT_S + 60
-# API keys (proxy `auth.api_key`, `auth.engine_api_key`, `hgxserve bench --api-key-file`): the
+# API keys (proxy `auth.api_key`, `auth.engine_api_key`, `auth.metrics_key`, `hgxserve bench --api-key-file`): the
 # shortest accepted, in characters. 32 is 128 bits as hex (`openssl rand -hex 16`), beyond any
 # online guessing at the proxy's request rate; a typed password or a test value is shorter. Key
 # files are also refused unless regular and without group/other permission bits (0600 or 0400),
 # and larger than API_KEY_MAX_BYTES is not a key.
 MIN_API_KEY_LENGTH = 32
 API_KEY_MAX_BYTES = 4096
+# The system user every venv engine unit runs as (User=/Group=, a group of the same name), and
+# the supplementary groups it joins where the host has them: `video` owns /dev/nvidia* when the
+# NVIDIA driver restricts its device files (NVreg_DeviceFileMode=0660, NVreg_DeviceFileGID=<gid
+# of video> on Ubuntu; the stock driver makes them 0666), `rdma` owns /dev/infiniband/* on sites
+# that restrict rdma-core's 0666 default (docs/render.md "Engines run unprivileged"). The cache
+# bake starts its engine as the same user, so what it writes is the unit's to write.
+ENGINE_USER = "hgxserve-engine"
+ENGINE_GROUPS = ("video", "rdma")
+ENGINE_SHELL = "/usr/sbin/nologin"

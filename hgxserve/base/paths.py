@@ -20,6 +20,9 @@ STATE_ROOT = "/var/lib/hgxserve"
 RELEASE_ROOT = STATE_ROOT
 RUN_ROOT = f"{STATE_ROOT}/run"
 WEIGHTS_STATE_ROOT = f"{STATE_ROOT}/weights"
+# The engine user's home (its only writable place outside the engines' cache and run dirs), for
+# libraries that write under $HOME although every cache variable is pinned elsewhere.
+ENGINE_HOME = f"{STATE_ROOT}/engine-home"
 AGENT_STAGING = f"{STATE_ROOT}/agent"
 
 # Configuration: proxy.json, env-referenced secrets (0600), CephFS secrets.

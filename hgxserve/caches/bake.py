@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import signal
+import stat
 import subprocess
 import time
 import urllib.error
@@ -71,6 +73,52 @@ class BakeSpec:
     # secret variables -> LoadCredential= source (NAME or NAME:PATH); values read at bake time
     secret_env: dict[str, str] = field(default_factory=dict)
     api_key_var: str | None = None  # the secret variable the engine takes its API key from
+    # the user the engine runs as, as its unit's User= (None: as the caller); the bake hands
+    # it the cache and run directories first, so the unit can write what the bake left
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """A user to start the engine as: what systemd's User= gives a unit (its uid, primary
+    group, supplementary groups from the group file, and HOME/USER/LOGNAME/SHELL)."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    env: dict[str, str]
+
+    @classmethod
+    def named(cls, name: str) -> RunAs:
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            raise BakeError(
+                f"no user {name} on this host: the engine user is created by the caches and "
+                "engines stages (roles/engine_user.py)"
+            ) from None
+        groups = tuple(os.getgrouplist(name, entry.pw_gid))
+        env = {"HOME": entry.pw_dir, "USER": name, "LOGNAME": name, "SHELL": entry.pw_shell}
+        return cls(entry.pw_uid, entry.pw_gid, groups, env)
+
+    def popen_args(self) -> dict[str, Any]:
+        """subprocess keywords that start a child as this user."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
+
+    def hand_over(self, paths: list[str]) -> None:
+        """Make each path and everything under it this user's, as the caches stage does
+        (hgxserve.operations.caches.hand_over): depth first, each directory after what is in
+        it; links themselves, never what they point at; no file with other hard links."""
+        for top in paths:
+            for folder, dirs, files in os.walk(top, topdown=False):
+                for name in [*files, *dirs]:
+                    self._own(os.path.join(folder, name))
+            self._own(top)
+
+    def _own(self, path: str) -> None:
+        st = os.lstat(path)
+        if st.st_uid != self.uid and (stat.S_ISDIR(st.st_mode) or st.st_nlink == 1):
+            os.chown(path, self.uid, self.gid, follow_symlinks=False)
 
 
 def unit_environment(env: dict[str, str]) -> dict[str, str]:
@@ -105,14 +153,17 @@ def deep_gemm_argv(argv: list[str]) -> list[str]:
 RUN_DIR_VARS = ("TMPDIR", "VLLM_RPC_BASE_PATH", "XDG_CACHE_HOME", "HF_HOME")
 
 
-def ensure_cache_dirs(env: dict[str, str]) -> list[str]:
-    """Create the directories the unit's cache (and scratch) variables point at.
+def ensure_cache_dirs(env: dict[str, str], run_as: RunAs | None = None) -> list[str]:
+    """Create the directories the unit's cache (and scratch) variables point at, handed to
+    `run_as` when given (as the unit's `install -d -o` does).
 
     Returns the cache directories.
     """
     for var in RUN_DIR_VARS:
         if env.get(var, "").startswith("/"):
             os.makedirs(env[var], exist_ok=True)
+            if run_as is not None:
+                run_as.hand_over([env[var]])
     made = []
     for var in ENV_SUBDIRS:
         path = env.get(var)
@@ -179,14 +230,21 @@ def stop_engine(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]
     }
 
 
-def _run_deep_gemm(spec: BakeSpec, env: dict[str, str], log: Any) -> dict[str, Any]:
+def _run_deep_gemm(
+    spec: BakeSpec, env: dict[str, str], log: Any, run_as: RunAs | None
+) -> dict[str, Any]:
     argv = deep_gemm_argv(spec.argv)
     log.write(f"### hgxserve cache bake: {' '.join(argv)}\n".encode())
     log.flush()
     started = time.monotonic()
     try:
         proc = subprocess.run(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=spec.deep_gemm_timeout
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=spec.deep_gemm_timeout,
+            **(run_as.popen_args() if run_as else {}),
         )
     except FileNotFoundError as exc:
         raise BakeError(f"compile_deep_gemm: {exc}") from exc
@@ -208,8 +266,13 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
     """
     os.makedirs(spec.cache_dir, exist_ok=True)
     secrets = read_secrets(spec.secret_env)
+    run_as = RunAs.named(spec.user) if spec.user else None
     env = unit_environment(spec.env)
-    dirs = ensure_cache_dirs(env)
+    if run_as is not None:
+        env.update(run_as.env)
+    dirs = ensure_cache_dirs(env, run_as)
+    if run_as is not None:
+        run_as.hand_over([spec.cache_dir])
     env.update(secrets)  # in the engine's environment only: not in the record, log or argv
     api_key = secrets.get(spec.api_key_var) if spec.api_key_var else None
     log_path = spec.log_path or os.path.join(
@@ -226,6 +289,7 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
         "env": dict(sorted(spec.env.items())),
         "secret_env": dict(sorted(spec.secret_env.items())),  # credential names, no values
         "cache_dirs": dirs,
+        "user": spec.user,  # who the engine ran as (None: the caller)
         "shapes": [s.as_dict() for s in spec.shapes],
         **spec.extra,
     }
@@ -239,7 +303,7 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
     started = time.monotonic()
     with open(log_path, "ab") as log:
         if spec.engine == "sglang" and spec.compile_deep_gemm:
-            record["compile_deep_gemm"] = _run_deep_gemm(spec, env, log)
+            record["compile_deep_gemm"] = _run_deep_gemm(spec, env, log, run_as)
         log.write(f"### hgxserve cache bake: {' '.join(spec.argv)}\n".encode())
         log.flush()
         start_offset = log.tell()
@@ -247,6 +311,7 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
             proc = subprocess.Popen(
                 spec.argv,
                 env=env,
+                **(run_as.popen_args() if run_as else {}),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -265,6 +330,8 @@ def bake(spec: BakeSpec) -> dict[str, Any]:
         json.dump(record, fh, indent=1, sort_keys=True)
         fh.write("\n")
     os.replace(path + ".tmp", path)
+    if run_as is not None:
+        run_as.hand_over([path])
     return record
 
 

@@ -230,6 +230,11 @@ def scan_command(log: Any) -> None:
 @click.option("--log", "log_path", default=None, help="Engine log file (default beside the key).")
 @click.option("--no-deep-gemm", is_flag=True, help="SGLang: skip sglang.compile_deep_gemm.")
 @click.option("--pack-to", default=None, help="Then pack the cache into this directory.")
+@click.option(
+    "--user",
+    default=None,
+    help="Run the engine as this user, as its unit's User= (the deploy: hgxserve-engine).",
+)
 @cli_errors
 def bake_command(  # noqa: PLR0913 - a click command: one parameter per option
     topology: str,
@@ -243,6 +248,7 @@ def bake_command(  # noqa: PLR0913 - a click command: one parameter per option
     log_path: str | None,
     no_deep_gemm: bool,
     pack_to: str | None,
+    user: str | None,
 ) -> None:
     """Start the engine as its unit would, warm every topology shape until no JIT, stop it.
 
@@ -298,6 +304,7 @@ def bake_command(  # noqa: PLR0913 - a click command: one parameter per option
         # unit, and the warm-up sends the key, or a keyed engine answers every shape 401
         secret_env=dict(unit.secret_env),
         api_key_var=ENGINE_KEY_VAR if ENGINE_KEY_VAR in unit.secret_env else None,
+        user=user,
     )
     record = bake(spec)
     summary: dict[str, Any] = {

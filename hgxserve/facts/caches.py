@@ -16,6 +16,7 @@ from typing import Any
 from pyinfra.api import FactBase
 
 from hgxserve.base.cachelayout import DEFAULT_ROOT, RESTORE_MARKER
+from hgxserve.base.defaults import ENGINE_USER
 from hgxserve.caches.hostfacts import normalize_host_facts, probe_command
 from hgxserve.parsers.probes import parse_cache_state
 
@@ -41,6 +42,35 @@ class CacheState(FactBase):
 
     def process(self, output: list[str]) -> dict[str, Any]:
         return parse_cache_state(output)
+
+
+class CacheNotOwned(FactBase):
+    """Cache keys under a root holding anything `user` does not own (all of them while the
+    user does not exist yet): their engines, which run as `user`, could not write there.
+
+    Example:
+        >>> host.get_fact(CacheNotOwned, root="/var/cache/hgxserve", user="hgxserve-engine")
+        ... # doctest: +SKIP
+        ['vllm-0.26.0-h20-8207acaeed1c8efe']
+    """
+
+    def command(self, root: str = DEFAULT_ROOT, user: str = ENGINE_USER) -> str:
+        keys = shlex.quote(root.rstrip("/")) + "/*/"
+        who = shlex.quote(user)
+        return (
+            f"if id -u {who} >/dev/null 2>&1; then "
+            f'for d in {keys}; do [ -d "$d" ] || continue; '
+            f'[ -z "$(find "$d" ! -user {who} \\( -type d -o -links 1 \\) -print -quit)" ] '
+            '|| basename "$d"; done; '
+            f'else for d in {keys}; do [ -d "$d" ] && basename "$d"; done; fi; true'
+        )
+
+    @staticmethod
+    def default() -> list[str]:
+        return []
+
+    def process(self, output: list[str]) -> list[str]:
+        return sorted(line.strip() for line in output if line.strip())
 
 
 class CacheKeyFacts(FactBase):

@@ -22,9 +22,10 @@ from pyinfra.api import FunctionCommand, OperationError, StringCommand, operatio
 from pyinfra.api.command import FileUploadCommand, QuoteString
 
 from hgxserve.base.cachelayout import DEFAULT_ROOT, RESTORE_MARKER
+from hgxserve.base.defaults import ENGINE_USER
 from hgxserve.base.paths import AGENT
 from hgxserve.caches.archive import sha256_of
-from hgxserve.facts.caches import CacheState
+from hgxserve.facts.caches import CacheNotOwned, CacheState
 
 
 def shell_words(*words: str) -> StringCommand:
@@ -46,6 +47,23 @@ def store_index(store: str, full_key: str) -> dict[str, Any] | None:
     if not isinstance(value, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(value.get("sha256"))):
         return None
     return value
+
+
+# What of a key directory is handed to the engine user: directories and files of one link
+# (a hard link to a file elsewhere, where fs.protected_hardlinks is off, is never chowned).
+HANDED_OVER = ("(", "-type", "d", "-o", "-links", "1", ")")
+
+
+def hand_over(root: str, key: str, owner: str) -> StringCommand:
+    """Give a key directory and everything in it to the engine user its units run as (a
+    restore or bake runs as root; the engines write their JIT caches there). Depth first:
+    each directory changes owner after what is in it, so no directory on the way is the
+    user's (to swap for a link) while entries under it are handed over; links themselves,
+    never what they point at."""
+    return shell_words(
+        "find", f"{root}/{key}", "-depth", "!", "-user", owner, *HANDED_OVER,
+        "-exec", "chown", "--no-dereference", f"{owner}:{owner}", "{}", "+",
+    )  # fmt: skip
 
 
 def _restore_commands(  # noqa: PLR0913 - the restore operation's own arguments, passed on
@@ -70,6 +88,15 @@ def _restore_commands(  # noqa: PLR0913 - the restore operation's own arguments,
         ),  # fmt: skip
         shell_words("rm", "-f", remote),
     ]
+
+
+def _owned(root: str, key: str, owner: str, done: str) -> Any:
+    """Nothing to restore or bake (`done` says why): hand the key directory to `owner` when
+    anything in it is not its own yet (a cache restored before the engines ran as `owner`)."""
+    if key in host.get_fact(CacheNotOwned, root=root, user=owner):
+        yield hand_over(root, key, owner)
+        return
+    host.noop(done)
 
 
 def _push_and_restore_late(  # noqa: PLR0913 - the restore operation's own arguments, passed on
@@ -100,7 +127,8 @@ def restored(
     store: str = "",
     agent: str = AGENT,
 ):
-    """Hold the archive of `full_key` in `<root>/<key>/`, pushed from the controller store.
+    """Hold the archive of `full_key` in `<root>/<key>/`, pushed from the controller store,
+    owned by the user the engine units run as (User=, hgxserve.base.defaults.ENGINE_USER).
 
     + key: render-time key (the directory the units use)
     + full_key: key with this host's facts (what the archive was baked for)
@@ -116,18 +144,20 @@ def restored(
     if have.get("full_key") == full_key and (
         index is None or have.get("archive_sha256") == index.get("sha256")
     ):
-        host.noop(f"cache {key} already holds {full_key} ({str(have.get('archive_sha256'))[:12]})")
+        held = f"cache {key} already holds {full_key} ({str(have.get('archive_sha256'))[:12]})"
+        yield from _owned(root, key, ENGINE_USER, held)
         return
     if index is None:
         # Baked earlier in this run on another host: resolve the archive when executing.
         yield FunctionCommand(
             _push_and_restore_late, (key, full_key, root, store, agent), {}
         )  # fmt: skip
-        return
-    archive = os.path.join(store, full_key, f"{index['sha256']}.tar.zst")
-    if not os.path.isfile(archive):
-        raise OperationError(f"{archive}: listed in {store}/{full_key}.json but missing")
-    yield from _restore_commands(key, full_key, root, archive, index["sha256"], agent)
+    else:
+        archive = os.path.join(store, full_key, f"{index['sha256']}.tar.zst")
+        if not os.path.isfile(archive):
+            raise OperationError(f"{archive}: listed in {store}/{full_key}.json but missing")
+        yield from _restore_commands(key, full_key, root, archive, index["sha256"], agent)
+    yield hand_over(root, key, ENGINE_USER)
 
 
 def _fetch_baked(  # noqa: PLR0913 - pyinfra python.call: state and host first, then the bake's
@@ -188,7 +218,7 @@ def baked(  # noqa: PLR0913 - a pyinfra operation: one keyword per option, as py
     + topology: path of the topology file on the controller (uploaded for the bake)
     + engine: engine name in the topology
     + facts: this host's key facts (CacheKeyFacts), recorded with the bake
-    + root / store / agent: as in `restored`
+    + root / store / agent: as in `restored`; the engine bakes as the units run (ENGINE_USER)
 
     Example:
         baked(name="Bake JIT cache", key=k, full_key=fk, topology="t.yml", engine="decode-0",
@@ -203,7 +233,7 @@ def baked(  # noqa: PLR0913 - a pyinfra operation: one keyword per option, as py
             # Baked before but never fetched: fetch only.
             yield FunctionCommand(_fetch_baked, (key, full_key, root, store), {})
             return
-        host.noop(f"cache {key} already baked as {full_key}")
+        yield from _owned(root, key, ENGINE_USER, f"cache {key} already baked as {full_key}")
         return
     work = f"{root}/.bake"
     remote_topology = f"{work}/{os.path.basename(topology)}"
@@ -214,5 +244,7 @@ def baked(  # noqa: PLR0913 - a pyinfra operation: one keyword per option, as py
     yield shell_words(
         agent, "cache", "bake", "--topology", remote_topology, "--engine", engine,
         "--host", host.name, "--facts", remote_facts, "--pack-to", f"{root}/.archives/",
+        "--user", ENGINE_USER,
     )  # fmt: skip
+    yield hand_over(root, key, ENGINE_USER)  # the bake record and marker were written as root
     yield FunctionCommand(_fetch_baked, (key, full_key, root, store), {})

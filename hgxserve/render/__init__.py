@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from hgxserve.base import paths
 from hgxserve.base.cachelayout import ENV_SUBDIRS, cache_env
+from hgxserve.base.defaults import ENGINE_USER
 from hgxserve.base.paths import AGENT
 from hgxserve.base.units import (
     UnitText,
@@ -66,6 +67,7 @@ __all__ = [
 ]
 
 MKDIR = "/usr/bin/mkdir"
+INSTALL = "/usr/bin/install"
 GPU_WAIT_TIMEOUT_S = 120
 
 
@@ -240,7 +242,8 @@ def _engine_unit(
     key_dir = f"{topo.cache.root}/{key}"
     pre_dirs = sorted({env[v] for v in ENV_SUBDIRS if v in env})
     pre_dirs += [f"{rundir}/{d}" for d in ("tmp", "rpc", "cache", "hf")]
-    execs = _Exec([exec_line([MKDIR, "-p", *pre_dirs])])
+    user = None if engine.runtime.is_container else ENGINE_USER
+    execs = _Exec([_make_dirs(user, [key_dir, rundir], pre_dirs)])
     secrets = engine_secret_env(topo, engine)
     credential_lines, wrapper = secret_wrapper(secrets, name, creds)
     shipped = {f.host_path: f for f in topo.files.values()}
@@ -260,35 +263,15 @@ def _engine_unit(
         # the files the runtime stage shipped, as the topology pins them
         checks = [f"{path}={shipped[path].sha256}" for path in used_files]
         execs.start_pre.append(exec_line([AGENT, "runtime", "check-files", *checks]))
-    execs.start_pre.append(exec_line([AGENT, "gpus", "check-free", "--gpus", gpus]))
+    # `+`: the GPUs' process list must hold every user's processes (docs/render.md)
+    execs.start_pre.append(_as_root(user, [AGENT, "gpus", "check-free", "--gpus", gpus]))
     execs.stop_post.append(
-        exec_line(
-            [AGENT, "gpus", "wait-free", "--gpus", gpus, "--timeout", str(GPU_WAIT_TIMEOUT_S)]
+        _as_root(
+            user,
+            [AGENT, "gpus", "wait-free", "--gpus", gpus, "--timeout", str(GPU_WAIT_TIMEOUT_S)],
         )
     )
-    exec_start_post: list[str] = []
-    if plan.is_head:
-        # The unit stays `activating` until the engine serves, so TimeoutStartSec= bounds the
-        # whole start (weights, compile, CUDA graphs), not only the fork of the main process.
-        health = engine_url(topo, engine, from_host=host) + "/health"
-        wait = [AGENT, "release", "wait-ready", health, "--timeout", str(engine.start_timeout_s)]
-        shapes = engine_warmup(topo, engine)
-        if shapes:
-            # sent to the engine itself before the unit is active, and the proxy only starts
-            # once every engine of the release is: no user request meets a cold shape
-            wait += ["--warmup", shapes_arg(shapes)]
-            if ENGINE_KEY_VAR in secrets:
-                # A keyed engine answers 401 without its key. The warm-up reads it from the
-                # same credential source as the engine (named here, never its value): systemd
-                # 252 does not give ExecStartPost= the unit's credentials once the unit has a
-                # mount namespace (ProtectSystem=, PrivateTmp=), so no $CREDENTIALS_DIRECTORY.
-                _, source, _ = credential_for(ENGINE_KEY_VAR, secrets[ENGINE_KEY_VAR])
-                wait += ["--api-key-credential", source]
-        elif topo.warmup:
-            plan.notes.append(
-                "no warm-up before admission: SGLang prefill/decode serve only P/D-paired requests"
-            )
-        exec_start_post.append(exec_line(wait))
+    exec_start_post = [_wait_ready(topo, engine, host, plan, user)] if plan.is_head else []
     if engine.dp > 1 and engine.kv is not None and "VLLM_NIXL_SIDE_CHANNEL_PORT" in env:
         base = engine.kv.side_channel_port
         ranks = engine.dp_ranks_on(host)
@@ -316,8 +299,11 @@ def _engine_unit(
             watch_unit=watch_unit_name(engine.name),
             exec_stop=execs.stop,
             exec_stop_post=execs.stop_post,
+            user=user,
             read_only_paths=path_list([weights_tree], optional=True),
-            read_write_paths=path_list([key_dir, rundir], optional=True),
+            read_write_paths=path_list(
+                [key_dir, rundir, *([paths.ENGINE_HOME] if user else [])], optional=True
+            ),
         )
     )
     return RenderedUnit(
@@ -332,6 +318,55 @@ def _engine_unit(
         nnodes=plan.nnodes,
         secret_env={var: credential_for(var, ref)[1] for var, ref in secrets.items()},
     )
+
+
+def _wait_ready(
+    topo: Topology, engine: Engine, host: str, plan: NodePlan, user: str | None
+) -> UnitText:
+    """The head's ExecStartPost=: wait until the engine serves, warm it up."""
+    secrets = engine_secret_env(topo, engine)
+    # The unit stays `activating` until the engine serves, so TimeoutStartSec= bounds the
+    # whole start (weights, compile, CUDA graphs), not only the fork of the main process.
+    health = engine_url(topo, engine, from_host=host) + "/health"
+    wait = [AGENT, "release", "wait-ready", health, "--timeout", str(engine.start_timeout_s)]
+    shapes = engine_warmup(topo, engine)
+    if shapes:
+        # sent to the engine itself before the unit is active, and the proxy only starts
+        # once every engine of the release is: no user request meets a cold shape
+        wait += ["--warmup", shapes_arg(shapes)]
+        if ENGINE_KEY_VAR in secrets:
+            # A keyed engine answers 401 without its key. The warm-up reads it from the
+            # same credential source as the engine (named here, never its value): systemd
+            # 252 does not give ExecStartPost= the unit's credentials once the unit has a
+            # mount namespace (ProtectSystem=, PrivateTmp=), so no $CREDENTIALS_DIRECTORY.
+            _, source, _ = credential_for(ENGINE_KEY_VAR, secrets[ENGINE_KEY_VAR])
+            wait += ["--api-key-credential", source]
+    elif topo.warmup:
+        plan.notes.append(
+            "no warm-up before admission: SGLang prefill/decode serve only P/D-paired requests"
+        )
+    # `+` when it reads the key: its source is root's (0600 in a 0700 directory)
+    keyed = "--api-key-credential" in wait
+    return _as_root(user, wait) if keyed else exec_line(wait)
+
+
+def _make_dirs(user: str | None, tops: list[str], dirs: list[str]) -> UnitText:
+    """The ExecStartPre= that creates the engine's cache and run directories (`dirs`, inside
+    `tops`: the key and run directories). For an engine that runs as `user` it runs with full
+    privileges (`+`): the directories are made under root's cache and state roots and handed
+    to the user, the tops included (install -d sets the owner and mode of each directory
+    named, also of one that exists; what is inside stays as it is)."""
+    if user is None:
+        return exec_line([MKDIR, "-p", *dirs])
+    owned = [INSTALL, "-d", "-o", user, "-g", user, "-m", "0750", *tops, *dirs]
+    return UnitText("+" + exec_line(owned))
+
+
+def _as_root(user: str | None, argv: list[str]) -> UnitText:
+    """An Exec*= line that runs with full privileges (`+`) in a unit with User=; as written in
+    one without (container engines: their podman runs as root)."""
+    line = exec_line(argv)
+    return UnitText("+" + line) if user else line
 
 
 def _volumes(topo: Topology, writable: list[str], read_only: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -165,6 +166,11 @@ def sim_processes() -> list[Process]:
             continue  # half-written or foreign file: a real driver would not see it either
         if pid_alive(pid):
             found.append(Process(gpu=gpu, pid=pid, used_mib=used, name=name))
+        else:
+            # a dead process holds no memory: its file goes (when this user may remove it),
+            # so an engine of another user can write that GPU's file again in the sticky dir
+            with contextlib.suppress(OSError):
+                path.unlink()
     return found
 
 

@@ -240,3 +240,34 @@ def test_rendered_unit_names_the_engine_key_credential_never_its_value():
     decode = next(u for u in render_host(topo, "hgx-b").units if u.engine == "decode-0")
     assert decode.secret_env == {"VLLM_API_KEY": "hgxserve-engine-key"}
     assert "VLLM_API_KEY" not in decode.env
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting an engine as another user needs root")
+def test_bake_runs_the_engine_as_the_units_user_and_hands_it_the_cache(tmp_path_factory):
+    """As the deploy bakes (root, `--user hgxserve-engine`): the engine process runs as that
+    user with its home, and the cache it warmed is that user's to write afterwards."""
+    import pwd
+    import tempfile
+
+    user = pwd.getpwnam("nobody")
+    # a root the user can reach (pytest's tmp dirs are root's 0700)
+    root = tempfile.mkdtemp(prefix="hgxserve-bake-user-", dir="/var/tmp")
+    os.chmod(root, 0o755)
+    try:
+        python = "/usr/bin/python3"  # the test runner's own may be under root's 0700 home
+        spec, _ = spec_for(root, "k9", argv=None)
+        spec.argv = [python, *spec.argv[1:]]
+        spec.user = "nobody"
+        record = bake(spec)
+        assert record["user"] == "nobody" and record["settled"] is True
+        # the fake engine logs its HOME; a unit with User= gets the user's from passwd
+        assert f"HOME={user.pw_dir}" in read(record["log"])
+        kernels = os.path.join(root, "k9", "tilelang")
+        assert os.listdir(kernels)  # written by the engine, as nobody
+        for folder, dirs, files in os.walk(os.path.join(root, "k9")):
+            for name in [".", *dirs, *files]:
+                assert os.lstat(os.path.join(folder, name)).st_uid == user.pw_uid, name
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)

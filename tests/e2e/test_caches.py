@@ -38,6 +38,9 @@ CACHE_ROOT = "/var/cache/hgxserve-e2e-caches"
 PORT = 8171
 ENGINE_PREFIX = "fakejit-"
 MARKER = ".hgxserve-cache.json"
+# the stage's engine user operations on each host (roles/engine_user.py): group, user, home
+ENGINE_USER = "hgxserve-engine"
+ENGINE_USER_OPS = 3
 TOPOLOGY_GPU = {"h200": "H200", "h20": "H20-3e"}  # testbed kind -> topology `gpu`
 
 FAKE_SHIM = f"""#!/bin/sh
@@ -268,6 +271,16 @@ def test_first_run_bakes_once_per_kind_and_restores_everywhere_else(lab: Lab) ->
         )
         assert record["host"] == baker and record["settled"] is True
         assert record["rounds"][0]["jit_lines"] > 0 and record["rounds"][-1]["jit_lines"] == 0
+        assert record["user"] == ENGINE_USER  # the bake's engine ran as the units' do
+    # baked or restored (as root), every cache is the engine user's to write
+    for name in lab.bed.names:
+        assert not_owned(lab, name, key) == "", name
+
+
+def not_owned(lab: Lab, host: str, key: str) -> str:
+    """What in the key directory the engine user does not own ("" when nothing)."""
+    find = f"find {CACHE_ROOT}/{key} ! -user {ENGINE_USER} -printf '%u %p\\n'"
+    return lab.bed.ssh(host, find, check=True).stdout
 
 
 def test_second_run_changes_nothing(lab: Lab) -> None:
@@ -279,7 +292,7 @@ def test_second_run_changes_nothing(lab: Lab) -> None:
     assert proc.returncode == 0, output(proc)[-4000:]
     _, success, error, no_change = grand_total(proc)
     assert (success, error) == ("-", "-"), output(proc)[-3000:]
-    assert no_change == str(len(lab.bed.names))
+    assert no_change == str(len(lab.bed.names) * (1 + ENGINE_USER_OPS))
     assert "Bake JIT cache" not in output(proc)
     assert {n: marker(lab, n, key) for n in lab.bed.names} == before
 
@@ -300,13 +313,41 @@ def test_only_the_host_missing_the_cache_gets_it(lab: Lab) -> None:
     lab.timings["one-host repair run"] = time.monotonic() - started
     assert proc.returncode == 0, output(proc)[-4000:]
     _, success, error, no_change = grand_total(proc)
-    assert (success, error, no_change) == ("1", "-", str(len(others))), output(proc)[-3000:]
+    unchanged = len(others) + len(names) * ENGINE_USER_OPS
+    assert (success, error, no_change) == ("1", "-", str(unchanged)), output(proc)[-3000:]
     results = host_results(proc, "Restore JIT cache")
     assert results == {victim: "Success", **{n: "No changes" for n in others}}, results
     assert "Bake JIT cache" not in output(proc)  # the store had it: pushed, not baked again
     assert marker(lab, victim, key) == expected
     assert tree_digest(lab, victim, key) == digest
+    assert not_owned(lab, victim, key) == ""  # restored as root, handed to the engine user
     assert {n: lab.bed.ssh(n, stat, check=True).stdout for n in others} == untouched
+
+
+def test_a_cache_left_to_root_is_handed_to_the_engine_user_without_a_restore(lab: Lab) -> None:
+    """A host whose cache was restored before the engines ran unprivileged (root's files): the
+    next run only hands it over; the one after changes nothing."""
+    key = render_key(lab)
+    host = lab.bed.names[0]
+    expected = marker(lab, host, key)
+    digest = tree_digest(lab, host, key)
+    inodes = f"stat -c %i {CACHE_ROOT}/{key} {CACHE_ROOT}/{key}/{MARKER}"
+    before = lab.bed.ssh(host, inodes, check=True).stdout
+    lab.bed.ssh(host, f"chown -R root:root {CACHE_ROOT}/{key}", check=True)
+    assert not_owned(lab, host, key) != ""
+    proc = lab.deploy()
+    assert proc.returncode == 0, output(proc)[-4000:]
+    results = host_results(proc, "Restore JIT cache") | host_results(proc, "Bake JIT cache")
+    assert {n: r for n, r in results.items() if r != "Skipped"} == {
+        n: "Success" if n == host else "No changes" for n in lab.bed.names
+    }, output(proc)[-3000:]
+    # not restored again (a restore swaps in a new directory and marker) nor baked
+    assert lab.bed.ssh(host, inodes, check=True).stdout == before
+    assert not_owned(lab, host, key) == ""
+    assert marker(lab, host, key) == expected and tree_digest(lab, host, key) == digest
+    again = lab.deploy()
+    assert again.returncode == 0, output(again)[-4000:]
+    assert grand_total(again)[1:3] == ("-", "-"), output(again)[-3000:]
 
 
 def test_lost_store_is_refilled_from_the_baker_without_a_new_bake(lab: Lab) -> None:

@@ -96,6 +96,68 @@ def test_kv_over_rdma_passes_with_the_transport_named(lab: testbed_hosts.Testbed
     # the table is in the decode's journal as UCX prints it
     journal = lab.ssh("hgx-b", "journalctl -u hgxserve-decode-0 -o cat --no-pager", check=True)
     assert re.search(r"\| +ucp_context_0 inter-node cfg#\d+ \| remote memory read", journal.stdout)
+    # ... all of it from engines that ran as the unprivileged engine user
+    pids = {}
+    for host, unit in (("hgx-a", "hgxserve-prefill-0"), ("hgx-b", "hgxserve-decode-0")):
+        pids[host] = engine_runs_unprivileged(lab, host, unit)
+    # a second deploy: the user, its home and the units are converged, nothing restarts
+    again = deploy(lab, "deploys/site.py", f"topology={PD}", "stages=runtime,weights,engines")
+    assert again.returncode == 0, output(again)[-4000:]
+    assert "Engine user hgxserve-engine" in output(again)
+    totals = re.search(r"Grand total\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", output(again))
+    assert totals and totals.group(2, 3) == ("-", "-"), output(again)[-3000:]  # 0 changes
+    for host, unit in (("hgx-a", "hgxserve-prefill-0"), ("hgx-b", "hgxserve-decode-0")):
+        assert main_pid(lab, host, unit) == pids[host]  # same engines: nothing restarted
+
+
+def main_pid(lab: testbed_hosts.Testbed, host: str, unit: str) -> int:
+    proc = lab.ssh(host, f"systemctl show -p MainPID --value {unit}", check=True)
+    return int(proc.stdout.strip())
+
+
+def engine_runs_unprivileged(lab: testbed_hosts.Testbed, host: str, unit: str) -> int:
+    """Every process of the engine unit runs as hgxserve-engine, with the unit's memlock limit
+    and the user's home; its cache and run directories are the user's. Returns its MainPID."""
+    pid = main_pid(lab, host, unit)
+    assert pid > 0, f"{unit} on {host} has no main process"
+    cgroup = lab.ssh(host, f"systemctl show -p ControlGroup --value {unit}", check=True)
+    procs = lab.ssh(
+        host,
+        f'ps -o user:32= -p "$(paste -sd, /sys/fs/cgroup{cgroup.stdout.strip()}/cgroup.procs)"',
+        check=True,
+    )
+    users = set(procs.stdout.split())
+    print(f"{host} {unit}: MainPID {pid}, processes run as {sorted(users)}")
+    assert users == {"hgxserve-engine"}, procs.stdout
+    # LimitMEMLOCK=infinity, set by systemd before it drops to the user: as much as the host's
+    # systemd may give (PID 1's hard limit; unlimited on a GPU host, where systemd holds
+    # CAP_SYS_RESOURCE; a test host's nspawn container caps it at its own 8 MiB)
+    memlock = "grep 'Max locked memory' /proc/{}/limits"
+    limits = lab.ssh(host, memlock.format(pid), check=True).stdout.split()[3:5]
+    ceiling = lab.ssh(host, memlock.format(1), check=True).stdout.split()[4]
+    assert limits == [ceiling, ceiling], (limits, ceiling)
+    environ = lab.ssh(host, f"tr '\\0' '\\n' < /proc/{pid}/environ", check=True).stdout
+    assert "HOME=/var/lib/hgxserve/engine-home" in environ.splitlines()
+    cache = re.search(r"^VLLM_CACHE_ROOT=(\S+)/vllm$", environ, re.M)
+    tmp = re.search(r"^TMPDIR=(\S+)/tmp$", environ, re.M)
+    assert cache and tmp, environ
+    owners = lab.ssh(
+        host,
+        f"stat -c %U {cache.group(1)} {cache.group(1)}/vllm {tmp.group(1)} {tmp.group(1)}/tmp "
+        "/var/lib/hgxserve/engine-home",
+        check=True,
+    )
+    assert set(owners.stdout.split()) == {"hgxserve-engine"}, owners.stdout
+    # a system user with no login shell; in `video` where the host has that group
+    entry = lab.ssh(host, "getent passwd hgxserve-engine", check=True).stdout.strip().split(":")
+    assert int(entry[2]) < 1000 and entry[5:] == [
+        "/var/lib/hgxserve/engine-home",
+        "/usr/sbin/nologin",
+    ], entry
+    has_video = lab.ssh(host, "getent group video").returncode == 0
+    groups = lab.ssh(host, "id -nG hgxserve-engine", check=True).stdout.split()
+    assert ("video" in groups) == has_video, groups
+    return pid
 
 
 def test_kv_falling_back_to_tcp_is_rolled_back_though_the_counters_moved(

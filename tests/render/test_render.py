@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -78,9 +79,31 @@ def test_engine_units_carry_limits_checks_and_pinned_caches(path: Path):
                 f"ExecStartPre=/opt/hgxserve/bin/hgxserve weights check-marker {topo.model.path}"
                 in lines
             )
-            assert f"ExecStartPre=/opt/hgxserve/bin/hgxserve gpus check-free --gpus {gpus}" in lines
-            wait = f"gpus wait-free --gpus {gpus} --timeout 120"
-            assert f"ExecStopPost=/opt/hgxserve/bin/hgxserve {wait}" in lines
+            # a venv engine runs as the engine user; the GPU checks keep root (`+`): they must
+            # see every user's processes. A container engine's podman is root's.
+            unprivileged = not engine.runtime.is_container
+            assert ("User=hgxserve-engine" in lines) == unprivileged, unit.name
+            assert ("Group=hgxserve-engine" in lines) == unprivileged, unit.name
+            root = "+" if unprivileged else ""
+            check = f"{root}/opt/hgxserve/bin/hgxserve gpus check-free --gpus {gpus}"
+            assert f"ExecStartPre={check}" in lines
+            wait = f"{root}/opt/hgxserve/bin/hgxserve gpus wait-free --gpus {gpus} --timeout 120"
+            assert f"ExecStopPost={wait}" in lines
+            key_dir = os.path.dirname(unit.env["VLLM_CACHE_ROOT"])
+            run_dir = os.path.dirname(unit.env["TMPDIR"])
+            make = [line for line in lines if line.startswith("ExecStartPre=") and key_dir in line]
+            assert len(make) == 1, make
+            if unprivileged:  # made as root, each named directory handed to the engine user
+                owned = "+/usr/bin/install -d -o hgxserve-engine -g hgxserve-engine -m 0750"
+                assert make[0].startswith(f"ExecStartPre={owned} {key_dir} {run_dir} "), make
+                # nothing else of the unit runs as root but the lines that say why (template)
+                privileged = [line for line in lines if re.match(r"^Exec\w+=\+", line)]
+                assert all(
+                    ("install -d" in line or "gpus " in line or "--api-key-credential" in line)
+                    for line in privileged
+                )
+            else:
+                assert make[0].startswith("ExecStartPre=/usr/bin/mkdir -p "), make
             assert f"ReadOnlyPaths=-{topo.model.path}" in lines
             for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
                         "DG_JIT_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "TILELANG_CACHE_DIR",

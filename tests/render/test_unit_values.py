@@ -52,7 +52,7 @@ def test_a_line_break_in_a_value_never_adds_a_directive(value: str) -> None:
     before = render_host(plain, host).units[0].content
     after = render_host(_with_model_path(value), host).units[0].content
     assert _directives(before) == _directives(after)
-    assert "\r" not in after and not re.search(r"^(ExecStartPre=/bin/touch|User=)", after, re.M)
+    assert "\r" not in after and not re.search(r"^(ExecStartPre=/bin/touch|User=root)", after, re.M)
     topo = topology("h20-v4flash-tp8.yml")
     named = dataclasses.replace(topo, name="t\nExecStartPre=/bin/touch /var/p")
     with pytest.raises(RenderError, match="control character"):
