@@ -1,5 +1,6 @@
 """The API keys a deploy pushes or points the units at, checked before anything runs: the
-proxy's client key (`proxy.auth.api_key`) and the engines' key (`proxy.auth.engine_api_key`).
+proxy's client key (`proxy.auth.api_key`), the engines' key (`proxy.auth.engine_api_key`) and the
+key of the proxy's /metrics (`proxy.auth.metrics_key`).
 
 - `{env: VAR}`: the controller's VAR must hold a key of MIN_API_KEY_LENGTH characters or more
   (the release role then writes it 0600 itself);
@@ -36,7 +37,11 @@ def api_key_refs(topo: Topology) -> list[tuple[JsonPath, SecretRef]]:
     proxy = topo.proxy
     if proxy is None:
         return []
-    keys = (("api_key", proxy.api_key), ("engine_api_key", proxy.engine_api_key))
+    keys = (
+        ("api_key", proxy.api_key),
+        ("engine_api_key", proxy.engine_api_key),
+        ("metrics_key", proxy.metrics_key),
+    )
     return [((*AUTH, name), ref) for name, ref in keys if ref is not None]
 
 

@@ -354,7 +354,7 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
     key = _api_key(spec)
     base = spec.proxy_url.rstrip("/")
     _check_front_door(spec, base, key, log)
-    metrics_key = _key_file(spec.metrics_key_file)
+    metrics_key = _key_file(spec.metrics_key_file, "proxy /metrics key")
     wait_instances_admitted(base, spec.instances_timeout_s, log, metrics_key)
     before = _kv_counters(spec) if spec.pd_engine else KvCounters()
     completion = _deterministic_completion(spec, base, key)
@@ -370,14 +370,14 @@ def run_gate(spec: GateSpec, log: Any = print) -> dict[str, Any]:
 
 
 def _api_key(spec: GateSpec) -> str | None:
-    return _key_file(spec.api_key_file)
+    return _key_file(spec.api_key_file, "proxy API key")
 
 
-def _key_file(path: str | None) -> str | None:
+def _key_file(path: str | None, what: str) -> str | None:
     if not path:
         return None
     try:  # the key the release wrote (0600), or the topology's file / credential store file
-        return read_key_file(path, "proxy key")
+        return read_key_file(path, what)
     except KeyFileError as exc:
         raise GateError(str(exc)) from None
 

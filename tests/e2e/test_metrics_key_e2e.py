@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 MONITORED = REPO / "tests/monitoring/demo-pd-monitored.yml"
 AUTH_LINE = "    engine_api_key: {credential: hgxserve-engine-key}"
 KEY_VAR = "HGX_E2E_METRICS_KEY"
-KEY = "e2e-metrics-key-7f3a9c0d5b1e"
+KEY = "e2e-metrics-key-7f3a9c0d5b1e4a62c8d09e17"
 KEY_DIR = "/etc/prometheus/hgxserve-keys"
 ENV = {KEY_VAR: KEY}
 lab = test_monitoring.lab  # its module fixture: package repository, S3, clean-up
@@ -62,7 +62,8 @@ def test_keyed_metrics_deploy_scrape_and_status(
     first = lab.pyinfra(
         "deploys/site.py", "--data", f"topology={keyed}",
         "--data", "stages=runtime,weights,engines,monitoring",
-        "--data", "health_timeout=75", "--data", "confirm_within=120", env=ENV,
+        "--data", "health_timeout=75", "--data", "confirm_within=120",
+        "--data", f"allow_env={KEY_VAR}", env=ENV,
     )  # fmt: skip
     assert changes(first) > 0
     # the proxy wants the key, and has it only as a credential
@@ -97,5 +98,8 @@ def test_keyed_metrics_deploy_scrape_and_status(
     )  # fmt: skip
     text = json.dumps(json.loads(report.stdout))
     assert "proxy /metrics" not in text and '"in_rotation": true' in text, text[:3000]
-    again = lab.pyinfra("deploys/monitoring.py", "--data", f"topology={keyed}", env=ENV)
+    again = lab.pyinfra(
+        "deploys/monitoring.py", "--data", f"topology={keyed}", "--data", f"allow_env={KEY_VAR}",
+        env=ENV,
+    )  # fmt: skip
     assert changes(again) == 0, again.stdout[-3000:]

@@ -16,8 +16,8 @@ from hgxserve.proxy.scrape import metrics_headers
 
 pytestmark = pytest.mark.timeout(90)
 
-METRICS_KEY = "m-key-0123456789abcdef"
-API_KEY = "client-key-0123456789"
+METRICS_KEY = "m-key-0123456789abcdef0123456789abcdef"
+API_KEY = "client-key-0123456789abcdef0123456789"
 
 
 def config(engine_url: str, **auth: str) -> dict:
@@ -32,6 +32,7 @@ def config(engine_url: str, **auth: str) -> dict:
 def key_file(tmp_path: Path, name: str, key: str) -> str:
     path = tmp_path / name
     path.write_text(key + "\n")
+    path.chmod(0o600)  # key files must be private (hgxserve.base.apikeys)
     return str(path)
 
 
