@@ -117,11 +117,11 @@ DRAIN_STOP_SLACK_S = 30
 # GPUs to hold no memory, starting and checking the proxy (60 s).
 GPU_FREE_TIMEOUT_S = 300.0
 SWITCH_OVERHEAD_S = 180 + GPU_FREE_TIMEOUT_S + 60
-# API keys (proxy `auth.api_key`, `auth.engine_api_key`, `auth.metrics_key`, `hgxserve bench --api-key-file`): the
-# shortest accepted, in characters. 32 is 128 bits as hex (`openssl rand -hex 16`), beyond any
-# online guessing at the proxy's request rate; a typed password or a test value is shorter. Key
-# files are also refused unless regular and without group/other permission bits (0600 or 0400),
-# and larger than API_KEY_MAX_BYTES is not a key.
+# API keys (proxy `auth.api_key`, `auth.engine_api_key`, `auth.metrics_key`, `hgxserve bench
+# --api-key-file`): the shortest accepted, in characters. 32 is 128 bits as hex (`openssl rand
+# -hex 16`), beyond any online guessing at the proxy's request rate; a typed password or a test
+# value is shorter. Key files are also refused unless regular and without group/other permission
+# bits (0600 or 0400), and larger than API_KEY_MAX_BYTES is not a key.
 MIN_API_KEY_LENGTH = 32
 API_KEY_MAX_BYTES = 4096
 # The system user every venv engine unit runs as (User=/Group=, a group of the same name), and
