@@ -8,7 +8,9 @@ Optional `--data` keys (also inventory host data):
 `runtime_index_url=URL` where the controller downloads wheels from (default: its own pip
 configuration); `runtime_find_links=DIR[,DIR]` local wheel directories the controller also uses;
 `runtime_no_index=true` only those directories; `runtime_source=index` makes each host install
-from `runtime_index_url` itself (a mirror the hosts can reach) instead of a pushed wheelhouse.
+from `runtime_index_url` itself (a mirror the hosts can reach) instead of a pushed wheelhouse,
+exactly what the lab's hash lock `runtime_index_lock=PATH` pins (`runtime_index_unpinned=true`
+is the explicit opt-out).
 
 Container runtimes (`runtime.image`): `image_mirror=HOST:PORT` pulls the image through a registry
 mirror; `image_archive_prefix=s3://bucket/prefix/` loads `<prefix>/sha256-<hex>.oci.tar`

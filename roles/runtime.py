@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import urllib.parse
 from dataclasses import dataclass, field
@@ -144,9 +145,25 @@ def _source(plan: VenvPlan, staging: str) -> _Source:
     if index_url:
         args = ["--index-url", index_url]
         if index_url.startswith("http://"):
-            # a lab mirror without TLS: pip ignores it unless its host is named trusted
+            # a lab mirror without TLS: pip ignores it unless its host is named trusted (the
+            # lock's hashes, not the transport, are what vouch for the files)
             args += ["--trusted-host", urllib.parse.urlsplit(index_url).netloc]
-        return _Source(f"index {index_url}", [*args, *spec.requirements])
+        lock = plan.index_lock
+        if lock is None:  # runtime_index_unpinned=true: the plan said so on the controller
+            return _Source(f"index {index_url}", [*args, *spec.requirements])
+        # only what the lab's lock pins, each file by its sha256 (hgxserve.runtime.indexlock)
+        dest = f"{staging.rstrip('/')}/index-{lock.sha256[:16]}.lock"
+        files.put(
+            name=f"Push the index lock {os.path.basename(lock.path)} for {spec.venv}",
+            src=lock.path,
+            dest=dest,
+            mode="644",
+            create_remote_dir=True,
+        )
+        return _Source(
+            f"index {index_url}", [*args, "--require-hashes", "-r", dest],
+            cleanup=[f"rm -f {shlex.quote(dest)}"], lock=lock.sha256,
+        )  # fmt: skip
     tarball, key = plan.wheelhouse()
     torch = wheelhouse_torch(tarball)
     if torch:  # before anything is pushed: a CUDA this driver cannot run stops here

@@ -124,6 +124,10 @@ SWITCH_OVERHEAD_S = 180 + GPU_FREE_TIMEOUT_S + 60
 # bits (0600 or 0400), and larger than API_KEY_MAX_BYTES is not a key.
 MIN_API_KEY_LENGTH = 32
 API_KEY_MAX_BYTES = 4096
+# A `runtime_index_lock` file (hgxserve.runtime.indexlock): vLLM 0.15's full dependency set
+# hash-locked by pip-compile is about 150 requirements and 60 KB; 1 MiB leaves room for many
+# platforms' hashes and refuses anything that is not a lock.
+INDEX_LOCK_MAX_BYTES = 1 << 20
 # The system user every venv engine unit runs as (User=/Group=, a group of the same name), and
 # the supplementary groups it joins where the host has them: `video` owns /dev/nvidia* when the
 # NVIDIA driver restricts its device files (NVreg_DeviceFileMode=0660, NVreg_DeviceFileGID=<gid

@@ -127,6 +127,19 @@ KEYS: tuple[DataKey, ...] = (
         _RUNTIME, shown_default="the controller's pip configuration",
     ),
     DataKey(
+        "runtime_index_lock", "path", None,
+        "With runtime_source=index: the lab's hash lock (every requirement name==version with "
+        "--hash=sha256:, as `pip-compile --generate-hashes` writes it); hosts install only it, "
+        "with --require-hashes.",
+        _RUNTIME,
+    ),
+    DataKey(
+        "runtime_index_unpinned", "bool", False,
+        "With runtime_source=index: install from the mirror without a lock (its files trusted "
+        "as they are; every run says so).",
+        _RUNTIME,
+    ),
+    DataKey(
         "runtime_find_links", "list", (),
         "Local wheel directories the controller also uses (comma-separated).",
         _RUNTIME,

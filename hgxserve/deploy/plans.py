@@ -56,6 +56,7 @@ from hgxserve.release.switch import start_timeout
 from hgxserve.render import render_host
 from hgxserve.runtime.files import FileSourceError, local_copy
 from hgxserve.runtime.images import archive_name, image_digest
+from hgxserve.runtime.indexlock import IndexLock, IndexLockError, read_index_lock
 from hgxserve.runtime.spec import RuntimeSpecError, VenvRuntime, container_images, venv_runtimes
 from hgxserve.runtime.wheelhouse import (
     HostPlatform,
@@ -261,6 +262,7 @@ class VenvPlan:
     index_url: str | None  # `runtime_source=index`: the hosts install from this mirror
     planned_driver: str | None  # the driver a provision stage of this run installs
     s3: WheelS3 | None = None  # where `runtime.wheels` with an s3:// url come from
+    index_lock: IndexLock | None = None  # with index_url: the lab's hash lock (else unpinned)
 
 
 @dataclass(frozen=True)
@@ -326,6 +328,42 @@ def _index(data: DeployData) -> tuple[IndexOptions, str | None]:
     return options, index_url if source == "index" else None
 
 
+def _index_lock(data: DeployData, index_url: str | None) -> IndexLock | None:
+    """The lab's hash lock for `runtime_source=index`: required, unless the run says
+    `runtime_index_unpinned=true` (then every run prints that the mirror is trusted as is)."""
+    path = data.get("runtime_index_lock")
+    if index_url is None:
+        return None
+    if path is None:
+        if not data.get("runtime_index_unpinned"):
+            raise DeployError(
+                "runtime_source=index needs runtime_index_lock=PATH (a requirements file pinning "
+                "every package by version and --hash=sha256:, e.g. from `pip-compile "
+                "--generate-hashes` against the mirror), or runtime_index_unpinned=true to "
+                f"install from {index_url} without one"
+            )
+        logger.warning(
+            f"runtime: installing from {index_url} WITHOUT a hash lock "
+            "(runtime_index_unpinned=true): the mirror's files are trusted as they are"
+        )
+        return None
+    try:
+        return read_index_lock(path)
+    except IndexLockError as exc:
+        raise DeployError(f"runtime_index_lock: {exc}") from None
+
+
+def _check_lock_covers(lock: IndexLock | None, specs: list[VenvRuntime]) -> None:
+    if lock is None:
+        return
+    for spec in specs:
+        missing = lock.uncovered(spec.requirements)
+        if missing:
+            raise DeployError(
+                f"runtime_index_lock {lock.path}: the venv {spec.venv} needs {', '.join(missing)}"
+            )
+
+
 def _venvs(
     host: Host,
     specs: list[VenvRuntime],
@@ -384,11 +422,13 @@ def runtime_plan(host: Host) -> RuntimePlan:
     data = deploy_data(host)
     specs = _venv_runtimes(topology, host, require_version=True)
     index, host_index_url = _index(data)
+    lock = _index_lock(data, host_index_url) if specs else None
+    _check_lock_covers(lock, specs)
     images = _images(topology, host, data)
     driver = _planned_driver(host, data)
     return RuntimePlan(
         venvs=tuple(
-            replace(v, s3=_wheel_s3(topology))
+            replace(v, s3=_wheel_s3(topology), index_lock=lock)
             for v in _venvs(host, specs, index, host_index_url, driver)
         ),
         images=images,

@@ -197,3 +197,33 @@ def test_preflight_sizes_the_disk_check_from_the_published_manifest(monkeypatch)
     # the demo's credentials are an env file on the hosts: the controller uses its own chain
     assert asked == [(url, "http://10.77.0.1:9000", "path", None)]
     assert plans.provision_plan(hosts["hgx-b"]).preflight.expect.model_size_bytes == 740 * 2**30
+
+
+def test_an_index_runtime_needs_the_labs_hash_lock(tmp_path: Path) -> None:
+    index = {"runtime_source": "index", "runtime_index_url": "http://10.0.0.5/simple"}
+    _, hosts = run(index)
+    with pytest.raises(DeployError, match="needs runtime_index_lock=PATH"):
+        plans.runtime_plan(hosts["hgx-a"])
+    _, hosts = run({**index, "runtime_index_unpinned": True})  # the explicit opt-out
+    assert all(v.index_lock is None for v in plans.runtime_plan(hosts["hgx-a"]).venvs)
+    short = tmp_path / "short.lock"
+    short.write_text(f"six==1.17.0 --hash=sha256:{'1' * 64}\n")
+    _, hosts = run({**index, "runtime_index_lock": str(short)})
+    with pytest.raises(DeployError, match=r"short.lock: the venv \S+ needs vllm==\S+ \(not in"):
+        plans.runtime_plan(hosts["hgx-a"])
+    plan = plans.runtime_plan(run({"runtime_find_links": "/w1"})[1]["hgx-a"])
+    spec = plan.venvs[0].spec
+    full = tmp_path / "full.lock"
+    full.write_text(
+        "".join(f"{r} --hash=sha256:{'2' * 64}\n" for r in spec.requirements)
+        + f"six==1.17.0 --hash=sha256:{'1' * 64}\n"
+    )
+    _, hosts = run({**index, "runtime_index_lock": str(full)})
+    venv = plans.runtime_plan(hosts["hgx-a"]).venvs[0]
+    assert venv.index_url == index["runtime_index_url"]
+    assert venv.index_lock is not None and dict(venv.index_lock.pins)["six"] == "1.17.0"
+    bad = tmp_path / "bad.lock"
+    bad.write_text(f"--extra-index-url http://evil/simple\n{full.read_text()}")
+    _, hosts = run({**index, "runtime_index_lock": str(bad)})
+    with pytest.raises(DeployError, match="runtime_index_lock: .*bad.lock:1:"):
+        plans.runtime_plan(hosts["hgx-a"])

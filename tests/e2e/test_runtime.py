@@ -247,15 +247,44 @@ def test_hosts_install_from_an_inventory_named_index(
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     venv = f"{PLAIN}-index"
+    # the lab's hash lock: every wheel the mirror serves, by version and sha256
+    lock, forged = tmp_path / "lab.lock", tmp_path / "forged.lock"
+    lines = []
+    for wheel in sorted(testbed_hosts.WHEELS_DIR.glob("*.whl")):
+        name, version = wheel.name.split("-")[:2]
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        lines.append(f"{name}=={version} \\\n    --hash=sha256:{digest}")
+    lock.write_text("# pip-compile --generate-hashes\n" + "\n".join(lines) + "\n")
+
+    # the same lock with the engine's hash changed: what a mirror serving another file looks like
+    def flip(match: re.Match) -> str:
+        return match.group(1) + ("1" if match.group(2) == "0" else "0")
+
+    forged.write_text(
+        re.sub(r"(vllm==\S+ \\\n    --hash=sha256:)([0-9a-f])", flip, lock.read_text())
+    )
+    assert forged.read_text() != lock.read_text()
     try:
         time.sleep(0.5)
         topology = variant(tmp_path, BASELINE, {f"venv: {VENV}}}": f"venv: {venv}}}"})
         url = f"http://{testbed_hosts.BRIDGE_ADDRESS}:{port}/simple"
         data = [f"topology={topology}", "runtime_source=index", f"runtime_index_url={url}"]
+        # no lock and no explicit opt-out: refused before anything runs on the host
+        bare, text = run(lab, "deploys/runtime.py", *data, limit="hgx-a")
+        assert bare.returncode != 0 and "needs runtime_index_lock=PATH" in text, text[-3000:]
+        assert "Traceback" not in text
+        # a file that does not match the lock's hash: pip refuses it, nothing is marked
+        bad, text = run(lab, "deploys/runtime.py", *data, f"runtime_index_lock={forged}",
+                        limit="hgx-a")  # fmt: skip
+        assert bad.returncode != 0 and "DO NOT MATCH THE HASHES" in text.upper(), text[-3000:]
+        assert lab.ssh("hgx-a", f"test -e {venv}/.hgxserve-runtime").returncode != 0
+        data.append(f"runtime_index_lock={lock}")
         proc, text = run(lab, "deploys/runtime.py", *data, limit="hgx-a")
         assert proc.returncode == 0, text[-4000:]
         assert "Push the runtime wheelhouse" not in text
-        assert f'"source": "index {url}"' in marker(lab, "hgx-a", venv)
+        installed = marker(lab, "hgx-a", venv)
+        assert f'"source": "index {url}"' in installed
+        assert hashlib.sha256(lock.read_bytes()).hexdigest() in installed
         again, text = run(lab, "deploys/runtime.py", *data, limit="hgx-a")
         assert again.returncode == 0 and grand_total(text)[1:3] == ("-", "-"), text[-3000:]
     finally:
