@@ -160,17 +160,23 @@ def complete(prompt: str, max_tokens: int = 16) -> int:
 
 
 stop_load = threading.Event()
+load_seen: dict[str, int] = {}  # what the load got: status codes and errors, by count
 
 
 def serve_load() -> threading.Thread:
     """The demo serving: short prompts (combined engine) and long ones (prefill -> decode)."""
+    # another module sharing this module's `lab` fixture (test_metrics_key_e2e) set the event
+    # in its teardown: a load started after it would stop at once
+    stop_load.clear()
 
     def run() -> None:
         i = 0
         while not stop_load.is_set():
             try:
-                complete(f"Only answer: ok{i}" if i % 2 else f"{LONG_PROMPT} {i}")
-            except OSError:
+                code = complete(f"Only answer: ok{i}" if i % 2 else f"{LONG_PROMPT} {i}")
+                load_seen[str(code)] = load_seen.get(str(code), 0) + 1
+            except OSError as exc:
+                load_seen[repr(exc)[:160]] = load_seen.get(repr(exc)[:160], 0) + 1
                 time.sleep(0.5)
             i += 1
 
@@ -253,7 +259,9 @@ def test_recording_rules_and_dashboard_queries_return_data(lab: testbed_hosts.Te
         wait_for(every_rule, "every recording rule to return a value while serving", 120)
     except AssertionError:
         empty = [n for n in records if not has_value(query(n + '{topology="demo-pd"}'))]
-        raise AssertionError(f"recording rules without data: {empty}") from None
+        raise AssertionError(
+            f"recording rules without data: {empty}; the load got {load_seen}"
+        ) from None
     tokens = query('role:hgxserve_generation_tokens_per_gpu:rate{topology="demo-pd"}')
     assert {r["metric"]["role"] for r in tokens} == {"prefill", "decode", "combined"}
     assert any(float(r["value"][1]) > 0 for r in tokens)

@@ -175,6 +175,10 @@ def sglang_on_test_hosts(out: Path) -> tuple[Path, str]:
     demo_text = BASELINE.read_text()
     hosts = demo_text[demo_text.index("hosts:\n") : demo_text.index("model:\n")]
     model = demo_text[demo_text.index("model:\n") : demo_text.index("defaults:\n")]
+    # trust_remote_code: the demo model's pin, from the test hosts' inventory (model_pins)
+    model = model.replace(
+        "  path: /models/tiny\n", "  path: /models/tiny\n  digest_from: inventory\n"
+    )
     text = text[: text.index("hosts:\n")] + hosts + model + text[text.index("engines:\n") :]
     text = text.replace("h200-a", "hgx-a")
     template = out / "tool_chat_template_deepseekv32.jinja"
