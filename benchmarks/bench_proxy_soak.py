@@ -78,6 +78,19 @@ def rss_mib(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+async def timed_completion(session: aiohttp.ClientSession, url: str, body: dict) -> float | None:
+    """One completion: its latency in seconds when answered 200, else None."""
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            await resp.read()
+            if resp.status == 200:
+                return time.perf_counter() - t0
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    return None
+
+
 async def normal_client(url: str, seconds: float) -> tuple[list[float], int]:
     """One request at a time for `seconds`: latencies of the good ones, count of the others."""
     body = {"model": "m", "prompt": "normal client", "max_tokens": 1, "temperature": 0}
@@ -87,15 +100,9 @@ async def normal_client(url: str, seconds: float) -> tuple[list[float], int]:
     async with aiohttp.ClientSession(timeout=timeout) as session:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            t0 = time.perf_counter()
-            try:
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    await resp.read()
-                    ok = resp.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                ok = False
-            if ok:
-                latencies.append(time.perf_counter() - t0)
+            took = await timed_completion(session, url, body)
+            if took is not None:
+                latencies.append(took)
             else:
                 errors += 1
             await asyncio.sleep(0.02)
@@ -238,17 +245,11 @@ async def normal_requests(
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         for _ in range(count):
-            t0 = time.perf_counter()
-            try:
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    await resp.read()
-                    ok = resp.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                ok = False
-            if ok:
-                latencies.append(time.perf_counter() - t0)
+            took = await timed_completion(session, url, body)
+            if took is not None:
+                latencies.append(took)
                 if starts is not None:
-                    starts.append(time.monotonic() - (time.perf_counter() - t0))
+                    starts.append(time.monotonic() - took)
             else:
                 errors += 1
     return latencies, errors
