@@ -53,6 +53,11 @@ ENGINE: str = schema_default("engine", "engine")
 BENCH_PERCENTILE: int = schema_default("bench_sla", "percentile")
 BENCH_DRAIN_TIMEOUT_S: float = schema_default("bench", "drain_timeout_s")
 BENCH_RUNS_DIR = "bench-runs"
+# A bench dataset file (docs/bench.md "Datasets") is read up to this size and line count: seed
+# 002's ShareGPT_V3_unfiltered_cleaned_split.json is about 670 MB (94k conversations), so 1 GiB
+# holds it; a JSONL prompts file of a million lines is far beyond any round's requests.
+BENCH_DATASET_MAX_BYTES = 1 << 30
+BENCH_DATASET_MAX_LINES = 1_000_000
 # The watcher of an engine that spans hosts (hgxserve.release.watch, docs/releases.md "One
 # failure domain"). It polls every WATCH_POLL_S: a member is down once its unit stopped, or its
 # head's /health or a follower's watcher failed for WATCH_DOWN_AFTER_S (a serving vLLM/SGLang API

@@ -2,7 +2,8 @@
 
 Exit status (README "Exit codes"): 0 every SLA met; 1 an SLA missed (each failing figure
 printed); 2 bad arguments or scenarios; 3 the proxy's or an engine's /metrics unreachable; 6 a
-round refused (not idle, unclean) or the load generator failed.
+round refused (not idle, unclean), the load generator failed, or a round INVALID (a P/D round
+whose KV did not all move: its numbers are kept and reported, never a PASS).
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def _api_key(path: str | None) -> str | None:
     show_default=True,
     help="Seconds one round (one AIPerf run) may take.",
 )
+@click.option(
+    "--no-telemetry",
+    is_flag=True,
+    help="Do not sample GPU memory, power and utilisation on the hosts during the rounds.",
+)
 @cli_errors
 def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     topology: str,
@@ -135,22 +141,21 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     release_id: str | None,
     inventory: str | None,
     from_host: str | None,
-    **timeouts: float | None,
+    **timeouts: Any,
 ) -> None:
-    """Run the topology's bench scenarios; exit 1 when an SLA is missed."""
+    """Run the topology's bench scenarios; exit 1 when an SLA is missed, 6 when a round is no
+    valid evidence (a P/D round whose KV did not all move) or could not run."""
     from hgxserve.bench import report
-    from hgxserve.bench.reach import open_reach
-    from hgxserve.bench.run import RunOptions, run_bench
+    from hgxserve.bench.api import BenchRequest, exit_code_for, run_deployed
     from hgxserve.bench.scenario import load_bench
     from hgxserve.topology import TopologyError
 
     try:
-        spec = load_bench(topology)
+        load_bench(topology)
     except TopologyError as exc:
         for problem in exc.problems:
             click.echo(problem.text(), err=True)
         sys.exit(ExitCode.USAGE)
-    scenarios = spec.pick(list(names))
     if tokenizer is not None and not Path(tokenizer, "tokenizer_config.json").is_file():
         raise UsageError(f"{tokenizer}: no tokenizer_config.json (want the model's directory)")
     urls = {}
@@ -163,76 +168,40 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     register_secret(api_key)
     metrics_key = Path(metrics_key_file).read_text().strip() if metrics_key_file else None
     register_secret(metrics_key)
-    observed: dict[str, Any] = {}
-    if inventory is not None:
-        running, observed = _running_releases(spec.topology, inventory)
-        release_id = release_id or running
-    reach = open_reach(
-        spec.topology,
+    req = BenchRequest(
+        topology=topology,
+        out_root=Path(out_root),
+        scenarios=names,
         inventory=inventory,
         from_host=from_host,
         proxy_url=proxy_url,
         engine_urls=urls,
-    )
-    for name, how in reach.via.items():
-        _progress(f"{name}: through an SSH tunnel to {how}")
-    opts = RunOptions(
-        out_root=Path(out_root),
-        proxy_url=reach.proxy_url,
-        engine_urls=reach.engine_urls,
         tokenizer=tokenizer,
         api_key=api_key,
         metrics_key=metrics_key,
         release_id=release_id,
         round_timeout_s=float(timeouts["round_timeout"] or 3600),
         drain_timeout_s=timeouts["drain_timeout"],
-        origin=reach.origin,
-        engines_observed=observed,
+        telemetry=not timeouts["no_telemetry"],
     )
-    try:
-        run_dir, result = run_bench(spec, scenarios, opts, _progress)
-    finally:
-        reach.close()
-    path = report.write_report(run_dir, result)
+    run_dir, result = run_deployed(req, _progress)
+    path = run_dir / "report.md"
     click.echo(path.read_text())
     click.echo(f"run: {run_dir}\nreport: {path}")
-    if not result["passed"]:
-        for miss in result["verdicts"]:
-            click.echo(f"SLA missed: {report.miss_text(miss)}", err=True)
-        sys.exit(ExitCode.FOUND)
+    for bad in result["invalid"]:
+        click.echo(f"INVALID: {bad['scenario']} {bad['point']}: {'; '.join(bad['why'])}", err=True)
+    for miss in result["verdicts"]:
+        click.echo(f"SLA missed: {report.miss_text(miss)}", err=True)
+    code = exit_code_for(result)
+    if code:
+        sys.exit(code)
 
 
 def _running_releases(topo: object, inventory: str) -> tuple[str, dict[str, Any]]:
-    """`host=release id` of every host the topology uses, as `hgxserve release status` says,
-    and host -> what each engine of its running release reported (start time, KV capacity)."""
-    import json
+    """hgxserve.bench.api.running_releases (kept under its old name)."""
+    from hgxserve.bench.api import running_releases
 
-    from hgxserve.base.paths import AGENT
-    from hgxserve.remote.inventory import InventoryError, load_inventory
-    from hgxserve.remote.ssh import Sessions
-
-    names = topo.hosts_in_use()  # type: ignore[attr-defined]
-    try:
-        hosts = load_inventory(inventory).select(names)
-    except InventoryError as exc:
-        raise UsageError(str(exc)) from None
-    parts = []
-    observed: dict[str, Any] = {}
-    with Sessions(hosts) as sessions:
-        results = sessions.run_all(f"{AGENT} release status", 30)
-    for name in names:
-        result = results.get(name)
-        running = "unknown"
-        if result is not None and result.ok and result.exit_status == 0:
-            try:
-                state = json.loads(result.stdout)
-                running = (state.get("pending") or {}).get("id") or state.get("current") or "none"
-                if state.get("observed"):
-                    observed[name] = state["observed"]
-            except (ValueError, AttributeError):
-                pass
-        parts.append(f"{name}={running}")
-    return " ".join(parts), observed
+    return running_releases(topo, inventory)
 
 
 @bench.command("compare")
@@ -243,14 +212,27 @@ def _running_releases(topo: object, inventory: str) -> tuple[str, dict[str, Any]
     help="Exit 1 when a later run is worse than the first by more than this many percent "
     "(throughput lower, TTFT/TPOT higher), naming each figure.",
 )
+@click.option(
+    "--plots",
+    "plots_dir",
+    type=click.Path(file_okay=False),
+    help="Also draw, per scenario, every run's tok/s/GPU vs tok/s/user (Pareto front, SLA "
+    "region) and TTFT/TPOT vs load (SLA line) into this directory, with plots.json.",
+)
 @cli_errors
-def compare_cmd(runs: tuple[str, ...], max_regression: float | None) -> None:
+def compare_cmd(runs: tuple[str, ...], max_regression: float | None, plots_dir: str | None) -> None:
     """Kept runs side by side per scenario and load, with deltas against the first."""
     from hgxserve.bench import report
     from hgxserve.bench.run import load_run
 
     loaded = [load_run(r) for r in runs]
     click.echo(report.compare(loaded), nl=False)
+    if plots_dir is not None:
+        out = Path(plots_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        labelled = [(f"{r['run_id']} ({r['topology']['name']})", r) for r in loaded]
+        for path in report.draw_scenario_figures(labelled, out):
+            click.echo(f"plot: {path}")
     if max_regression is not None:
         worse = report.regressions(loaded, max_regression)
         for line in worse:

@@ -1,6 +1,7 @@
 """The load generator: AIPerf (`aiperf profile`), driven one round at a time.
 
-Each round is one `aiperf profile` run: synthetic prompts of a fixed length (stddev 0), a fixed
+Each round is one `aiperf profile` run: synthetic prompts of a fixed length (stddev 0), or the
+scenario's dataset replayed (AIPerf's `single_turn` JSONL, hgxserve.bench.dataset), a fixed
 output length with `ignore_eos` (the seeds' `--ignore-eos`), temperature 0, streamed, a fixed
 seed, warm-up requests first, then either a concurrency or a request rate capped by a
 concurrency. Its JSON export (`profile_export_aiperf.json`) gives the client-side figures.
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ _RATES = {
     "request_throughput": "request_throughput",
     "output_token_throughput": "output_token_throughput",
     "total_token_throughput": "total_token_throughput",
+    "output_token_throughput_per_user": "output_tok_s_per_user",
 }
 _COUNTS = {
     "request_count": "requests",
@@ -72,6 +74,20 @@ class RoundArgs:
     seed: int
     out_dir: Path
     tokenizer: str | None = None
+    input_file: Path | None = None  # the scenario's dataset as AIPerf single_turn JSONL
+
+
+def _prompt_args(args: RoundArgs) -> list[str]:
+    """Synthetic prompts of a fixed length, or the dataset's prompts replayed."""
+    s = args.scenario
+    if args.input_file is not None:
+        return ["--custom-dataset-type", "single_turn", "--input-file", str(args.input_file)]
+    return [
+        "--synthetic-input-tokens-mean", str(s.input),
+        "--synthetic-input-tokens-stddev", "0",
+        "--output-tokens-mean", str(s.output),
+        "--output-tokens-stddev", "0",
+    ]  # fmt: skip
 
 
 def argv(args: RoundArgs) -> list[str]:
@@ -85,10 +101,7 @@ def argv(args: RoundArgs) -> list[str]:
         "--endpoint-type", "chat" if s.api == "chat" else "completions",
         "--streaming",
         "--tokenizer", args.tokenizer or "builtin",
-        "--synthetic-input-tokens-mean", str(s.input),
-        "--synthetic-input-tokens-stddev", "0",
-        "--output-tokens-mean", str(s.output),
-        "--output-tokens-stddev", "0",
+        *_prompt_args(args),
         "--extra-inputs", "ignore_eos:true",
         "--extra-inputs", "temperature:0",
         "--use-server-token-count",
@@ -153,6 +166,11 @@ def run_round(
 ) -> dict[str, float | None]:
     """Run one round; its figures. AIPerf's own output goes to `out_dir/aiperf.log`."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.scenario.dataset is not None and args.input_file is None:
+        from hgxserve.bench.dataset import load_dataset, write_input
+
+        entries, _ = load_dataset(args.scenario.dataset, args.scenario.output)
+        args = replace(args, input_file=write_input(entries, args.out_dir / "dataset.jsonl"))
     cmd = argv(args)
     # Not HF_HUB_OFFLINE: AIPerf 0.13.0 then looks a local tokenizer path up as a hub repo id
     # and fails (HFValidationError); a local directory needs no network without it.

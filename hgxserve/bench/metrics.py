@@ -39,6 +39,15 @@ KV_FAILED = {
     "sglang": ("sglang:num_transfer_failed_reqs_total", "sglang:num_bootstrap_failed_reqs_total"),
 }
 
+# The proxy's count of P/D requests by what the prefill handed over (hgxserve/proxy/metrics.py).
+PROXY_HANDOFFS = "hgxserve_proxy_kv_handoffs_total"
+# Speculative decoding: vLLM's counters (vllm/v1/spec_decode/metrics.py), SGLang's gauge of the
+# mean accepted length per verify step.
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
+
 
 class MetricsError(HgxserveError):
     """An endpoint's /metrics could not be read."""
@@ -217,6 +226,7 @@ def engine_figures(t: Targets, before: Snapshot, after: Snapshot, seconds: float
             "kv_transfers": xfers,
             "kv_transfer_failures": failed,
             "kv_transfer_ms_mean": xfer_sum / xfers * unit if xfers else None,
+            **spec_figures(e.engine, b, a),
         }
         if e.role != "prefill":
             finished += done
@@ -234,8 +244,76 @@ def engine_figures(t: Targets, before: Snapshot, after: Snapshot, seconds: float
             "tpot_ms_mean": sum(tpots) / len(tpots) if tpots else None,
             "kv_transfers": sum(float(m["kv_transfers"] or 0) for m in members),
             "kv_transfer_failures": sum(float(m["kv_transfer_failures"] or 0) for m in members),
+            "spec_acceptance_rate": _mean(members, "spec_acceptance_rate"),
+            "spec_accept_length": _mean(members, "spec_accept_length"),
         }
     return {"engines": out, "roles": roles, "requests_finished": finished}
+
+
+def _mean(members: list[dict[str, float | None]], key: str) -> float | None:
+    values = [float(v) for m in members if (v := m.get(key)) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def spec_figures(engine: str, before: str, after: str) -> dict[str, float | None]:
+    """Speculative decoding over a round: vLLM's accepted / drafted tokens (acceptance rate, and
+    mean accepted length 1 + accepted / drafts), SGLang's accept-length gauge after the round;
+    None where the engine exports none (no speculative decoding)."""
+    if engine == "sglang":
+        present = any(n == SGLANG_ACCEPT_LENGTH for n, _, _ in parse_samples(after))
+        length = total(after, SGLANG_ACCEPT_LENGTH) if present else None
+        return {"spec_acceptance_rate": None, "spec_accept_length": length}
+    if not any(n == SPEC_DRAFT_TOKENS for n, _, _ in parse_samples(after)):
+        return {"spec_acceptance_rate": None, "spec_accept_length": None}
+    accepted = _delta(before, after, SPEC_ACCEPTED)
+    drafted = _delta(before, after, SPEC_DRAFT_TOKENS)
+    drafts = _delta(before, after, SPEC_DRAFTS)
+    return {
+        "spec_acceptance_rate": accepted / drafted if drafted else None,
+        "spec_accept_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, object]:
+    """Whether every P/D request of a round had its KV moved (seed 003 §11.3: a decode that
+    recomputed the prompt is no P/D evidence): no failed transfer on any engine (vLLM NIXL
+    `nixl_num_failed_transfers`, SGLang `num_transfer_failed_reqs` / `num_bootstrap_failed_reqs`),
+    no prompt the decode computed itself (vLLM `prompt_tokens_by_source{local_compute}` beyond
+    the one token per request it may compute locally), no handoff the proxy counted as failed
+    or without KV. `pd` is False for a topology without prefill engines (always valid)."""
+    pd = any(e.role == "prefill" for e in t.engines)
+    failed = sum(
+        _delta(before.engines[e.name], after.engines[e.name], name)
+        for e in t.engines
+        for name in KV_FAILED[e.engine]
+    )
+    recomputed = 0.0
+    for e in t.engines:
+        b, a = before.engines[e.name], after.engines[e.name]
+        if e.role == "decode" and e.engine == "vllm" and total(a, LOCAL_PROMPT[0]):
+            done = _delta(b, a, FINISHED[e.engine])
+            recomputed += max(0.0, _delta(b, a, *LOCAL_PROMPT) - done)
+    handoffs = {
+        r: _delta(before.proxy, after.proxy, PROXY_HANDOFFS, {"result": r})
+        for r in ("ok", "none", "failed")
+    }
+    why = []
+    if failed:
+        why.append(f"{failed:g} failed KV transfer(s)")
+    if recomputed:
+        why.append(f"{recomputed:g} prompt tokens recomputed by the decode")
+    if handoffs["failed"]:
+        why.append(f"{handoffs['failed']:g} handoff(s) failed at the proxy")
+    if handoffs["none"]:
+        why.append(f"{handoffs['none']:g} handoff(s) without KV (the decode computed the prompt)")
+    return {
+        "pd": pd,
+        "valid": not (pd and why),
+        "failed_transfers": failed,
+        "decode_recomputed_tokens": recomputed,
+        "handoffs": handoffs,
+        "why": why if pd else [],
+    }
 
 
 def engine_versions(t: Targets) -> dict[str, str]:

@@ -21,7 +21,7 @@ from typing import Any
 from hgxserve.base.errors import ExitCode, HgxserveError, UsageError
 from hgxserve.bench import generator, metrics
 from hgxserve.bench.relay import RoundRelay
-from hgxserve.bench.scenario import BenchSpec, LoadPoint, Scenario
+from hgxserve.bench.scenario import BenchSpec, LoadPoint, Scenario, stat_key
 
 SCHEMA_VERSION = 1
 POLL_S = 1.0
@@ -49,6 +49,9 @@ class RunOptions:
     origin: str = "controller"  # where the connections to the proxy start
     # host -> engine unit -> start time and KV capacity its release recorded (kvcap), when read
     engines_observed: dict[str, Any] = field(default_factory=dict)
+    # GPU telemetry during each round (hgxserve.bench.telemetry.Sampler); None: not sampled
+    telemetry: Any = None
+    telemetry_why_none: str = "not sampled"
 
 
 def _busy_text(busy: dict[str, float]) -> str:
@@ -88,17 +91,23 @@ def per_gpu(client: dict[str, float | None], gpus: int) -> dict[str, float | Non
     def div(v: float | None) -> float | None:
         return v / gpus if v is not None and gpus else None
 
+    per_user = client.get("output_tok_s_per_user")
+    tpot = client.get("tpot_ms_avg")
+    if per_user is None and tpot:
+        per_user = 1000 / tpot  # one user's streamed tokens/s at the mean TPOT
     return {
         "output_tok_s_per_gpu": div(client.get("output_token_throughput")),
         "total_tok_s_per_gpu": div(client.get("total_token_throughput")),
+        "output_tok_s_per_user": per_user,
         "gpus": float(gpus),
     }
 
 
 def verdicts(scenario: Scenario, point: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each SLA target of the scenario against a load point's median figures."""
+    """Each SLA target of the scenario against a load point's median figures, the latencies at
+    the SLA's statistic (mean or a percentile, per figure)."""
     sla = scenario.sla
-    pct = sla.percentile
+    ttft_stat, tpot_stat = sla.statistic_for("ttft"), sla.statistic_for("tpot")
     client, gpu, roles = point["client"], point["per_gpu"], point["roles"]
     prefill_role = "prefill" if "prefill" in roles else "combined"
     checks: list[tuple[str, float | None, float | None, str, str]] = []
@@ -106,8 +115,10 @@ def verdicts(scenario: Scenario, point: dict[str, Any]) -> list[dict[str, Any]]:
     def ms_to_s(v: float | None) -> float | None:
         return v / 1000 if v is not None else None
 
-    checks.append((f"TTFT p{pct}", ms_to_s(client.get(f"ttft_ms_p{pct}")), sla.ttft_s, "<=", "s"))
-    checks.append((f"TPOT p{pct}", client.get(f"tpot_ms_p{pct}"), sla.tpot_ms, "<=", "ms"))
+    ttft = ms_to_s(client.get(stat_key("ttft_ms", ttft_stat)))
+    checks.append((f"TTFT {ttft_stat}", ttft, sla.ttft_s, "<=", "s"))
+    tpot = client.get(stat_key("tpot_ms", tpot_stat))
+    checks.append((f"TPOT {tpot_stat}", tpot, sla.tpot_ms, "<=", "ms"))
     checks.append(
         (
             f"{prefill_role} tok/s/GPU",
@@ -179,6 +190,7 @@ def run_bench(
         "passed": None,
         "refused": None,
     }
+    _check_datasets(scenarios, progress)
     progress(
         f"bench {run_id}: {len(scenarios)} scenario(s) through {t.proxy_url} from "
         f"{opts.origin}, {gpus} GPUs, "
@@ -195,18 +207,78 @@ def run_bench(
     except (RoundRefused, generator.GeneratorError, metrics.MetricsError) as exc:
         result["refused"] = str(exc)
         result["passed"] = False
+        result["verdict"] = INVALID
+        result["scenario_verdicts"] = scenario_verdicts(result)
         _write(run_dir, result)
         raise
+    _finish(result)
+    _write(run_dir, result)
+    return run_dir, result
+
+
+PASS, FAIL, INVALID = "PASS", "FAIL", "INVALID"
+
+
+def _finish(result: dict[str, Any]) -> None:
+    """The run's SLA misses, its invalid load points, `passed` and its verdict: INVALID when a
+    load point is no valid evidence (whatever its SLA says), else FAIL on a miss, else PASS."""
     misses = []
     for point in result["points"]:
         for v in point["verdicts"]:
             if not v["ok"]:
                 misses.append({"scenario": point["scenario"], "point": point["label"], **v})
     result["verdicts"] = misses
-    result["passed"] = not misses
+    result["invalid"] = [
+        {"scenario": p["scenario"], "point": p["label"], "why": p["invalid_why"]}
+        for p in result["points"]
+        if not p["valid"]
+    ]
+    result["passed"] = not misses and not result["invalid"]
+    result["verdict"] = INVALID if result["invalid"] else (FAIL if misses else PASS)
+    result["scenario_verdicts"] = scenario_verdicts(result)
     result["finished"] = datetime.now(timezone.utc).isoformat()
-    _write(run_dir, result)
-    return run_dir, result
+
+
+def point_verdict(point: dict[str, Any]) -> str:
+    """INVALID (a round's KV did not move), FAIL (an SLA target missed) or PASS."""
+    if not point.get("valid", True):
+        return INVALID
+    return FAIL if any(not v["ok"] for v in point["verdicts"]) else PASS
+
+
+def scenario_verdicts(result: dict[str, Any]) -> dict[str, str]:
+    """Scenario -> INVALID if any of its load points is, else FAIL if any missed its SLA,
+    else PASS; a scenario whose rounds did not all run (a refused run) is INVALID."""
+    out: dict[str, str] = {}
+    for scenario in result["scenarios"]:
+        name = scenario["name"]
+        points = [p for p in result["points"] if p["scenario"] == name]
+        verdicts_ = {point_verdict(p) for p in points}
+        if INVALID in verdicts_ or not points or (result.get("refused") and name == _last(result)):
+            out[name] = INVALID
+        else:
+            out[name] = FAIL if FAIL in verdicts_ else PASS
+    return out
+
+
+def _last(result: dict[str, Any]) -> str | None:
+    """The scenario a refused run stopped in."""
+    rounds = result.get("rounds") or []
+    return str(rounds[-1]["scenario"]) if rounds else None
+
+
+def _check_datasets(scenarios: list[Scenario], progress: Callable[[str], None]) -> None:
+    """Read every scenario's dataset before the first round: a bad file stops the run (exit 2)
+    before any load is sent."""
+    from hgxserve.bench.dataset import load_dataset
+
+    for s in scenarios:
+        if s.dataset is not None:
+            entries, skipped = load_dataset(s.dataset, s.output)
+            progress(
+                f"  {s.name}: {len(entries)} prompts from {s.dataset.path} ({s.dataset.format}"
+                + (f", {skipped} conversations skipped)" if skipped else ")")
+            )
 
 
 @dataclass
@@ -230,21 +302,36 @@ def _round(bench: _Bench, scenario: Scenario, point: LoadPoint, seed: int) -> di
     progress(f"  round {label}: checking the proxy and engines are idle")
     before = wait_idle(t, bench.drain, progress, label)
     relay.new_round(prefix)
-    progress(f"  round {label}: {point.label}, ISL {scenario.input} / OSL {scenario.output}")
-    t0 = time.monotonic()
-    client = generator.run_round(
-        generator.RoundArgs(
-            url=relay.url,
-            model=t.served_name,
-            scenario=scenario,
-            point=point,
-            seed=seed,
-            out_dir=bench.run_dir / "rounds" / label,
-            tokenizer=bench.opts.tokenizer,
-        ),
-        progress=progress,
-        timeout_s=bench.opts.round_timeout_s,
+    shape = (
+        f"dataset {scenario.dataset.path.name}"
+        if scenario.dataset is not None
+        else f"ISL {scenario.input} / OSL {scenario.output}"
     )
+    progress(f"  round {label}: {point.label}, {shape}")
+    t0 = time.monotonic()
+    sampler = bench.opts.telemetry
+    if sampler is not None:
+        sampler.start()
+    try:
+        client = generator.run_round(
+            generator.RoundArgs(
+                url=relay.url,
+                model=t.served_name,
+                scenario=scenario,
+                point=point,
+                seed=seed,
+                out_dir=bench.run_dir / "rounds" / label,
+                tokenizer=bench.opts.tokenizer,
+            ),
+            progress=progress,
+            timeout_s=bench.opts.round_timeout_s,
+        )
+    finally:
+        telemetry = (
+            sampler.stop()
+            if sampler is not None
+            else {"source": None, "why": bench.opts.telemetry_why_none, "hosts": {}}
+        )
     elapsed = time.monotonic() - t0
     after = wait_idle(t, SETTLE_TIMEOUT_S, progress, label + " (after)")
     # AIPerf's wall time includes its start-up; the engines worked during the measured part
@@ -262,7 +349,10 @@ def _round(bench: _Bench, scenario: Scenario, point: LoadPoint, seed: int) -> di
         "engines_finished": finished,
         "client": client,
         "engines": engines,
+        "kv": metrics.kv_validity(t, before, after),
+        "telemetry": telemetry,
     }
+    entry["valid"] = entry["kv"]["valid"]
     result["rounds"].append(entry)
     if finished != sent:
         why = "another client sent requests" if finished > sent else "requests were lost"
@@ -270,6 +360,8 @@ def _round(bench: _Bench, scenario: Scenario, point: LoadPoint, seed: int) -> di
             f"round {label} unclean: the round sent {sent} requests (id prefix {prefix}) but "
             f"the decode/combined engines finished {finished:g}: {why}"
         )
+    if not entry["valid"]:
+        progress(f"  round {label}: INVALID P/D evidence: {'; '.join(entry['kv']['why'])}")
     progress(
         f"  round {label}: {sent} requests, TTFT p50 {_fmt(client.get('ttft_ms_p50'))} ms, "
         f"TPOT p50 {_fmt(client.get('tpot_ms_p50'))} ms, "
@@ -304,9 +396,53 @@ def _point(
         "client": client,
         "per_gpu": per_gpu(client, gpus),
         "roles": roles,
-    }
+        "valid": all(r.get("valid", True) for r in rounds),
+        "invalid_why": [f"{r['label']}: {'; '.join(r['kv']['why'])}" for r in rounds
+                        if not r.get("valid", True)],
+        "kv": _kv_sum([r.get("kv") or {} for r in rounds]),
+        "telemetry": merge_telemetry([r.get("telemetry") or {} for r in rounds]),
+    }  # fmt: skip
     out["verdicts"] = verdicts(scenario, out)
+    out["verdict"] = point_verdict(out)
     return out
+
+
+def _kv_sum(kvs: list[dict[str, Any]]) -> dict[str, float]:
+    """KV-transfer failures, decode-recomputed tokens and proxy handoffs over a point's rounds."""
+    out = {"failed_transfers": 0.0, "decode_recomputed_tokens": 0.0}
+    for kv in kvs:
+        for key in out:
+            out[key] += float(kv.get(key) or 0)
+        for result, n in (kv.get("handoffs") or {}).items():
+            out[f"handoffs_{result}"] = out.get(f"handoffs_{result}", 0.0) + float(n)
+    return out
+
+
+def merge_telemetry(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One load point's GPU telemetry over its rounds: per host, the lowest min, the mean of
+    the means weighted by samples, the highest max."""
+    hosts: dict[str, list[dict[str, Any]]] = {}
+    for tele in rounds:
+        for host, entry in (tele.get("hosts") or {}).items():
+            hosts.setdefault(host, []).append(entry)
+    merged: dict[str, Any] = {}
+    for host, entries in hosts.items():
+        samples = sum(e["samples"] for e in entries)
+        row: dict[str, Any] = {"gpus": max(e["gpus"] for e in entries), "samples": samples}
+        for figure in ("memory_used_mib", "power_w", "util_pct"):
+            parts = [(e[figure], e["samples"]) for e in entries if e.get(figure)]
+            row[figure] = (
+                {
+                    "min": min(p["min"] for p, _ in parts),
+                    "mean": sum(p["mean"] * n for p, n in parts) / max(1, sum(n for _, n in parts)),
+                    "max": max(p["max"] for p, _ in parts),
+                }
+                if parts
+                else None
+            )
+        merged[host] = row
+    sources = sorted({str(t.get("source")) for t in rounds if t.get("source")})
+    return {"source": ", ".join(sources) or None, "hosts": merged}
 
 
 def _write(run_dir: Path, result: dict[str, Any]) -> None:

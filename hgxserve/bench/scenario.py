@@ -27,11 +27,18 @@ from hgxserve.topology.problems import Problem, sort_problems
 BENCH_FILE_SUFFIX = ".bench.yaml"
 
 
+# The statistics a latency target can apply to; "mean" is AIPerf's avg.
+STATISTICS = ("mean", "p50", "p90", "p95", "p99")
+
+
 @dataclass(frozen=True)
 class Sla:
     """Targets one scenario must meet; None: not checked."""
 
     percentile: int = BENCH_PERCENTILE
+    statistic: str | None = None  # mean | pNN; None: p<percentile>
+    ttft_statistic: str | None = None
+    tpot_statistic: str | None = None
     ttft_s: float | None = None
     tpot_ms: float | None = None
     prefill_tok_s_per_gpu: float | None = None
@@ -50,6 +57,26 @@ class Sla:
                 self.error_rate,
             )
         )
+
+    def statistic_for(self, figure: str) -> str:
+        """The statistic of a latency figure ("ttft" or "tpot"): its own, else the SLA's,
+        else p<percentile> (the older `percentile:` key)."""
+        own = self.ttft_statistic if figure == "ttft" else self.tpot_statistic
+        return own or self.statistic or f"p{self.percentile}"
+
+
+def stat_key(name: str, statistic: str) -> str:
+    """The client figure of a latency at a statistic: ("ttft_ms", "mean") -> "ttft_ms_avg"."""
+    return f"{name}_{'avg' if statistic == 'mean' else statistic}"
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Prompts from a file: `prompts` JSONL or `sharegpt` conversations (hgxserve.bench.dataset)."""
+
+    path: Path
+    format: str
+    limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,8 +101,8 @@ class LoadPoint:
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    input: int
-    output: int
+    input: int | None
+    output: int | None
     api: str = "completions"
     concurrency: tuple[int, ...] = ()
     rate: tuple[float, ...] = ()
@@ -85,6 +112,7 @@ class Scenario:
     warmup: int | None = None
     seeds: tuple[int, ...] = (0,)
     sla: Sla = field(default_factory=Sla)
+    dataset: Dataset | None = None
 
     def load_points(self) -> list[LoadPoint]:
         if self.rate:
@@ -109,7 +137,7 @@ class Scenario:
         return "request rate (req/s)" if self.rate else "concurrency"
 
     def to_dict(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "name": self.name,
             "input": self.input,
             "output": self.output,
@@ -122,7 +150,16 @@ class Scenario:
             "warmup": self.warmup,
             "seeds": list(self.seeds),
             "sla": self.sla.__dict__.copy(),
+            "dataset": None,
         }
+        out["sla"]["ttft_statistic"] = self.sla.statistic_for("ttft")
+        out["sla"]["tpot_statistic"] = self.sla.statistic_for("tpot")
+        if self.dataset is not None:
+            out["dataset"] = {
+                "path": str(self.dataset.path),
+                "format": self.dataset.format,
+                "limit": self.dataset.limit,
+            }
         return out
 
 
@@ -172,6 +209,9 @@ def _sla(data: dict[str, Any] | None) -> Sla:
     data = data or {}
     return Sla(
         percentile=int(data.get("percentile", BENCH_PERCENTILE)),
+        statistic=data.get("statistic"),
+        ttft_statistic=data.get("ttft_statistic"),
+        tpot_statistic=data.get("tpot_statistic"),
         ttft_s=data.get("ttft_s"),
         tpot_ms=data.get("tpot_ms"),
         prefill_tok_s_per_gpu=data.get("prefill_tok_s_per_gpu"),
@@ -180,11 +220,17 @@ def _sla(data: dict[str, Any] | None) -> Sla:
     )
 
 
-def _scenario(data: dict[str, Any]) -> Scenario:
+def _dataset(data: dict[str, Any] | None, base: Path) -> Dataset | None:
+    if not data:
+        return None
+    return Dataset(base / data["path"], data["format"], data.get("limit"))
+
+
+def _scenario(data: dict[str, Any], base: Path) -> Scenario:
     return Scenario(
         name=data["name"],
-        input=int(data["input"]),
-        output=int(data["output"]),
+        input=int(data["input"]) if "input" in data else None,
+        output=int(data["output"]) if "output" in data else None,
         api=data.get("api", "completions"),
         concurrency=tuple(int(c) for c in data.get("concurrency") or ()),
         rate=tuple(float(r) for r in data.get("rate") or ()),
@@ -194,6 +240,7 @@ def _scenario(data: dict[str, Any]) -> Scenario:
         warmup=data.get("warmup"),
         seeds=tuple(int(s) for s in data.get("seeds") or (0,)),
         sla=_sla(data.get("sla")),
+        dataset=_dataset(data.get("dataset"), base),
     )
 
 
@@ -220,6 +267,34 @@ def _rule_problems(doc: Document, bench: dict[str, Any], base: tuple[Any, ...]) 
             problems.append(
                 doc.problem((*path, "duration_s"), "give requests or duration_s, not both")
             )
+        problems += _shape_problems(doc, data, path)
+    return problems
+
+
+def _shape_problems(doc: Document, data: dict[str, Any], path: tuple[Any, ...]) -> list[Problem]:
+    """Synthetic prompts need input and output; a dataset brings its own prompts; the SLA's
+    statistic is given once."""
+    problems: list[Problem] = []
+    if "dataset" in data:
+        if "input" in data:
+            problems.append(
+                doc.problem((*path, "input"), "a dataset brings its own prompts: drop input (ISL)")
+            )
+    else:
+        for key in ("input", "output"):
+            if key not in data:
+                problems.append(
+                    doc.problem(path, f"'{key}' is a required property (or give a dataset)")
+                )
+    sla = data.get("sla") or {}
+    if "percentile" in sla and "statistic" in sla:
+        problems.append(
+            doc.problem(
+                (*path, "sla", "statistic"),
+                f"give statistic or percentile, not both (percentile {sla['percentile']} is "
+                f"statistic p{sla['percentile']})",
+            )
+        )
     return problems
 
 
@@ -251,7 +326,7 @@ def load_bench(topology_path: str | Path) -> BenchSpec:
         raise TopologyError(sort_problems(problems))
     return BenchSpec(
         topology=topo,
-        scenarios=tuple(_scenario(s) for s in bench["scenarios"]),
+        scenarios=tuple(_scenario(s, Path(source).parent) for s in bench["scenarios"]),
         drain_timeout_s=float(bench.get("drain_timeout_s", BENCH_DRAIN_TIMEOUT_S)),
         source=source,
     )
@@ -270,6 +345,6 @@ def kv_shapes(topology_path: str | Path | None) -> list[tuple[str, int, int, int
     shapes = []
     for s in spec.scenarios:
         points = s.load_points()
-        if points:
+        if points and s.input is not None and s.output is not None:
             shapes.append((s.name, s.input, s.output, max(p.concurrency for p in points)))
     return shapes
