@@ -124,7 +124,7 @@ def main() -> None:
         if combined != 1:
             raise SystemExit("demo: the short prompt did not go to the combined engine")
 
-        step("Bench the P/D path through the proxy: clean rounds, SLA, plots (AIPerf)")
+        step("Bench the P/D path the seed-003 way: clean, valid rounds, SLA at p95, plots (AIPerf)")
         tokenizer = Path(tempfile.mkdtemp(prefix="demo-tokenizer-"))  # the tiny model's own
         subprocess.run(
             [str(REPO / ".venv-aiperf/bin/python"), str(REPO / "testbed/tiny_llama.py"),
@@ -134,17 +134,28 @@ def main() -> None:
         # the load starts on hgx-a (the client network) through an SSH tunnel; each engine's
         # /metrics is read through its own host (combined-0 listens on hgx-c's loopback only)
         runs = REPO / "bench-runs"
-        run(str(BIN / "hgxserve"), "bench", PD, "--scenario", "pd-long",
+        # seed 003's shapes (128/64 at C1 and C8, 4096/128 at C4, p95) scaled to the tiny model
+        run(str(BIN / "hgxserve"), "bench", PD, "--scenario", "seed003-short",
+            "--scenario", "seed003-long",
             "--tokenizer", str(tokenizer), "--inventory", "inventory/testhosts.py",
             "--from", "hgx-a", "--api-key-file", str(demo.api_key_file(tokenizer)),
             "--out", str(runs))  # fmt: skip
         kept = max((p for p in runs.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
-        plots = [kept / name for name in ("throughput.png", "ttft.png", "tpot.png")]
+        plots = [
+            kept / name
+            for name in (
+                "throughput.png",
+                "ttft.png",
+                "tpot.png",
+                "pareto-seed003-short.png",
+                "latency-seed003-long.png",
+            )
+        ]
         missing = [p.name for p in plots if not p.is_file()]
         if missing:
             raise SystemExit(f"demo: the bench wrote no {', '.join(missing)} in {kept}")
         print(f"   kept: {kept.relative_to(REPO)}/ run.json, report.md, "
-              "throughput.png, ttft.png, tpot.png")  # fmt: skip
+              + ", ".join(p.name for p in plots))  # fmt: skip
 
         step("Back to the baseline, all hosts together")
         pyinfra("deploys/rollback.py", "--data", "to=baseline")

@@ -168,6 +168,9 @@ def _failure(code: int, lines: list[str]) -> str:
     misses = [line.removeprefix("SLA missed: ") for line in lines if line.startswith("SLA missed:")]
     if code == 1 and misses:
         return "bench SLA missed: " + "; ".join(misses)
+    invalid = [line.removeprefix("INVALID: ") for line in lines if line.startswith("INVALID:")]
+    if invalid:
+        return "bench INVALID (a P/D round's KV did not all move): " + "; ".join(invalid)
     errors = [line.removeprefix("error: ") for line in lines if line.startswith("error:")]
     return f"the bench could not run (exit {code}): {errors[-1] if errors else 'no output'}"
 

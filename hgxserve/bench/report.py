@@ -227,7 +227,7 @@ def plot_run(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_ylabel(label)
         ax.set_title(f"{result['topology']['name']}: {label}")
         ax.grid(True, alpha=0.3)
-        if scenarios:
+        if ax.get_lines():
             ax.legend()
         fig.tight_layout()
         path = out_dir / name

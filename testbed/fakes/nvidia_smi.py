@@ -54,6 +54,8 @@ QUERY_GPU_FIELDS = {
     "driver_version": ("driver_version", ""),
     "persistence_mode": ("persistence_mode", ""),
     "mig.mode.current": ("mig.mode.current", ""),
+    "power.draw": ("power.draw [W]", "W"),
+    "utilization.gpu": ("utilization.gpu [%]", "%"),
 }
 QUERY_APPS_FIELDS = {
     "gpu_uuid": ("gpu_uuid", ""),
@@ -401,9 +403,19 @@ def render_query_gpu(kind: str, fields: list[str], fmt: str) -> str:
                 "driver_version": table.driver,
                 "persistence_mode": "Enabled" if gpu.persistence == "On" else "Disabled",
                 "mig.mode.current": gpu.mig,
+                **busy_readings(gpu),
             }
         )
     return render_csv(fields, QUERY_GPU_FIELDS, rows, fmt)
+
+
+def busy_readings(gpu: Gpu) -> dict[str, str]:
+    """Power and utilisation: the capture's idle power draw; a GPU holding a simulated engine's
+    memory reads 40 % busy and 5 W per busy % more, up to its cap (the simulated DCGM exporter's
+    model, testbed/fakes/dcgm_exporter.py)."""
+    util = 40 if gpu.used_mib > 0 else 0
+    power = min(gpu.power_w + util * 5, gpu.power_cap_w or 700)
+    return {"power.draw": f"{power:.2f}", "utilization.gpu": str(util)}
 
 
 def render_query_apps(kind: str, fields: list[str], fmt: str) -> str:

@@ -120,7 +120,8 @@ def test_two_scenarios_through_the_proxy_with_plots(
     """From hgx-a (the client network, through an SSH tunnel); each engine's /metrics read
     through its own host, combined-0 on hgx-c's loopback included."""
     COMBINED[:] = []
-    proc = bench(str(PD), "--tokenizer", str(tokenizer), "--out", str(tmp_path),
+    proc = bench(str(PD), "--scenario", "pd-long", "--scenario", "combined-short",
+                 "--tokenizer", str(tokenizer), "--out", str(tmp_path),
                  "--inventory", "inventory/testhosts.py", "--from", "hgx-a")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "proxy: through an SSH tunnel to http://10.77.0.13:8000 from hgx-a" in proc.stderr
@@ -163,6 +164,89 @@ def test_two_scenarios_through_the_proxy_with_plots(
     # the kept run compares with itself: zero deltas
     again = bench("compare", str(run_dir), str(run_dir))
     assert again.returncode == 0 and "(+0.0%)" in again.stdout
+
+
+PREFILL_UNIT = "hgxserve-prefill-0.service"
+FAIL_DROPIN = f"/run/systemd/system/{PREFILL_UNIT}.d/simulated-failure.conf"
+
+
+def _prefill_healthy(timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen("http://10.77.0.11:8100/health", timeout=3).read()
+            time.sleep(3)  # the proxy's health check puts it back in rotation
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def _fidelity_round(tokenizer: Path, out: Path) -> subprocess.CompletedProcess:
+    return bench(str(PD), "--scenario", "seed003-long", "--tokenizer", str(tokenizer),
+                 "--out", str(out), "--inventory", "inventory/testhosts.py",
+                 "--from", "hgx-a")  # fmt: skip
+
+
+def test_a_valid_pd_round_with_gpu_telemetry(
+    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+) -> None:
+    """Seed 003's 4K/128 at C4 scaled to the tiny model: every KV moved, so the round is valid
+    evidence; nvidia-smi on every host (over SSH) sampled during the round."""
+    COMBINED[:] = []
+    proc = _fidelity_round(tokenizer, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert run["verdict"] == "PASS" and run["scenario_verdicts"] == {"seed003-long": "PASS"}
+    (r,) = run["rounds"]
+    assert r["valid"] is True and r["kv"]["failed_transfers"] == 0
+    assert r["kv"]["handoffs"]["ok"] == r["sent"] == 16 + 4
+    tele = r["telemetry"]
+    assert tele["source"] == "nvidia-smi" and tele["errors"] == [], tele
+    assert set(tele["hosts"]) == {"hgx-a", "hgx-b", "hgx-c"}
+    for host, h in tele["hosts"].items():
+        assert h["gpus"] == 8 and h["samples"] >= 8, (host, h)
+        # each host runs a simulated engine holding GPU memory: its GPUs read busy
+        assert h["memory_used_mib"]["max"] > 0 and h["util_pct"]["max"] == 40, (host, h)
+        assert 0 < h["power_w"]["min"] <= h["power_w"]["mean"] <= h["power_w"]["max"] <= 700
+    point = run["points"][0]
+    assert point["telemetry"]["hosts"]["hgx-b"]["samples"] == tele["hosts"]["hgx-b"]["samples"]
+    text = (tmp_path / run["run_id"] / "report.md").read_text()
+    assert "| seed003-long | c4 | PASS |" in text and "## GPU telemetry" in text
+    assert "| seed003-long | c4 | hgx-b | 8 |" in text
+    for name in ("pareto-seed003-long.png", "latency-seed003-long.png", "plots.json"):
+        assert (tmp_path / run["run_id"] / name).is_file()
+
+
+def test_a_pd_round_whose_kv_transfers_fail_is_invalid(
+    lab: testbed_hosts.Testbed, tokenizer: Path, tmp_path: Path
+) -> None:
+    """The prefill's NIXL side channel on loopback (seed 003 §11.3): the decode on hgx-b cannot
+    pull, recomputes every prompt, and answers 200; the round meets its SLA and is INVALID."""
+    COMBINED[:] = []
+    dropin = (
+        f"mkdir -p {Path(FAIL_DROPIN).parent} && printf '%s\\n' '[Service]' "
+        "'Environment=HGXSERVE_SIM_FAIL=loopback_side_channel' > "
+        f"{FAIL_DROPIN} && systemctl daemon-reload && systemctl restart {PREFILL_UNIT}"
+    )
+    lab.ssh("hgx-a", dropin, check=True)
+    try:
+        _prefill_healthy()
+        proc = _fidelity_round(tokenizer, tmp_path)
+    finally:
+        lab.ssh("hgx-a", f"rm -f {FAIL_DROPIN}; systemctl daemon-reload; "
+                f"systemctl restart {PREFILL_UNIT}")  # fmt: skip
+        _prefill_healthy()
+    assert proc.returncode == 6, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "INVALID: seed003-long c4: seed003-long-c4-s1:" in proc.stderr, proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert run["verdict"] == "INVALID" and run["verdicts"] == []  # the SLA alone would pass
+    (r,) = run["rounds"]
+    assert r["valid"] is False and r["sent"] == r["engines_finished"] == 16 + 4
+    assert r["kv"]["failed_transfers"] == r["sent"]  # every request's pull failed
+    assert r["kv"]["decode_recomputed_tokens"] > 0
+    assert r["telemetry"]["source"] == "nvidia-smi"
 
 
 def test_a_leftover_client_makes_the_round_wait_then_refuse(

@@ -1,0 +1,157 @@
+"""Bench fidelity on 127.0.0.1: a real AIPerf through a real proxy to simulated engines whose
+decode cannot reach the prefill's NIXL side channel (seed 003 §11.3: every transfer fails and
+the decode recomputes the prompt), a dataset replayed, and a request-rate round.
+
+The decode's `HGXSERVE_SIM_LOOPBACK` sends its pulls to 127.0.0.9, where nothing listens: the
+simulated engine's own way of putting two engines on different hosts on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_local_bench import (  # the same local lab as the bench's own tests
+    AIPERF_PYTHON,
+    HGXSERVE,
+    REPO,
+    SIMENGINE,
+    Lab,
+    bench,
+    free_port,
+    only_run,
+    topology_with,
+    wait_http,
+)
+
+pytestmark = pytest.mark.skipif(
+    not AIPERF_PYTHON.exists(), reason="the bench load generator is missing: scripts/setup.sh"
+)
+
+
+@pytest.fixture(scope="module")
+def broken_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    work = tmp_path_factory.mktemp("bench-fidelity-lab")
+    lab = Lab(work)
+    env = {
+        **os.environ,
+        "HGXSERVE_SIM_START_SECONDS": "0",
+        "HGXSERVE_SIM_TOKEN_SECONDS": "0.01",
+        "HGXSERVE_SIM_GPU_DIR": str(work / "gpus"),
+        "HGXSERVE_SIM_HANDSHAKE_TIMEOUT": "1",
+    }
+    producer = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
+    consumer = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
+    engines = {
+        "prefill-0": ({}, ["--kv-transfer-config", producer]),
+        "decode-0": ({"HGXSERVE_SIM_LOOPBACK": "127.0.0.9"}, ["--kv-transfer-config", consumer]),
+        "combined-0": ({}, []),
+    }  # fmt: skip
+    try:
+        for name, (extra_env, extra) in engines.items():
+            port = free_port()
+            eng_env = {
+                **env,
+                **extra_env,
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            }
+            lab.start(
+                [sys.executable, str(SIMENGINE), "--engine", "vllm", "serve", "/models/tiny",
+                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+                 "--max-model-len", "256", "--max-num-seqs", "8", *extra],
+                eng_env, f"{name}.log",
+            )  # fmt: skip
+            lab.urls[name] = f"http://127.0.0.1:{port}"
+        for url in lab.urls.values():
+            wait_http(url + "/health")
+        port = free_port()
+        config = {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "protocol": "vllm-nixl",
+            "served_model_name": "tiny",
+            "pd_groups": [{"prefill": [lab.urls["prefill-0"]], "decode": [lab.urls["decode-0"]]}],
+            "combined": [lab.urls["combined-0"]],
+            "routing": {"pd_min_prompt_tokens": 64},
+            "health": {"interval_s": 1},
+        }
+        (work / "proxy.json").write_text(json.dumps(config))
+        lab.start([str(HGXSERVE), "proxy", "serve", "--config", str(work / "proxy.json")],
+                  env, "proxy.log")  # fmt: skip
+        lab.proxy = f"http://127.0.0.1:{port}"
+        wait_http(lab.proxy + "/health")
+        tok = work / "tokenizer"
+        subprocess.run(
+            [str(AIPERF_PYTHON), str(REPO / "testbed/tiny_llama.py"), "--tokenizer-only",
+             str(tok)], check=True, capture_output=True,
+        )  # fmt: skip
+        yield lab
+    finally:
+        lab.stop()
+
+
+def test_failed_kv_transfers_make_the_pd_round_invalid_never_pass(
+    broken_lab: Lab, tmp_path: Path
+) -> None:
+    topology = topology_with(
+        tmp_path,
+        "bench:\n  drain_timeout_s: 10\n  scenarios:\n"
+        "    - {name: pd-long, input: 240, output: 8, concurrency: [2], requests: 4,\n"
+        "       sla: {ttft_s: 30, tpot_ms: 400, statistic: mean}}\n",
+    )
+    out = tmp_path / "runs"
+    proc = bench(broken_lab, topology, "--out", str(out))
+    assert proc.returncode == 6, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "INVALID: pd-long c2:" in proc.stderr and "failed KV transfer(s)" in proc.stderr
+    run = only_run(out)
+    assert run["verdict"] == "INVALID" and run["passed"] is False
+    assert run["scenario_verdicts"] == {"pd-long": "INVALID"}
+    assert run["verdicts"] == []  # every SLA target met: the round is still no evidence
+    (r,) = run["rounds"]
+    assert r["valid"] is False and r["sent"] == r["engines_finished"] == 4 + 2
+    assert r["kv"]["failed_transfers"] == 6  # every request, warm-ups included
+    assert r["kv"]["decode_recomputed_tokens"] > 0
+    (point,) = run["points"]
+    assert point["verdict"] == "INVALID" and point["kv"]["failed_transfers"] == 6
+    report = (out / run["run_id"] / "report.md").read_text()
+    assert "result: INVALID" in report and "| pd-long | c2 | INVALID |" in report
+
+
+def test_a_dataset_replayed_at_a_request_rate(broken_lab: Lab, tmp_path: Path) -> None:
+    """Short prompts from a ShareGPT file go to combined-0 (below the P/D threshold); a
+    constant request rate capped at concurrency 2."""
+    conversations = [
+        {"id": str(i), "conversations": [{"from": "human", "value": f"Say hello number {i}"},
+                                         {"from": "gpt", "value": "x" * 40}]}
+        for i in range(6)
+    ] + [{"id": "lonely", "conversations": [{"from": "human", "value": "no reply"}]}]  # fmt: skip
+    (tmp_path / "chats.json").write_text(json.dumps(conversations))
+    topology = topology_with(
+        tmp_path,
+        "bench:\n  drain_timeout_s: 10\n  scenarios:\n"
+        "    - {name: chats, dataset: {path: chats.json, format: sharegpt}, rate: [4],\n"
+        "       max_concurrency: 2, requests: 6, sla: {tpot_ms: 400, statistic: mean}}\n",
+    )
+    out = tmp_path / "runs"
+    proc = bench(broken_lab, topology, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "6 prompts from" in proc.stderr and "1 conversations skipped" in proc.stderr
+    run = only_run(out)
+    assert run["verdict"] == "PASS" and run["scenario_verdicts"] == {"chats": "PASS"}
+    (r,) = run["rounds"]
+    assert r["point"] == "r4-c2" and r["valid"] is True and r["kv"]["pd"] is True
+    assert r["sent"] == r["engines_finished"] == 6 + 2
+    assert r["engines"]["engines"]["combined-0"]["requests_finished"] == 8
+    # 40 characters of reply: 10 output tokens per request (the reply's characters / 4)
+    assert r["engines"]["engines"]["combined-0"]["generation_tokens"] == 80
+    replayed = (out / run["run_id"] / "rounds" / r["label"] / "dataset.jsonl").read_text()
+    assert [json.loads(line)["text"] for line in replayed.splitlines()] == [
+        f"Say hello number {i}" for i in range(6)
+    ]
+    assert [v["figure"] for v in run["points"][0]["verdicts"]] == ["TPOT mean"]
+    assert r["telemetry"]["source"] is None and "inventory" in r["telemetry"]["why"]
