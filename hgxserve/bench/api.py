@@ -101,14 +101,11 @@ def outcome_of(
 def run_deployed(req: BenchRequest, progress: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
     """Run the scenarios, write run.json, report.md and the plots; (run dir, run.json).
     Raises what the run raises (a refused round, the generator, an endpoint)."""
-    from hgxserve.bench import report
     from hgxserve.bench.reach import open_reach
-    from hgxserve.bench.run import RunOptions, run_bench
     from hgxserve.bench.scenario import load_bench
-    from hgxserve.bench.telemetry import Telemetry, open_telemetry
 
     spec = load_bench(req.topology)
-    scenarios = spec.pick(list(req.scenarios))
+    spec.pick(list(req.scenarios))  # an unknown name stops here, before any SSH
     release_id, observed = req.release_id, dict[str, Any]()
     if req.inventory is not None:
         running, observed = running_releases(spec.topology, req.inventory)
@@ -120,6 +117,24 @@ def run_deployed(req: BenchRequest, progress: Callable[[str], None]) -> tuple[Pa
         proxy_url=req.proxy_url,
         engine_urls=req.engine_urls,
     )
+    try:
+        return _run_reached(req, spec, reach, (release_id, observed), progress)
+    finally:
+        reach.close()
+
+
+def _run_reached(
+    req: BenchRequest,
+    spec: Any,
+    reach: Any,
+    release: tuple[str | None, dict[str, Any]],
+    progress: Callable[[str], None],
+) -> tuple[Path, dict[str, Any]]:
+    from hgxserve.bench import report
+    from hgxserve.bench.run import RunOptions, run_bench
+    from hgxserve.bench.telemetry import Telemetry, open_telemetry
+
+    release_id, observed = release
     for name, how in reach.via.items():
         progress(f"{name}: through an SSH tunnel to {how}")
     tele = open_telemetry(spec.topology, req.inventory) if req.telemetry else Telemetry(None, "off")
@@ -139,10 +154,9 @@ def run_deployed(req: BenchRequest, progress: Callable[[str], None]) -> tuple[Pa
         telemetry_why_none=tele.why_none,
     )
     try:
-        run_dir, result = run_bench(spec, scenarios, opts, progress)
+        run_dir, result = run_bench(spec, spec.pick(list(req.scenarios)), opts, progress)
     finally:
         tele.close()
-        reach.close()
     report.write_report(run_dir, result)
     return run_dir, result
 

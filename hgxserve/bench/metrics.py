@@ -55,13 +55,21 @@ class MetricsError(HgxserveError):
     exit_code = ExitCode.SOURCE
 
 
+# A /metrics answer is read up to this size: a vLLM engine with every histogram of 8 DP ranks
+# or a DCGM exporter of 8 GPUs writes well under 1 MiB.
+METRICS_MAX_BYTES = 16 << 20
+
+
 def fetch_text(url: str, timeout: float = 10.0, key: str | None = None) -> str:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         with urllib.request.urlopen(
             urllib.request.Request(url, headers=headers), timeout=timeout
         ) as resp:
-            return str(resp.read().decode("utf-8", "replace"))
+            body = resp.read(METRICS_MAX_BYTES + 1)
+            if len(body) > METRICS_MAX_BYTES:
+                raise MetricsError(f"{url}: more than {METRICS_MAX_BYTES} bytes")
+            return str(body.decode("utf-8", "replace"))
     except urllib.error.HTTPError as exc:
         raise MetricsError(f"{url}: HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError) as exc:

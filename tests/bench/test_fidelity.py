@@ -515,3 +515,31 @@ def test_the_seeds_scenarios_ship_with_their_topologies() -> None:
         128, 64, (8,), 64, 8,
     )  # fmt: skip
     assert short.sla.statistic_for("ttft") == "p95"
+
+
+# ------------------------------------------------------------------ the library API
+
+
+def test_bench_deployed_reports_a_run_that_could_not_run_as_invalid(tmp_path: Path) -> None:
+    import socket
+
+    from hgxserve.bench.api import BenchRequest, bench_deployed
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    req = BenchRequest(
+        REPO / "topologies/demo/demo-pd.yml",
+        tmp_path / "runs",
+        scenarios=("seed003-long",),
+        proxy_url=closed,
+        engine_urls={n: closed for n in ("prefill-0", "decode-0", "combined-0")},
+    )
+    lines: list[str] = []
+    outcome = bench_deployed(req, lines.append)
+    assert outcome.verdict == "INVALID" and outcome.exit_code == 3
+    assert outcome.error is not None and "cannot connect" in outcome.error
+    assert [(s.name, s.verdict) for s in outcome.scenarios] == [("seed003-long", "INVALID")]
+    assert outcome.run_dir is not None and (outcome.run_dir / "run.json").is_file()
+    assert outcome.result["refused"] == outcome.error
+    assert not (outcome.run_dir / "report.md").exists()  # nothing was measured
