@@ -39,6 +39,8 @@ KV_FAILED = {
     "sglang": ("sglang:num_transfer_failed_reqs_total", "sglang:num_bootstrap_failed_reqs_total"),
 }
 
+# vLLM NIXL (docs "NIXL KV Connector Metrics"): on the prefill, requests whose KV expired
+NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 # The proxy's count of P/D requests by what the prefill handed over (hgxserve/proxy/metrics.py).
 PROXY_HANDOFFS = "hgxserve_proxy_kv_handoffs_total"
 # Speculative decoding: vLLM's counters (vllm/v1/spec_decode/metrics.py), SGLang's gauge of the
@@ -287,13 +289,20 @@ def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, obje
     recomputed the prompt is no P/D evidence): no failed transfer on any engine (vLLM NIXL
     `nixl_num_failed_transfers`, SGLang `num_transfer_failed_reqs` / `num_bootstrap_failed_reqs`),
     no prompt the decode computed itself (vLLM `prompt_tokens_by_source{local_compute}` beyond
-    the one token per request it may compute locally), no handoff the proxy counted as failed
-    or without KV. `pd` is False for a topology without prefill engines (always valid)."""
+    the one token per request it may compute locally), no KV that expired on a vLLM prefill
+    unpulled (`nixl_num_kv_expired_reqs`), no handoff the proxy counted as failed or without
+    KV. `pd` is False for a topology without prefill engines (always valid)."""
     pd = any(e.role == "prefill" for e in t.engines)
     failed = sum(
         _delta(before.engines[e.name], after.engines[e.name], name)
         for e in t.engines
         for name in KV_FAILED[e.engine]
+    )
+    # vLLM's prefill counts requests whose KV expired before any decode pulled it
+    expired = sum(
+        _delta(before.engines[e.name], after.engines[e.name], NIXL_EXPIRED)
+        for e in t.engines
+        if e.engine == "vllm"
     )
     recomputed = 0.0
     for e in t.engines:
@@ -308,6 +317,8 @@ def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, obje
     why = []
     if failed:
         why.append(f"{failed:g} failed KV transfer(s)")
+    if expired:
+        why.append(f"{expired:g} request(s) whose KV expired on the prefill unpulled")
     if recomputed:
         why.append(f"{recomputed:g} prompt tokens recomputed by the decode")
     if handoffs["failed"]:
@@ -318,6 +329,7 @@ def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, obje
         "pd": pd,
         "valid": not (pd and why),
         "failed_transfers": failed,
+        "kv_expired": expired,
         "decode_recomputed_tokens": recomputed,
         "handoffs": handoffs,
         "why": why if pd else [],

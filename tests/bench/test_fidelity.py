@@ -110,10 +110,11 @@ def test_statistic_errors_have_positions(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ P/D validity
 
 
-def vllm(*, prompt=0, local=0, done=0, failed=0, drafts=0, draft=0, accepted=0) -> str:  # type: ignore[no-untyped-def]
+def vllm(*, prompt=0, local=0, done=0, failed=0, drafts=0, draft=0, accepted=0, expired=0) -> str:  # type: ignore[no-untyped-def]
     return "\n".join(
         [
             f"vllm:num_requests_running{{{LAB}}} 0",
+            f"vllm:nixl_num_kv_expired_reqs_total{{{LAB}}} {expired}",
             f"vllm:prompt_tokens_total{{{LAB}}} {prompt}",
             f'vllm:prompt_tokens_by_source_total{{{LAB},source="local_compute"}} {local}',
             f'vllm:request_success_total{{{LAB},finished_reason="length"}} {done}',
@@ -162,6 +163,8 @@ def test_a_clean_pd_round_is_valid() -> None:
          "3 failed KV transfer(s)"),
         (_snap(handoffs(ok=16), vllm(), vllm(prompt=2048, local=16 + 128, done=16)),
          "128 prompt tokens recomputed by the decode"),
+        (_snap(handoffs(ok=16), vllm(expired=2), vllm(prompt=2048, local=16, done=16)),
+         "2 request(s) whose KV expired"),
         (_snap(handoffs(ok=15, none=1), vllm(), vllm(prompt=2048, local=16, done=16)),
          "1 handoff(s) without KV"),
         (_snap(handoffs(ok=15, failed=1), vllm(), vllm(prompt=2048, local=16, done=16)),

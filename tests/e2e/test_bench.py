@@ -210,6 +210,11 @@ def test_a_valid_pd_round_with_gpu_telemetry(
         # each host runs a simulated engine holding GPU memory: its GPUs read busy
         assert h["memory_used_mib"]["max"] > 0 and h["util_pct"]["max"] == 40, (host, h)
         assert 0 < h["power_w"]["min"] <= h["power_w"]["mean"] <= h["power_w"]["max"] <= 700
+    for host, h in tele["hosts"].items():
+        print(f"{host}: {h['samples']} samples, memory MiB {h['memory_used_mib']}, "
+              f"power W {h['power_w']}, util % {h['util_pct']}")  # fmt: skip
+    print(f"kv: {r['kv']}, client TTFT/TPOT p95 {r['client']['ttft_ms_p95']:.1f} / "
+          f"{r['client']['tpot_ms_p95']:.1f} ms")  # fmt: skip
     point = run["points"][0]
     assert point["telemetry"]["hosts"]["hgx-b"]["samples"] == tele["hosts"]["hgx-b"]["samples"]
     text = (tmp_path / run["run_id"] / "report.md").read_text()
@@ -247,6 +252,7 @@ def test_a_pd_round_whose_kv_transfers_fail_is_invalid(
     assert r["kv"]["failed_transfers"] == r["sent"]  # every request's pull failed
     assert r["kv"]["decode_recomputed_tokens"] > 0
     assert r["telemetry"]["source"] == "nvidia-smi"
+    print(f"INVALID round: kv {r['kv']}, SLA verdicts {run['points'][0]['verdicts']}")
 
 
 def test_a_leftover_client_makes_the_round_wait_then_refuse(
