@@ -76,7 +76,7 @@ def exit_code_for(result: dict[str, Any]) -> int:
     """6 INVALID (no valid evidence), 1 an SLA missed, 0 PASS (README "Exit codes")."""
     from hgxserve.base.errors import ExitCode
 
-    if result.get("verdict") == INVALID:
+    if result.get("verdict") == INVALID or result.get("refused"):
         return int(ExitCode.FAILED)
     return int(ExitCode.OK if result.get("passed") else ExitCode.FOUND)
 
@@ -84,7 +84,15 @@ def exit_code_for(result: dict[str, Any]) -> int:
 def outcome_of(
     run_dir: Path | None, result: dict[str, Any], error: str | None = None
 ) -> BenchOutcome:
-    verdicts = result.get("scenario_verdicts") or {}
+    from hgxserve.bench.run import FAIL, PASS, scenario_verdicts
+
+    # runs kept before verdicts were recorded: judged from their points
+    verdicts = result.get("scenario_verdicts") or (
+        scenario_verdicts(result) if "scenarios" in result and "points" in result else {}
+    )
+    verdict = result.get("verdict") or (
+        INVALID if result.get("refused") else PASS if result.get("passed") else FAIL
+    )
     scenarios = [
         ScenarioResult(
             s["name"],
@@ -93,9 +101,7 @@ def outcome_of(
         )
         for s in result.get("scenarios", [])
     ]
-    return BenchOutcome(
-        result.get("verdict") or INVALID, scenarios, run_dir, result, error, exit_code_for(result)
-    )
+    return BenchOutcome(verdict, scenarios, run_dir, result, error, exit_code_for(result))
 
 
 def run_deployed(req: BenchRequest, progress: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:

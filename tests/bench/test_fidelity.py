@@ -546,3 +546,13 @@ def test_bench_deployed_reports_a_run_that_could_not_run_as_invalid(tmp_path: Pa
     assert outcome.run_dir is not None and (outcome.run_dir / "run.json").is_file()
     assert outcome.result["refused"] == outcome.error
     assert not (outcome.run_dir / "report.md").exists()  # nothing was measured
+
+
+def test_a_run_kept_before_verdicts_is_judged_from_its_points() -> None:
+    run = _run("old", [40, 25, 10], [5, 12, 20])  # c16 misses its TTFT and TPOT
+    for key in ("verdict", "scenario_verdicts", "invalid"):
+        del run[key]
+    outcome = outcome_of(None, run)
+    assert outcome.verdict == "FAIL" and outcome.exit_code == 1
+    (long,) = outcome.scenarios
+    assert long.verdict == "FAIL" and long.best() == 12  # c4, the best point that passed
