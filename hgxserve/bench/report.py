@@ -381,6 +381,8 @@ def compare(runs: list[dict[str, Any]]) -> str:
                 keys.append((p["scenario"], p["label"]))
     index = [{(p["scenario"], p["label"]): p for p in run["points"]} for run in runs]
     for key in keys:
+        verdicts = [_verdict(index[i][key]) if key in index[i] else "-" for i in range(len(runs))]
+        rows.append([key[0], key[1], "verdict", *verdicts])
         for fig_key, fig_label, _higher in COMPARED:
             base_p = index[0].get(key)
             base_v = figure(base_p, fig_key) if base_p else None

@@ -472,6 +472,10 @@ def test_compare_draws_every_run_and_one_front(tmp_path: Path) -> None:
     # (12, 30) is INVALID: not on the front, so tp8's (10, 20) is
     assert pareto["front"] == [[10, 20], [30, 14], [40, 5], [45, 4]]
     assert pareto["series"][1]["points"][2]["verdict"] == "INVALID"
+    verdict_rows = [line for line in proc.stdout.splitlines() if "| verdict" in line]
+    cells = [[c.strip() for c in row.split("|")[1:]] for row in verdict_rows]
+    assert cells == [["c1", "verdict", "PASS", "PASS"], ["c4", "verdict", "PASS", "PASS"],
+                     ["c16", "verdict", "FAIL", "INVALID"]]  # fmt: skip
 
 
 # ------------------------------------------------------------------ the seeds' scenarios
