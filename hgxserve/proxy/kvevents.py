@@ -87,6 +87,12 @@ class Cleared:
 
 
 Event = Stored | Removed | Cleared
+# each event's name on the wire (and in /metrics)
+TAGS: dict[type, str] = {
+    Stored: "BlockStored",
+    Removed: "BlockRemoved",
+    Cleared: "AllBlocksCleared",
+}
 
 
 @dataclass
@@ -337,7 +343,7 @@ class Subscriber:
         self.stats.batches += 1
         self.stats.last_event_time = time.time()
         for ev in batch.events:
-            name = type(ev).__name__
+            name = TAGS[type(ev)]
             self.stats.events[name] = self.stats.events.get(name, 0) + 1
         self.sink(batch)
 
