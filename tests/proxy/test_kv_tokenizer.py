@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from kvwire import write_tokenizer
 
+from hgxserve.proxy.balancer import Pool
 from hgxserve.proxy.config import parse_proxy_config
 from hgxserve.proxy.kvroute import Router, load_tokenizer
-from hgxserve.proxy.balancer import Pool
 from hgxserve.proxy.tokens import PromptTokenizer, TokenizerError
 
 
