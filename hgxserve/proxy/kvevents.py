@@ -16,7 +16,7 @@ Replay: a DEALER sends (b"", start seq as 8 bytes) to the publisher's ROUTER; it
 b"").
 
     batch = decode_batch(payload)          # KVEventError on anything malformed
-    sub = Subscriber("tcp://10.0.0.11:28100", "tcp://10.0.0.11:29100", "kv-events", sink)
+    sub = Subscriber("tcp://10.0.0.11:28100", "tcp://10.0.0.11:29100", "kv-events", index)
     task = asyncio.create_task(sub.run())
 """
 
@@ -26,9 +26,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import zmq
@@ -215,8 +214,13 @@ class SubscriberStats:
     last_event_time: float = 0.0
 
 
-# what the subscriber hands each batch to, and calls when the index must start over
-Sink = Callable[[Batch], None]
+class Sink(Protocol):
+    """What the subscriber feeds: `apply` each batch in seq order, `clear` when the engine's
+    cache is no longer known (it restarted, or what was missed cannot be replayed)."""
+
+    def apply(self, batch: Batch) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 class Subscriber:
@@ -224,23 +228,15 @@ class Subscriber:
 
     Applies batches in seq order: a gap (a seq past the next expected one) and every
     (re)connect replay from the next expected seq; a seq below the last live one means the
-    engine restarted (its cache is empty): `reset` is called and everything the publisher still
+    engine restarted (its cache is empty): the sink is cleared and everything the publisher still
     buffers is replayed. Garbage is counted and skipped, never raised.
     """
 
-    def __init__(  # noqa: PLR0913 - one publisher's two addresses, topic and two callbacks
-        self,
-        endpoint: str,
-        replay: str | None,
-        topic: str,
-        sink: Sink,
-        reset: Callable[[], None],
-    ) -> None:
+    def __init__(self, endpoint: str, replay: str | None, topic: str, sink: Sink) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay
         self.topic = topic.encode()
         self.sink = sink
-        self.reset = reset
         self.stats = SubscriberStats()
         self.live_last = -1  # the last seq seen on the live stream
         self.pending: list[tuple[int, Batch]] = []  # live batches after a gap, until replayed
@@ -334,7 +330,7 @@ class Subscriber:
         self.stats.restarts += 1
         self.stats.last_seq = -1
         self.pending = []
-        self.reset()
+        self.sink.clear()
 
     def _apply(self, seq: int, batch: Batch) -> None:
         if seq <= self.stats.last_seq:
@@ -345,7 +341,7 @@ class Subscriber:
         for ev in batch.events:
             name = TAGS[type(ev)]
             self.stats.events[name] = self.stats.events.get(name, 0) + 1
-        self.sink(batch)
+        self.sink.apply(batch)
 
     def _garbage(self, exc: Exception) -> None:
         self.stats.garbage += 1
@@ -369,7 +365,7 @@ class Subscriber:
             log.info("KV events %s: replay starts at %d, not %d: index resynchronised",
                      self.endpoint, got[0][0], start)  # fmt: skip
             self.stats.replay_failures += 1
-            self.reset()
+            self.sink.clear()
         for seq, batch in got:
             self.stats.replayed += 1
             self._apply(seq, batch)

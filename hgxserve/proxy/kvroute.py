@@ -178,7 +178,7 @@ class Router:
             for rank, publisher in enumerate(events.publishers):
                 idx = BlockIndex()
                 replay = events.replays[rank] if events.replays else None
-                sub = Subscriber(publisher, replay, events.topic, idx.apply, idx.clear)
+                sub = Subscriber(publisher, replay, events.topic, idx)
                 ranks.append(idx)
                 self.subscribers.append((inst, rank, sub))
 

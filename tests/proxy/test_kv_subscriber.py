@@ -36,7 +36,7 @@ def test_replay_on_connect_gap_and_garbage() -> None:
     async def scenario() -> None:
         pub = Publisher()
         idx = BlockIndex()
-        sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", idx.apply, idx.clear)
+        sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", idx)
         # published before the proxy subscribed: only a replay can bring it
         pub.publish(store_prompt(A))
         task = asyncio.create_task(sub.run())
@@ -69,7 +69,7 @@ def test_engine_restart_resets_the_index() -> None:
         pub = Publisher()
         ports = (pub.pub_port, pub.replay_port)
         idx = BlockIndex()
-        sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", idx.apply, idx.clear)
+        sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", idx)
         task = asyncio.create_task(sub.run())
         try:
             await until(lambda: sub.stats.connects == 1)
@@ -98,7 +98,7 @@ def test_no_replay_endpoint_and_unreachable_replay() -> None:
         pub = Publisher()
         idx = BlockIndex()
         # a replay address nothing answers: the replay times out, counted; live events apply
-        sub = Subscriber(pub.endpoint, "tcp://127.0.0.1:9", "kv-events", idx.apply, idx.clear)
+        sub = Subscriber(pub.endpoint, "tcp://127.0.0.1:9", "kv-events", idx)
         task = asyncio.create_task(sub.run())
         try:
             await until(lambda: sub.stats.connects == 1)
