@@ -4,10 +4,12 @@ today's least-outstanding decision, at the seeds' prompt lengths.
 The tokenizer: a byte-level BPE with a 32,000-token vocabulary trained here (with `tokenizers`)
 on this repository's own text, and a Llama-3-style chat template: the cost per token of a real
 BPE (merges, a pre-tokenizer regex), no download. Prompts are repository text cut to length.
-Per scenario (completion at 1k, 4k, 32k tokens; chat with a 2k-token system prompt and a short
-user turn), microseconds per request (the least of ROUNDS: CPU cost, not contention):
+Per scenario (completion at 1k, 4k, 32k tokens; chat with a 2k-token system prompt and a new
+short user turn each request; one conversation a turn longer each request), microseconds per
+request (the least of ROUNDS: CPU cost, not contention):
 
-    tokenize   chat template render + tokenizers encode (or encode alone)
+    tokenize   chat template render + tokenizers encode (or encode alone); chat reuses the
+               token ids of a remembered prefix (hgxserve/proxy/tokprefix.py)
     hash       the request's own chain hash over every whole block (hash of a tuple; blake2b-8
                beside it for the choice in kvindex)
     lookup     the longest cached prefix on 4 engines, one of which holds the whole prompt
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import sys
 import tempfile
 import time
@@ -126,22 +129,26 @@ def blake_chain(ids: list[int]) -> bytes:
     return parent
 
 
-def scenario(name: str, body: dict[str, Any], endpoint: str, routers: dict[str, Router],
-             rounds: int) -> dict[str, float]:  # fmt: skip
+def scenario(name: str, make: Callable[[int], dict[str, Any]], endpoint: str,
+             routers: dict[str, Router], rounds: int) -> dict[str, float]:  # fmt: skip
+    """`make(i)`: the i-th request of the scenario (chat: a new user turn each time)."""
     kv, approx, least = routers["kv-events"], routers["approximate"], routers["least"]
-    assert kv.tokenizer is not None
-    ids = kv.tokenizer.prompt_ids(body, endpoint)
+    tok = kv.tokenizer
+    assert tok is not None
+    body = make(0)
+    ids = tok.prompt_ids(body, endpoint)
     store(kv, ids)
+    n = itertools.count(1)
     row = {"tokens": float(len(ids))}
-    row["tokenize"] = timed_us(lambda: kv.tokenizer.prompt_ids(body, endpoint), rounds)  # type: ignore[union-attr]
+    row["tokenize"] = timed_us(lambda: tok.prompt_ids(make(next(n)), endpoint), rounds)
     row["hash"] = timed_us(lambda: Chain(ids, BLOCK).at(len(ids) // BLOCK - 1), rounds)
     row["blake2b"] = timed_us(lambda: blake_chain(ids), rounds)
     plan = kv.plan(body, endpoint)
     plan.chain(BLOCK).at(len(ids) // BLOCK - 1)  # hashed already: lookup alone
     row["lookup"] = timed_us(lambda: [kv.cached(i, plan) for i in kv.pool.combined], rounds)
-    row["kv-events"] = timed_us(lambda: kv.decide(kv.plan(body, endpoint)), rounds)
-    row["approx"] = timed_us(lambda: approx.decide(approx.plan(body, endpoint)), rounds)
-    row["least"] = timed_us(lambda: least.decide(least.plan(body, endpoint)), rounds)
+    row["kv-events"] = timed_us(lambda: kv.decide(kv.plan(make(next(n)), endpoint)), rounds)
+    row["approx"] = timed_us(lambda: approx.decide(approx.plan(make(next(n)), endpoint)), rounds)
+    row["least"] = timed_us(lambda: least.decide(least.plan(make(next(n)), endpoint)), rounds)
     d = kv.decide(kv.plan(body, endpoint))
     assert d is not None and d.target is kv.pool.combined[0], "the cached engine is chosen"
     print(f"{name:<26} " + " ".join(f"{row[k]:>9.0f}" for k in COLUMNS))
@@ -173,12 +180,29 @@ def main() -> None:
         print(f"{'scenario':<26} " + " ".join(f"{c:>9}" for c in COLUMNS))
         for n in (1024, 4096, 32768):
             body = {"model": "m", "prompt": cut(kv, text, n), "max_tokens": 256}
-            scenario(f"completion {n // 1024}k", body, "completions", routers, args.rounds)
+            scenario(f"completion {n // 1024}k", lambda i, b=body: b, "completions", routers,
+                     args.rounds)  # fmt: skip
         system = cut(kv, text[200_000:], 2048)
-        turn = "Summarise the release steps in three bullets."
-        chat = {"model": "m", "max_tokens": 256, "messages": [
-            {"role": "system", "content": system}, {"role": "user", "content": turn}]}  # fmt: skip
-        scenario("chat 2k system + turn", chat, "chat", routers, args.rounds)
+        turns = text[300_000:].split("\n")
+
+        def chat(i: int) -> dict[str, Any]:
+            # one shared system prompt, a new user turn every request
+            return {"model": "m", "max_tokens": 256, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"{i}: {turns[i % len(turns)]}"}]}  # fmt: skip
+
+        scenario("chat 2k system + new turn", chat, "chat", routers, args.rounds)
+        history = cut(kv, text[400_000:], 8192).split("\n")
+
+        def multi_turn(i: int) -> dict[str, Any]:
+            # the same conversation, one turn longer every request (16 lines a turn)
+            msgs = [{"role": "system", "content": system}]
+            for t in range(i % 40 + 1):
+                role = "user" if t % 2 == 0 else "assistant"
+                msgs.append({"role": role, "content": "\n".join(history[t * 16 : t * 16 + 16])})
+            return {"model": "m", "max_tokens": 256, "messages": msgs}
+
+        scenario("chat multi-turn (≤ 10k)", multi_turn, "chat", routers, args.rounds)
 
 
 if __name__ == "__main__":

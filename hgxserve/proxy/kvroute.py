@@ -378,6 +378,12 @@ class Router:
                "Requests by how their prefix was matched: tokens, approximate, "
                "tokenizer-failed (then approximate).",
                [({"path": p}, n) for p, n in sorted(s.paths.items())])  # fmt: skip
+        prefix = self.tokenizer.prefix if self.tokenizer is not None else None
+        family(out, "hgxserve_proxy_prompt_prefix_reuse_total", "counter",
+               "Chat prompts tokenized from a remembered prefix (hit) or whole (miss); "
+               "mismatch: a checked reuse differed and reuse was turned off.",
+               [({"result": k}, v) for k, v in (("hit", prefix.hits), ("miss", prefix.misses),
+                ("mismatch", prefix.mismatches))] if prefix else [])  # fmt: skip
         histogram(out, "hgxserve_proxy_cached_prompt_tokens",
                   "Prompt tokens the chosen engine held cached (by the route's index).",
                   CACHED_BUCKETS, s.cached, s.cached_sum)  # fmt: skip

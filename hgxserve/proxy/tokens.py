@@ -19,6 +19,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from hgxserve.proxy.tokprefix import PrefixCache
+
 # Bounds on what is read from the tokenizer directory: the largest tokenizer.json files in use
 # are ~35 MB (Gemma's 256k vocabulary; Llama 3 ~9 MB, DeepSeek ~8 MB); tokenizer_config.json
 # with its chat template is under 1 MB (a few are ~200 kB)
@@ -27,6 +29,13 @@ MAX_CONFIG_BYTES = 8 << 20
 # the rendered prompt of one request (its body is bounded by limits.max_body_bytes already;
 # a template that loops over it may not grow it past this)
 MAX_RENDERED_CHARS = 64 << 20
+# a conversation the prefix cache's exactness is checked on at load (tokprefix)
+SAMPLE_CHAT = [
+    {"role": "system", "content": "You are a helpful assistant.\n  Answer briefly."},
+    {"role": "user", "content": "Hi there, what is  KV cache?"},
+    {"role": "assistant", "content": " It keeps attention keys and values.\n"},
+    {"role": "user", "content": "And prefix caching? 42 ünïcode"},
+]
 
 
 class TokenizerError(Exception):
@@ -90,6 +99,12 @@ class PromptTokenizer:
             self.template = env.from_string(source) if source else None
         except TemplateError as exc:
             raise TokenizerError(f"chat_template does not compile: {exc}") from None
+        self.prefix: PrefixCache | None = None
+        try:
+            sample = self.render_chat({"messages": SAMPLE_CHAT})
+        except TokenizerError:
+            return  # a template this sample does not suit: whole encodes
+        self.prefix = PrefixCache.for_tokenizer(tokenizer, source, sample)
 
     @classmethod
     def load(cls, directory: str) -> PromptTokenizer:
@@ -143,7 +158,10 @@ class PromptTokenizer:
         """The request's prompt token ids: chat rendered and tokenized without added special
         tokens (the template writes them), a completion prompt with them, token ids as given."""
         if endpoint == "chat":
-            return self.encode(self.render_chat(body), special=False)
+            text = self.render_chat(body)
+            if self.prefix is not None:
+                return self.prefix.encode(text)
+            return self.encode(text, special=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]  # a batch of one

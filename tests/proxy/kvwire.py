@@ -197,3 +197,38 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_bpe_tokenizer(directory: Any, metaspace: bool = False) -> None:
+    """A small trained BPE with ChatML special tokens (byte-level, or SentencePiece-like
+    Metaspace with prepend_scheme "first") and a ChatML chat template."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None if not metaspace else "<unk>"))
+    if metaspace:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+        alphabet: list[str] = []
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    special = ["<|im_start|>", "<|im_end|>", "<unk>"]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special,
+                                  initial_alphabet=alphabet)  # fmt: skip
+    words = "the cache holds keys and values of every prompt token for later turns " * 50
+    tok.train_from_iterator([words, "system user assistant 0123456789 ünïcode\n  .,?!"], trainer)
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
