@@ -217,7 +217,7 @@ class Router:
                 ids = self.tokenizer.prompt_ids(body, endpoint)
                 self._path("tokens")
                 return Plan(len(ids), len(ids) + output_bound(body), ids=ids)
-            except TokenizerError:
+            except Exception:  # any failure at all: this request is matched approximately
                 self._path("tokenizer-failed")
         self._path("approximate")
         chunks = text_chain(prompt_text(body))

@@ -94,7 +94,7 @@ class PrefixCache:
                 return self._hit(text, keys, i, found)
         self.misses += 1
         ids, offsets = self._encode(text)
-        self._remember(keys, ids, offsets, 0, 0)
+        self._remember(keys, ids, offsets, (0, 0))
         return ids
 
     def _hit(
@@ -110,19 +110,19 @@ class PrefixCache:
             self.enabled = False
             log.error("chat prompt prefix reuse differed from a whole tokenization: turned off")
             return self._encode(text)[0]
-        self._remember(keys[i + 1 :], ids, offsets, cut, found[1])
+        self._remember(keys[i + 1 :], ids, offsets, (cut, found[1]))
         return ids
 
-    def _remember(  # noqa: PLR0913 - the cuts, the ids and where the new tokens start
+    def _remember(
         self,
         keys: list[tuple[int, int]],
         ids: list[int],
         offsets: list[tuple[int, int]],
-        base_chars: int,
-        base_tokens: int,
+        base: tuple[int, int],
     ) -> None:
         """Keep `ids` under the first and last CUTS_KEPT of `keys`; `offsets` are those of the
-        tokens from `base_tokens` on, counted from `base_chars`."""
+        tokens from `base` = (chars, tokens) on, counted from its chars."""
+        base_chars, base_tokens = base
         chosen = keys if len(keys) <= 2 * CUTS_KEPT else keys[:CUTS_KEPT] + keys[-CUTS_KEPT:]
         ends = [end for _, end in offsets]
         added = False
