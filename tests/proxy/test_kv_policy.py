@@ -192,3 +192,33 @@ def test_begin_and_end_balance_in_flight_tokens(tmp_path: Path) -> None:
     assert (d.target.inflight_tokens, d.prefill.inflight_tokens) == (3050, 3000)
     router.end(d, plan)
     assert all(i.inflight_tokens == 0 for i in pool.instances)
+
+
+def test_approximate_follows_its_own_decisions_until_the_ttl(tmp_path: Path) -> None:
+    config = parse_proxy_config({
+        "protocol": "vllm-nixl", "served_model_name": "m",
+        "combined": [url(p, False) for p in (1, 2, 3)],
+        "routing": {"policy": "approximate", "approx_ttl_s": 60},
+    })  # fmt: skip
+    pool = Pool(config)
+    for inst in pool.instances:
+        inst.set_healthy(True)
+    router = Router(config, pool)
+    system = "You answer questions about the deployment guide. " * 40
+    first = {"messages": [{"role": "system", "content": system},
+                          {"role": "user", "content": "one"}]}  # fmt: skip
+    plan = router.plan(first, "chat")
+    d = router.decide(plan)
+    assert d is not None and d.reason == "no-cache"
+    router.begin(d, plan)
+    router.end(d, plan)
+    second = {"messages": [{"role": "system", "content": system},
+                           {"role": "user", "content": "two"}]}  # fmt: skip
+    again = router.decide(router.plan(second, "chat"))
+    assert again is not None and again.target is d.target and again.reason == "cache-hit"
+    assert router.cached(d.target, router.plan(second, "chat")) >= len(system) // 4 - 16
+    # past the TTL the prefix is forgotten
+    router.approx[d.target].expire(now=10**12)
+    later = router.decide(router.plan(second, "chat"))
+    assert later is not None and later.reason == "no-cache"
+    assert router.stats.paths == {"approximate": 4}

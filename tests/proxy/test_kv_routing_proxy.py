@@ -4,6 +4,7 @@ and the index are in /metrics, and an engine leaving rotation is forgotten."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,12 @@ def test_request_follows_the_cached_prefix(
     assert metric(text, "hgxserve_proxy_kv_events_total", type="BlockStored", **hot) == 1
     assert metric(text, "hgxserve_proxy_cached_prompt_tokens_count") == 3
     assert metric(text, "hgxserve_proxy_inflight_tokens", **hot) == 0  # all finished
+    # a reload starts over from the engines' replay buffers: the index comes back
+    px.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "reloaded" in px.log())
+    wait_for(lambda: metric(px.metrics(), "hgxserve_proxy_kv_index_blocks", **hot) > 100)
+    assert metric(px.metrics(), "hgxserve_proxy_kv_event_stream_total", what="replayed",
+                  **hot) == 1  # fmt: skip
     # the engine leaves rotation: its entries go, and requests spread again
     sims[1].kill()
     wait_for(lambda: metric(px.metrics(), "hgxserve_proxy_instance_healthy", **hot) == 0)
