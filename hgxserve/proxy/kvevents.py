@@ -44,10 +44,10 @@ MAX_LIST_LEN = 1 << 21
 MAX_EVENTS_PER_BATCH = 1 << 16
 MAX_HASH_BYTES = 64
 MAX_BLOCK_SIZE = 1 << 12
-# replay: vLLM keeps the last 10,000 batches (KVEventsConfig.buffer_steps); a replay that
-# does not end within REPLAY_TIMEOUT_S is given up (the index is then resynchronised)
+# replay: vLLM and SGLang keep the last 10,000 batches (buffer_steps); a replay silent for
+# REPLAY_SILENCE_S (the publisher answers from memory in well under a second) is given up
 MAX_REPLAY_MESSAGES = 20_000
-REPLAY_TIMEOUT_S = 5.0
+REPLAY_SILENCE_S = 5.0
 # socket re-creation after an error: 0.1 s doubling to 10 s; ZMQ's own reconnect likewise
 RECONNECT_MIN_S = 0.1
 RECONNECT_MAX_S = 10.0
@@ -249,8 +249,8 @@ class Subscriber:
             started = time.monotonic()
             try:
                 await self._session()
-            except zmq.ZMQError as exc:
-                log.warning("KV events %s: %s; reconnecting in %.1f s", self.endpoint, exc, delay)
+            except Exception as exc:  # a socket error, or a fault in the index: start over
+                log.warning("KV events %s: %r; reconnecting in %.1f s", self.endpoint, exc, delay)
             if time.monotonic() - started > RECONNECT_MAX_S:
                 delay = RECONNECT_MIN_S
             await asyncio.sleep(delay)
@@ -320,7 +320,9 @@ class Subscriber:
 
     async def _fill_gap(self) -> None:
         self.stats.gaps += 1
-        await self.replay(self.stats.last_seq + 1)
+        if not await self.replay(self.stats.last_seq + 1):
+            # what was missed is unknown: start over from what comes
+            self.sink.clear()
         pending, self.pending = self.pending, []
         for seq, batch in pending:
             self._apply(seq, batch)
@@ -349,46 +351,47 @@ class Subscriber:
             log.warning("KV events %s: garbage #%d: %s", self.endpoint, self.stats.garbage, exc)
 
     async def replay(self, start: int) -> bool:
-        """Ask the replay endpoint for every batch from `start` on and apply them in order;
-        False when there is none or it failed (then the index starts over from what comes)."""
+        """Ask the replay endpoint for every batch from `start` on, applying each in order as
+        it comes; False when there is no endpoint or the replay failed (silent for
+        REPLAY_SILENCE_S, broken, or longer than MAX_REPLAY_MESSAGES)."""
         if not self.replay_endpoint:
             return False
         self.stats.replays += 1
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+        dealer.connect(self.replay_endpoint)
         try:
-            got = await asyncio.wait_for(self._fetch(start), REPLAY_TIMEOUT_S)
+            await dealer.send_multipart([b"", max(start, 0).to_bytes(8, "big")])
+            await self._replayed(dealer, start)
+            return True
         except (asyncio.TimeoutError, zmq.ZMQError, KVEventError) as exc:
             self.stats.replay_failures += 1
             log.warning("KV events %s: replay from %d failed: %r", self.endpoint, start, exc)
             return False
-        if start > 0 and got and got[0][0] > start:
-            # the publisher no longer holds what was missed: start over from what it holds
-            log.info("KV events %s: replay starts at %d, not %d: index resynchronised",
-                     self.endpoint, got[0][0], start)  # fmt: skip
-            self.stats.replay_failures += 1
-            self.sink.clear()
-        for seq, batch in got:
-            self.stats.replayed += 1
-            self._apply(seq, batch)
-        return True
-
-    async def _fetch(self, start: int) -> list[tuple[int, Batch]]:
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
-        dealer.connect(str(self.replay_endpoint))
-        got: list[tuple[int, Batch]] = []
-        try:
-            await dealer.send_multipart([b"", max(start, 0).to_bytes(8, "big")])
-            for _ in range(MAX_REPLAY_MESSAGES):
-                frames = await dealer.recv_multipart()
-                if len(frames) != 3:
-                    raise KVEventError(f"a replay message of {len(frames)} frames")
-                if frames[1] == END_SEQ:
-                    return got
-                try:
-                    got.append((seq_of(frames[1]), decode_batch(frames[2])))
-                except KVEventError as exc:
-                    self._garbage(exc)
-            raise KVEventError(f"a replay of more than {MAX_REPLAY_MESSAGES} messages")
         finally:
             dealer.close(0)
+
+    async def _replayed(self, dealer: zmq.asyncio.Socket, start: int) -> None:
+        first = True
+        for _ in range(MAX_REPLAY_MESSAGES):
+            frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_SILENCE_S)
+            if len(frames) != 3:
+                raise KVEventError(f"a replay message of {len(frames)} frames")
+            if frames[1] == END_SEQ:
+                return
+            try:
+                seq, batch = seq_of(frames[1]), decode_batch(frames[2])
+            except KVEventError as exc:
+                self._garbage(exc)
+                continue
+            if first and 0 < start < seq:
+                # the publisher no longer holds what was missed: start over from what it holds
+                log.info("KV events %s: replay starts at %d, not %d: index resynchronised",
+                         self.endpoint, seq, start)  # fmt: skip
+                self.stats.replay_failures += 1
+                self.sink.clear()
+            first = False
+            self.stats.replayed += 1
+            self._apply(seq, batch)
+        raise KVEventError(f"a replay of more than {MAX_REPLAY_MESSAGES} messages")

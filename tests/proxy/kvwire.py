@@ -72,7 +72,9 @@ class Publisher:
     """A vLLM-like ZMQ KV event publisher: PUB (topic, seq, payload) and a replay ROUTER
     answering (b"", seq, payload)... then (b"", -1, b"") from its buffer."""
 
-    def __init__(self, topic: str = "kv-events", pub_port: int = 0, replay_port: int = 0) -> None:
+    def __init__(
+        self, topic: str = "kv-events", pub_port: int = 0, replay_port: int = 0, keep: int = 10_000
+    ) -> None:
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -82,7 +84,7 @@ class Publisher:
         self.replay_port = self._bind(self.replay, replay_port)
         self.topic = topic.encode()
         self.seq = 0
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=keep)
         self.replays: list[int] = []
         self.lock = threading.Lock()
         self.stop = threading.Event()
