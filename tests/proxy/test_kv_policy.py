@@ -222,3 +222,27 @@ def test_approximate_follows_its_own_decisions_until_the_ttl(tmp_path: Path) -> 
     later = router.decide(router.plan(second, "chat"))
     assert later is not None and later.reason == "no-cache"
     assert router.stats.paths == {"approximate": 4}
+
+
+def test_fallbacks_when_a_side_is_down(tmp_path: Path) -> None:
+    raw = pd_config(combined=[url(5)])
+    raw["routing"] = {"pd_min_prompt_tokens": 1000}
+    router, pool = make(tmp_path, **raw)
+    (p1, p2), (d1, d2) = pool.groups[0]
+    long_plan = prompt(router, list(range(3000)))
+    short_plan = prompt(router, list(range(500)))
+    for p in (p1, p2):
+        p.set_healthy(False, "down")
+    got = router.decide(long_plan)  # no pair: the combined engine
+    assert got is not None and (got.route, got.reason) == ("fallback", "no-pair")
+    pool.combined[0].set_healthy(False, "down")
+    got = router.decide(long_plan)  # nothing but decodes: one prefills alone (vLLM NIXL)
+    assert got is not None and (got.route, got.reason) == ("fallback", "no-prefill")
+    assert got.prefill is None and got.target in (d1, d2)
+    p1.set_healthy(True)
+    got = router.decide(short_plan)  # no combined engine for a short prompt: P/D, where
+    # 500 uncached tokens (< 512) are prefilled by the decode itself
+    assert got is not None and (got.route, got.reason) == ("pd-local", "no-combined")
+    got = router.decide(long_plan)
+    assert got is not None and (got.route, got.prefill) == ("pd", p1)
+    assert router.decide(short_plan, exclude={d1, d2}) is None
