@@ -46,21 +46,21 @@ LEAST, APPROX, EVENTS = "least-outstanding", "approximate", "kv-events"
 # context length, which would make every such request look like the longest possible one)
 OUTPUT_TOKENS_BOUND = 1024
 CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
-# one tokenizer per process and directory: reloads keep it
-_TOKENIZERS: dict[str, PromptTokenizer | str] = {}
+# one tokenizer per process and directory: reloads keep it (a failed load is tried again by
+# the next reload)
+_TOKENIZERS: dict[str, PromptTokenizer] = {}
 
 
 def load_tokenizer(directory: str) -> PromptTokenizer | None:
-    """The directory's tokenizer, loaded once per process; None (logged once) when unusable."""
+    """The directory's tokenizer, loaded once per process; None (logged) when unusable."""
     if directory not in _TOKENIZERS:
         try:
             _TOKENIZERS[directory] = PromptTokenizer.load(directory)
-            log.info("tokenizer loaded from %s", directory)
         except TokenizerError as exc:
             log.error("no tokenizer, prompts are matched approximately: %s", exc)
-            _TOKENIZERS[directory] = str(exc)
-    found = _TOKENIZERS[directory]
-    return found if isinstance(found, PromptTokenizer) else None
+            return None
+        log.info("tokenizer loaded from %s", directory)
+    return _TOKENIZERS[directory]
 
 
 def prompt_text(body: dict[str, Any]) -> str:
