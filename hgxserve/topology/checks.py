@@ -252,8 +252,8 @@ def multi_host_gpu_kind(topo: Topology, engine: Engine) -> Iterator[Finding]:
 @rule(
     "port-clash",
     "error",
-    "No two listeners on one host share a port (HTTP, VLLM_PORT, side channel per DP rank, "
-    "bootstrap, rpc, proxy, sshd).",
+    "No two listeners on one host share a port (HTTP, VLLM_PORT, side channel and KV events per "
+    "DP rank, bootstrap, rpc, proxy, sshd).",
 )
 def port_clash(topo: Topology) -> Iterator[Finding]:
     for host_name, listeners in listeners_by_host(topo).items():
