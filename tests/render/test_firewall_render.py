@@ -59,8 +59,10 @@ def test_the_proxy_host_with_only_loopback_engines_gets_no_table(tmp_path: Path)
     # combined-0 listens on loopback; with policy least-outstanding it publishes no KV events
     path = _variant(tmp_path, "")
     path.write_text(
-        path.read_text().replace("combined: [combined-0]", "combined: [combined-0]\n"
-        "  routing: {policy: least-outstanding}")
+        path.read_text().replace(
+            "combined: [combined-0]",
+            "combined: [combined-0]\n  routing: {policy: least-outstanding}",
+        )
     )
     topo = load_topology(path)
     assert render_firewall(topo, "hgx-c") is None
