@@ -100,7 +100,8 @@ def test_a_user_port_on_a_derived_kv_port_is_a_clash(tmp_path: Path) -> None:
     clashes = [p for p in check_topology(path).problems if p.rule == "port-clash"]
     assert [p.message for p in clashes] == [
         "port 28100 on h-a is used by both c-0 KV events (dp rank 0) and c-1 HTTP API; "
-        "give each listener its own port"
+        "give each listener its own port (KV-event ports are the engine's port + 20000 and + 21000 "
+        "unless kv_events.port and kv_events.replay_port say otherwise, each + the DP rank)"
     ]
 
 
