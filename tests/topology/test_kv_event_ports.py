@@ -176,3 +176,20 @@ def test_routing_bounds_are_schema_errors(tmp_path: Path) -> None:
         ("proxy", "routing", "approx_ttl_s"),
         ("proxy", "routing", "policy"),
     } <= paths
+
+
+def test_defaults_kv_events_apply_and_an_engine_replaces_them_whole(tmp_path: Path) -> None:
+    path = tmp_path / "defaults.yml"
+    path.write_text(
+        BASE.replace("ENGINE", "vllm").replace(
+            "engines:\n", "  kv_events: {port: 41000, replay_port: 42000}\nengines:\n"
+        )
+        + "  c-0: {role: combined, place: {h-a: [0]}, tp: 1, port: 8100}\n"
+        "  c-1: {role: combined, place: {h-b: [0]}, tp: 1, port: 8200,"
+        " kv_events: {port: 43000}}\n"
+        "proxy: {host: h-a, combined: [c-0, c-1]}\n"
+    )
+    topo = load_topology(path)
+    assert kv_events_base_ports(topo.engines["c-0"]) == (41000, 42000)
+    # c-1's own object replaces the defaults' whole: its replay port is derived again
+    assert kv_events_base_ports(topo.engines["c-1"]) == (43000, 29200)
