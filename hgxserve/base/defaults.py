@@ -42,6 +42,9 @@ S3_PART_SIZE_BYTES = parse_size(S3_PART_SIZE)
 # stays with the in-process engine, which resumes part by part (docs/weights.md "Transfer engines").
 NATIVE_MIN_SIZE = "16Mi"
 NATIVE_MIN_SIZE_BYTES = parse_size(NATIVE_MIN_SIZE)
+# The ZMQ topic the engines publish KV events on and the proxy subscribes to (both ends are
+# rendered from the topology, so any fixed name works; vLLM's own default is "").
+KV_EVENTS_TOPIC = "kv-events"
 # SGLang prefill's disaggregation bootstrap server.
 SGLANG_BOOTSTRAP_PORT: int = schema_default("kv", "bootstrap_port")
 # Where a CephFS source is mounted read-only.

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from hgxserve.base.defaults import KV_EVENTS_TOPIC
 from hgxserve.render.types import RenderError
 from hgxserve.topology.engine_args import flag, not_rendered
 from hgxserve.topology.model import Engine, EngineKind, Topology, is_loopback
@@ -22,6 +23,9 @@ from hgxserve.topology.ports import (
     bind_widened_for,
     engine_bind,
     kv_crosses_hosts,
+    kv_events_base_ports,
+    kv_events_bind,
+    publishes_kv_events,
     side_channel_host,
     uses_nixl_side_channel,
 )
@@ -188,6 +192,7 @@ def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     argv += _values(args, "vllm", ("all2all_backend",))
     if engine.kv is not None:
         argv += ["--kv-transfer-config", compact_json(vllm_kv_transfer_config(engine))]
+    argv += kv_events_args(topo, engine, plan)
     _skipped(engine, not_rendered("vllm"), plan)
     argv += list(engine.extra_args)
     return argv
@@ -211,6 +216,39 @@ def vllm_kv_transfer_config(engine: Engine) -> dict[str, Any]:
     if kv.failure_policy != "fail":
         config["kv_load_failure_policy"] = kv.failure_policy
     return config
+
+
+def kv_events_config(topo: Topology, engine: Engine, host: str) -> dict[str, Any] | None:
+    """The --kv-events-config object of `engine` on `host` (vLLM's KVEventsConfig keys; SGLang's
+    KVEventsConfig takes the same ones and ignores enable_kv_cache_events), None when the engine
+    publishes none. Ports are the DP rank 0 bases: each engine adds its rank itself. The
+    publisher's endpoint is a wildcard, the only form either engine binds (any other address
+    makes its PUB socket connect out); the replay listener binds where the HTTP API does."""
+    if not publishes_kv_events(topo, engine):
+        return None
+    port, replay = kv_events_base_ports(engine)
+    bind = kv_events_bind(topo, engine, host)
+    if ":" in bind:
+        bind = f"[{bind}]"
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://{bind}:{replay}",
+        "topic": KV_EVENTS_TOPIC,
+    }
+
+
+def kv_events_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
+    """`--kv-events-config <json>` when the engine publishes KV events, with a unit note."""
+    config = kv_events_config(topo, engine, plan.host)
+    if config is None:
+        return []
+    plan.notes.append(
+        f"KV events on {config['endpoint']} (replay {config['replay_endpoint']}), + the DP rank "
+        "for each rank: the hgxserve proxy routes this engine with policy kv-events"
+    )
+    return ["--kv-events-config", compact_json(config)]
 
 
 def _tristate(args: dict[str, Any], key: str) -> list[str]:
@@ -290,6 +328,7 @@ def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     argv += ["--host", plan.bind, "--port", str(engine.port)]
     if engine.kv is not None:
         argv += _sglang_disaggregation(topo, engine, plan)
+    argv += kv_events_args(topo, engine, plan)
     _skipped(engine, not_rendered("sglang"), plan)
     argv += list(engine.extra_args)
     return argv

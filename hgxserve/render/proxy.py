@@ -13,7 +13,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hgxserve.base.defaults import DRAIN_OUTPUT_TOKENS, DRAIN_STOP_SLACK_S, SGLANG_BOOTSTRAP_PORT
+from hgxserve.base.defaults import (
+    DRAIN_OUTPUT_TOKENS,
+    DRAIN_STOP_SLACK_S,
+    KV_EVENTS_TOPIC,
+    SGLANG_BOOTSTRAP_PORT,
+)
 from hgxserve.base.paths import (
     AGENT,
     AGENT_PREFIX,
@@ -38,7 +43,13 @@ from hgxserve.render.types import (
     unit_name,
 )
 from hgxserve.topology.model import Engine, SecretRef, Topology
-from hgxserve.topology.ports import bootstrap_address, engine_url, proxy_targets
+from hgxserve.topology.placement import proxy_tokenizer
+from hgxserve.topology.ports import (
+    bootstrap_address,
+    engine_url,
+    kv_event_endpoints,
+    proxy_targets,
+)
 from hgxserve.topology.wiring import (
     ENGINE_KEY_VAR,
     METRICS_KEY_CREDENTIAL,
@@ -92,6 +103,40 @@ def _protocol(topo: Topology) -> str:
     return proxy_protocol(topo)
 
 
+def _endpoint(topo: Topology, engine: Engine) -> dict[str, Any]:
+    """One engine's entry: its URL and, when it publishes KV events, where (one publisher and
+    one replay address per DP rank, in rank order, as the proxy's host dials them)."""
+    endpoint: dict[str, Any] = {"url": engine_url(topo, engine)}
+    publishers, replays = kv_event_endpoints(topo, engine)
+    if publishers:
+        endpoint["kv_events"] = {
+            "publishers": publishers,
+            "replays": replays,
+            "topic": KV_EVENTS_TOPIC,
+        }
+    return endpoint
+
+
+def _routing(topo: Topology) -> dict[str, Any]:
+    """The `routing` section: the prompt-length split and every `proxy.routing` setting, each
+    written out (the topology's defaults, not the proxy's, decide), and the tokenizer's
+    directory (None: the approximate character index; hgxserve.topology.placement says why)."""
+    proxy = topo.proxy
+    assert proxy is not None
+    routing = proxy.routing
+    return {
+        "pd_min_prompt_tokens": proxy.pd_min_prompt_tokens,
+        "policy": routing.policy,
+        "tokenizer_dir": proxy_tokenizer(topo)[0],
+        "inflight_token_weight": routing.inflight_token_weight,
+        "sticky_max_wait_ratio": routing.sticky_max_wait_ratio,
+        "pd_remote_prefill_min_uncached_tokens": routing.pd_remote_prefill_min_uncached_tokens,
+        "pair_max_inflight_tokens": routing.pair_max_inflight_tokens,
+        "combined_max_inflight_tokens": routing.combined_max_inflight_tokens,
+        "approx_ttl_s": routing.approx_ttl_s,
+    }
+
+
 def proxy_config(topo: Topology) -> dict[str, Any]:
     """The proxy.json document for `hgxserve proxy serve`."""
     proxy = topo.proxy
@@ -102,22 +147,25 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
         prefill = []
         for name in route.prefill:
             engine = topo.engines[name]
-            endpoint: dict[str, Any] = {"url": engine_url(topo, engine)}
+            endpoint = _endpoint(topo, engine)
             if protocol == "sglang":
                 assert engine.kv is not None
                 # what the decodes dial: loopback only where the prefill binds loopback
                 endpoint["bootstrap_host"] = bootstrap_address(topo, engine)
                 endpoint["bootstrap_port"] = engine.kv.bootstrap_port
             prefill.append(endpoint)
-        decode = [{"url": engine_url(topo, topo.engines[n])} for n in route.decode]
-        groups.append({"name": f"pd-{index}", "prefill": prefill, "decode": decode})
+        decode = [_endpoint(topo, topo.engines[n]) for n in route.decode]
+        group: dict[str, Any] = {"name": f"pd-{index}", "prefill": prefill, "decode": decode}
+        if route.policy is not None:
+            group["policy"] = route.policy
+        groups.append(group)
     config: dict[str, Any] = {
         "listen": {"host": proxy.listen_host, "port": proxy.listen_port},
         "protocol": protocol,
         "served_model_name": topo.model.served_name,
         "pd_groups": groups,
-        "combined": [{"url": engine_url(topo, topo.engines[n])} for n in proxy.combined],
-        "routing": {"pd_min_prompt_tokens": proxy.pd_min_prompt_tokens},
+        "combined": [_endpoint(topo, topo.engines[n]) for n in proxy.combined],
+        "routing": _routing(topo),
         "limits": {
             "max_body_bytes": proxy.max_body,
             "prefill_timeout_s": proxy.timeout_s,
@@ -129,6 +177,8 @@ def proxy_config(topo: Topology) -> dict[str, Any]:
             ),
         },
     }
+    if proxy.combined_policy is not None:
+        config["combined_policy"] = proxy.combined_policy
     auth: dict[str, str] = {}
     if proxy.api_key is not None:
         auth["api_key_file"] = f"{unit_credentials_dir(PROXY_UNIT)}/{_api_key_name(topo)}"

@@ -19,6 +19,7 @@ from hgxserve.base.paths import CONFIG_DIR, TOPOLOGY_FILES_DIR
 from hgxserve.topology.engine_args import arg_of_flag
 from hgxserve.topology.model import Engine, Proxy, Topology, is_loopback
 from hgxserve.topology.ports import (
+    KV_EVENTS,
     UNSPECIFIED,
     listeners_by_host,
     proxy_targets,
@@ -252,8 +253,8 @@ def multi_host_gpu_kind(topo: Topology, engine: Engine) -> Iterator[Finding]:
 @rule(
     "port-clash",
     "error",
-    "No two listeners on one host share a port (HTTP, VLLM_PORT, side channel per DP rank, "
-    "bootstrap, rpc, proxy, sshd).",
+    "No two listeners on one host share a port (HTTP, VLLM_PORT, side channel and KV events per "
+    "DP rank, bootstrap, rpc, proxy, sshd).",
 )
 def port_clash(topo: Topology) -> Iterator[Finding]:
     for host_name, listeners in listeners_by_host(topo).items():
@@ -265,8 +266,18 @@ def port_clash(topo: Topology) -> Iterator[Finding]:
             yield (
                 listener.path,
                 f"port {listener.port} on {host_name} is used by both {other.label()} and "
-                f"{listener.label()}; give each listener its own port",
+                f"{listener.label()}; give each listener its own port{_kv_hint(other, listener)}",
             )
+
+
+def _kv_hint(*listeners: Any) -> str:
+    """Where KV-event ports come from, when one of the clashing listeners is one."""
+    if not any(li.what.startswith(KV_EVENTS) for li in listeners):
+        return ""
+    return (
+        " (KV-event ports are the engine's port + 20000 and + 21000 unless kv_events.port and "
+        "kv_events.replay_port say otherwise, each + the DP rank)"
+    )
 
 
 MAX_PORT = 65535

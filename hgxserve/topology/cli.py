@@ -20,9 +20,11 @@ from hgxserve.base.errors import ExitCode
 from hgxserve.topology import CheckResult, check_topology
 from hgxserve.topology.firewall import firewall_plan
 from hgxserve.topology.model import S3Source, Topology
+from hgxserve.topology.placement import proxy_tokenizer
 from hgxserve.topology.ports import (
     bootstrap_address,
     engine_url,
+    kv_event_endpoints,
     listeners_by_host,
     side_channel_host,
     side_channel_ports,
@@ -327,7 +329,24 @@ def _engine_ref(topo: Topology, name: str) -> dict[str, Any]:
             ref["side_channels"] = channels
         if engine.engine == "sglang" and engine.role == "prefill":
             ref["bootstrap"] = f"{bootstrap_address(topo, engine)}:{engine.kv.bootstrap_port}"
+    publishers, replays = kv_event_endpoints(topo, engine)
+    if publishers:
+        ref["kv_events"] = {"publishers": publishers, "replays": replays}
     return ref
+
+
+def _routing(topo: Topology) -> dict[str, Any]:
+    """The proxy's routing policy per route and where its tokenizer comes from."""
+    proxy = topo.proxy
+    assert proxy is not None
+    tokenizer_dir, why = proxy_tokenizer(topo)
+    return {
+        "policy": proxy.routing.policy,
+        "combined_policy": proxy.combined_route_policy,
+        "route_policies": [proxy.route_policy(r) for r in proxy.routes],
+        "tokenizer_dir": tokenizer_dir,
+        "tokenizer": why,
+    }
 
 
 def _wiring(topo: Topology) -> dict[str, Any] | None:
@@ -341,6 +360,7 @@ def _wiring(topo: Topology) -> dict[str, Any] | None:
             "kind": proxy.kind,
             "pd_min_prompt_tokens": proxy.pd_min_prompt_tokens,
             "auth": proxy.api_key is not None,
+            "routing": _routing(topo) if proxy.kind == "hgxserve" else None,
         },
         "routes": [
             {
@@ -460,10 +480,17 @@ def _wiring_text(wiring: dict[str, Any] | None) -> list[str]:
         lines.append(
             f"  prompts < {proxy['pd_min_prompt_tokens']} tokens -> combined; longer -> P/D"
         )
+    routing = proxy.get("routing")
+    if routing:
+        lines.append(f"  tokenizer: {routing['tokenizer']}")
+    if wiring["combined"] and routing:
+        lines.append(f"  combined policy {routing['combined_policy']}")
     for ref in wiring["combined"]:
         lines.append(f"  combined {ref['name']} {ref.get('url', '?')}")
+        lines += _kv_events_text(ref)
     for index, route in enumerate(wiring["routes"]):
-        lines.append(f"  route {index}")
+        policy = f" policy {routing['route_policies'][index]}" if routing else ""
+        lines.append(f"  route {index}{policy}")
         for side in ("prefill", "decode"):
             for ref in route[side]:
                 lines += _route_ref_text(side, ref)
@@ -488,7 +515,18 @@ def _route_ref_text(side: str, ref: dict[str, Any]) -> list[str]:
         )
     if "bootstrap" in ref:
         lines.append(f"              bootstrap {ref['bootstrap']}")
-    return lines
+    return lines + _kv_events_text(ref)
+
+
+def _kv_events_text(ref: dict[str, Any]) -> list[str]:
+    events = ref.get("kv_events")
+    if not events:
+        return []
+    pairs = zip(events["publishers"], events["replays"], strict=True)
+    return [
+        f"              kv events dp{rank} {pub} (replay {rep})"
+        for rank, (pub, rep) in enumerate(pairs)
+    ]
 
 
 def _fit_text(data: dict[str, Any]) -> list[str]:

@@ -13,6 +13,7 @@ Who reaches what:
   engine's P/D peers, the Prometheus host and the controller (its address as the hosts see it,
   which the deploy adds: not part of the release, so `hgxserve render` and status agree);
 - a NIXL side channel, an SGLang bootstrap server: the P/D peers' hosts;
+- a KV-event publisher and its replay listener: the proxy's host (it subscribes and replays);
 - VLLM_PORT, the multi-node RPC/dist-init port, the watcher: the engine's own hosts;
 - node/dcgm exporters: the Prometheus host;
 - every filtered listener: the engine's own hosts and `firewall.allow`.
@@ -31,7 +32,7 @@ from typing import Any
 
 from hgxserve.base.errors import HgxserveError
 from hgxserve.topology.model import Topology, is_loopback
-from hgxserve.topology.ports import Listener, listeners_by_host, pd_peers
+from hgxserve.topology.ports import KV_EVENTS, Listener, listeners_by_host, pd_peers
 
 UNFILTERED_OWNERS = ("sshd", "proxy", "prometheus")
 EXPORTERS = ("node-exporter", "dcgm-exporter")
@@ -98,6 +99,8 @@ def _engine_reachers(topo: Topology, listener: Listener) -> dict[str, str]:
         for peer in peers:
             for host in peer.place:
                 who.setdefault(host, f"P/D peer {peer.name}")
+    if listener.what.startswith(KV_EVENTS) and topo.proxy is not None:
+        who.setdefault(topo.proxy.host, "proxy")
     if listener.what == HTTP_API:
         proxy = topo.proxy
         if proxy is not None:

@@ -36,6 +36,8 @@ KvConnector = Literal["nixl", "mooncake"]
 KvFailurePolicy = Literal["fail", "recompute"]
 KvBufferDevice = Literal["cuda", "cpu"]
 ProxyKind = Literal["hgxserve", "vllm-router", "sglang-router"]
+RoutingPolicy = Literal["least-outstanding", "approximate", "kv-events"]
+TokenizerSource = Literal["weights", "none"]
 Addressing = Literal["virtual", "path", "auto"]
 CacheMode = Literal["off", "restore", "bake", "auto"]
 CacheDistribute = Literal["controller", "s3"]
@@ -235,6 +237,15 @@ class KvTransfer:
 
 
 @dataclass(frozen=True)
+class KvEventsPorts:
+    """`kv_events:` as written: the publisher's and the replay listener's base ports (None: the
+    default hgxserve.topology.ports derives from the engine's port)."""
+
+    port: int | None = None
+    replay_port: int | None = None
+
+
+@dataclass(frozen=True)
 class Engine:
     """One engine instance: one OpenAI API endpoint, on one or several hosts."""
 
@@ -259,6 +270,7 @@ class Engine:
     env: dict[str, str]
     secret_env: dict[str, SecretRef]
     start_timeout_s: int  # TimeoutStartSec= and the release's health wait
+    kv_events: KvEventsPorts = field(default_factory=KvEventsPorts)
 
     @property
     def hosts(self) -> list[str]:
@@ -327,6 +339,34 @@ class Engine:
 class Route:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
+    policy: RoutingPolicy | None = None  # None: proxy.routing.policy
+
+
+@dataclass(frozen=True)
+class Routing:
+    """`proxy.routing:`: the hgxserve proxy's routing policy and bounds; each default is the
+    schema's (`Routing.parse({})`), written there once."""
+
+    policy: RoutingPolicy
+    tokenizer: TokenizerSource
+    inflight_token_weight: float
+    sticky_max_wait_ratio: float
+    pd_remote_prefill_min_uncached_tokens: int
+    pair_max_inflight_tokens: int
+    combined_max_inflight_tokens: int
+    approx_ttl_s: float
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> Routing:
+        return cls(**_defaulted(data, "routing", ROUTING_KEYS))
+
+
+# the keys of `proxy.routing`, in the order proxy.json writes them
+ROUTING_KEYS = (
+    "policy tokenizer inflight_token_weight sticky_max_wait_ratio "
+    "pd_remote_prefill_min_uncached_tokens pair_max_inflight_tokens "
+    "combined_max_inflight_tokens approx_ttl_s"
+)
 
 
 @dataclass(frozen=True)
@@ -346,6 +386,17 @@ class Proxy:
     drain_tpot_ms: float = 40.0  # the schema's defaults; _proxy reads them from there
     drain_max_s: float = 900.0
     metrics_key: SecretRef | None = None  # GET /metrics wants it (proxy.auth.metrics_key)
+    routing: Routing = field(default_factory=lambda: Routing.parse({}))
+    combined_policy: RoutingPolicy | None = None  # None: routing.policy
+
+    def route_policy(self, route: Route) -> RoutingPolicy:
+        """The policy of one P/D route: its own, else `routing.policy`."""
+        return route.policy or self.routing.policy
+
+    @property
+    def combined_route_policy(self) -> RoutingPolicy:
+        """The policy of the combined engines: `combined_policy`, else `routing.policy`."""
+        return self.combined_policy or self.routing.policy
 
 
 @dataclass(frozen=True)
@@ -663,6 +714,7 @@ def _engine(name: str, data: dict[str, Any]) -> Engine:
         extra_args=tuple(data.get("extra_args", ())),
         env={k: _env_text(v) for k, v in data.get("env", {}).items()},
         secret_env={k: SecretRef.parse(v) for k, v in data.get("secret_env", {}).items()},
+        kv_events=KvEventsPorts(**data.get("kv_events", {})),
     )
 
 
@@ -684,7 +736,8 @@ def _proxy(data: dict[str, Any] | None) -> Proxy | None:
         listen_port=int(port),
         kind=_get(data, "proxy", "kind"),
         routes=tuple(
-            Route(tuple(r["prefill"]), tuple(r["decode"])) for r in data.get("routes", ())
+            Route(tuple(r["prefill"]), tuple(r["decode"]), r.get("policy"))
+            for r in data.get("routes", ())
         ),
         combined=tuple(data.get("combined", ())),
         pd_min_prompt_tokens=_get(data, "proxy", "pd_min_prompt_tokens"),
@@ -700,6 +753,8 @@ def _proxy(data: dict[str, Any] | None) -> Proxy | None:
         metrics_key=(
             SecretRef.parse(auth["metrics_key"]) if auth and "metrics_key" in auth else None
         ),
+        routing=Routing.parse(data.get("routing", {})),
+        combined_policy=data.get("combined_policy"),
     )
 
 

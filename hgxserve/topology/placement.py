@@ -56,3 +56,24 @@ def pin_digest(topo: Topology, digest: str | None) -> Topology:
     if not digest or digest == topo.model.digest:
         return topo
     return dataclasses.replace(topo, model=dataclasses.replace(topo.model, digest=digest))
+
+
+def proxy_tokenizer(topo: Topology) -> tuple[str | None, str]:
+    """(the directory the hgxserve proxy loads tokenizer.json and the chat template from, or None
+    for the approximate character index; why).
+
+    The weights are on the hosts that run an engine (the weights stage verifies them there
+    before any engine starts), so the proxy reads them where it runs beside an engine.
+    """
+    proxy = topo.proxy
+    if proxy is None:
+        return None, "no proxy"
+    if proxy.routing.tokenizer == "none":
+        return None, "proxy.routing.tokenizer is none: approximate character index"
+    if not topo.engines_on(proxy.host):
+        return None, (
+            f"the proxy host {proxy.host} runs no engine, so it holds no weights to read the "
+            "tokenizer from: approximate character index"
+        )
+    tree = serving_tree(topo.model)[0]
+    return tree, f"the model's tokenizer from the weights on {proxy.host} ({tree})"

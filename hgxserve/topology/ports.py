@@ -10,6 +10,11 @@ port and address each listener uses, so the scheme is written once:
 - SGLang disaggregation bootstrap (`kv.bootstrap_port`): on the prefill engine's head host,
   bound to the engine's `--host` like its HTTP API (SGLang's CommonKVBootstrapServer takes
   `server_args.host`), so an SGLang prefill with a decode on another host never binds loopback;
+- KV-event publisher and replay listener (`kv_events.port`, `kv_events.replay_port`; default the
+  engine's port + 20000 and + 21000): one of each per DP rank, `port + rank`, on the host that runs
+  the rank, for every engine the hgxserve proxy routes with policy kv-events (vLLM's
+  ZmqEventPublisher offsets both endpoints by the DP rank; SGLang's by the attention-DP rank, which
+  is 0 for every replica without --enable-dp-attention);
 - multi-node coordination (`rpc_port`): on the head of engines that span hosts;
 - the watcher of an engine that spans hosts (`watch_port`): on each of its hosts;
 - proxy: `proxy.listen` on the proxy host;
@@ -21,12 +26,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hgxserve.topology.model import Engine, Topology, Warmup, is_loopback
+from hgxserve.topology.model import Engine, RoutingPolicy, Topology, Warmup, is_loopback
 from hgxserve.topology.problems import JsonPath
 
 ANY_ADDRESS = "0.0.0.0"
+# Default KV-event ports: the engine's port plus these (minus, where that would pass 65535). The
+# offsets keep every engine's range clear of the ports hgxserve already uses (sshd, the engines'
+# 8000-9999 and 30000 APIs, VLLM_PORT 20000/30000, side channels 5600, rpc/watch 13345/13346,
+# exporters 9100/9400), and 1000 apart so a DP 8 engine's publishers never reach its replays.
+KV_EVENTS_PORT_OFFSET = 20000
+KV_EVENTS_REPLAY_OFFSET = 21000
+KV_EVENTS = "KV events"
+KV_EVENTS_REPLAY = "KV events replay"
 LOCALHOST = "127.0.0.1"
 UNSPECIFIED = (ANY_ADDRESS, "::")
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -256,6 +270,120 @@ def uses_nixl_side_channel(engine: Engine) -> bool:
     return engine.engine == "vllm" and engine.kv is not None and engine.kv.connector == "nixl"
 
 
+def engine_policies(topo: Topology, engine: Engine) -> set[RoutingPolicy]:
+    """The routing policies of the proxy routes that reach `engine` (its P/D routes' policies,
+    and the combined policy when it is a combined engine); empty when no proxy routes to it."""
+    proxy = topo.proxy
+    if proxy is None:
+        return set()
+    out: set[RoutingPolicy] = set()
+    for route in proxy.routes:
+        if engine.name in (*route.prefill, *route.decode):
+            out.add(proxy.route_policy(route))
+    if engine.name in proxy.combined:
+        out.add(proxy.combined_route_policy)
+    return out
+
+
+def publishes_kv_events(topo: Topology, engine: Engine) -> bool:
+    """True when `engine` publishes KV events: hgxserve's own proxy routes to it with policy
+    kv-events (vllm-router and sglang-router never read them)."""
+    proxy = topo.proxy
+    return (
+        proxy is not None
+        and proxy.kind == "hgxserve"
+        and engine.engine in ("vllm", "sglang")
+        and "kv-events" in engine_policies(topo, engine)
+    )
+
+
+def _derived_port(base: int, offset: int, ranks: int) -> int:
+    """`base + offset`, or `base - offset` where `ranks` ports from there would pass 65535."""
+    return base + offset if base + offset + ranks - 1 <= MAX_PORT else base - offset
+
+
+def kv_events_base_ports(engine: Engine) -> tuple[int, int]:
+    """(publisher, replay) base ports: as written, else derived from the engine's port."""
+    written = engine.kv_events
+    port = written.port or _derived_port(engine.port, KV_EVENTS_PORT_OFFSET, engine.dp)
+    replay = written.replay_port or _derived_port(engine.port, KV_EVENTS_REPLAY_OFFSET, engine.dp)
+    return port, replay
+
+
+def kv_event_ranks(engine: Engine, host: str) -> list[int]:
+    """The port offsets of the KV-event publishers `engine` opens on `host`: its DP ranks there
+    (vLLM, SGLang with DP attention); SGLang without DP attention publishes from each replica
+    at offset 0, on the head (rule kv-events-sglang-dp refuses DP 2 or more)."""
+    if engine.engine == "sglang" and not engine.dp_attention:
+        return [0] if host == engine.head else []
+    return list(engine.dp_ranks_on(host))
+
+
+def kv_events_bind(topo: Topology, engine: Engine, host: str) -> str:
+    """Address the replay listener binds on `host`: the HTTP API's bind on the head of a
+    single-host engine (loopback beside the proxy), else every address. The publisher always
+    binds every address: vLLM and SGLang bind a PUB endpoint only when it is a wildcard
+    (`tcp://*:port`) and connect to any other, so the firewall is what guards it."""
+    if host == engine.head and not engine.is_multi_node:
+        return engine_bind(topo, engine)
+    return ANY_ADDRESS
+
+
+def kv_event_listeners(topo: Topology, engine: Engine, host: str) -> list[Listener]:
+    """The publisher and replay listener of each DP rank of `engine` on `host` (none when the
+    engine does not publish)."""
+    if not publishes_kv_events(topo, engine):
+        return []
+    port, replay = kv_events_base_ports(engine)
+    out = []
+    for rank in kv_event_ranks(engine, host):
+        out.append(
+            Listener(
+                port + rank,
+                ANY_ADDRESS,
+                engine.name,
+                f"{KV_EVENTS} (dp rank {rank})",
+                host,
+                setting_path(topo, engine.name, "kv_events", "port"),
+            )
+        )
+        out.append(
+            Listener(
+                replay + rank,
+                kv_events_bind(topo, engine, host),
+                engine.name,
+                f"{KV_EVENTS_REPLAY} (dp rank {rank})",
+                host,
+                setting_path(topo, engine.name, "kv_events", "replay_port"),
+            )
+        )
+    return out
+
+
+def kv_event_endpoints(topo: Topology, engine: Engine) -> tuple[list[str], list[str]]:
+    """(publisher, replay) ZMQ endpoints of every DP rank, in rank order, as the proxy's host
+    dials them; empty when the engine does not publish."""
+    if not publishes_kv_events(topo, engine):
+        return [], []
+    proxy = topo.proxy
+    assert proxy is not None
+    port, replay = kv_events_base_ports(engine)
+    found: list[tuple[int, str, str]] = []
+    for host in engine.hosts:
+        for rank in kv_event_ranks(engine, host):
+            pub = reach_address(topo, host, ANY_ADDRESS, proxy.host)
+            rep = reach_address(topo, host, kv_events_bind(topo, engine, host), proxy.host)
+            found.append((rank, _tcp(pub, port + rank), _tcp(rep, replay + rank)))
+    found.sort()
+    return [f[1] for f in found], [f[2] for f in found]
+
+
+def _tcp(address: str, port: int) -> str:
+    if ":" in address:
+        address = f"[{address}]"
+    return f"tcp://{address}:{port}"
+
+
 def engine_listeners(topo: Topology, engine: Engine) -> list[Listener]:
     """Every listener of one engine, over all its hosts."""
     name = engine.name
@@ -294,6 +422,7 @@ def engine_listeners(topo: Topology, engine: Engine) -> list[Listener]:
                     setting_path(topo, name, "kv", "side_channel", "port"),
                 )
             )
+        out += kv_event_listeners(topo, engine, host)
     if binds_bootstrap(engine):
         assert engine.kv is not None
         out.append(

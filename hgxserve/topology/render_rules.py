@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from hgxserve.topology.model import Engine, Proxy, Topology
-from hgxserve.topology.ports import setting_path
+from hgxserve.topology.ports import publishes_kv_events, setting_path
 from hgxserve.topology.registry import ROUTERS, Finding, engine_rule, proxy_rule, rule
 from hgxserve.topology.wiring import (
     ENGINE_KEY_VAR,
@@ -158,3 +158,45 @@ def credential_names(topo: Topology) -> Iterator[Finding]:
                 "would read the other's secret; rename one (a different variable, or a "
                 "credential: reference with its own name)",
             )
+
+
+def _publishes(topo: Topology, engine: Engine) -> bool:
+    return publishes_kv_events(topo, engine)
+
+
+@engine_rule(
+    "kv-events-prefix-cache",
+    "error",
+    "An engine routed with policy kv-events keeps its prefix cache on (its KV events report the "
+    "cached blocks; with the cache off there are none).",
+    when=_publishes,
+)
+def kv_events_prefix_cache(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.args.get("enable_prefix_caching") is False:
+        off = "--no-enable-prefix-caching" if engine.engine == "vllm" else "--disable-radix-cache"
+        yield (
+            setting_path(topo, engine.name, "args", "enable_prefix_caching"),
+            f"{engine.name} is routed with policy kv-events but renders {off}: an engine "
+            "without a prefix cache stores no blocks and publishes no events to route by; "
+            "drop enable_prefix_caching: false, or give its route policy approximate or "
+            "least-outstanding (proxy.routes[].policy, proxy.combined_policy)",
+        )
+
+
+@engine_rule(
+    "kv-events-sglang-dp",
+    "error",
+    "An SGLang engine routed with policy kv-events runs DP 2 or more only with DP attention "
+    "(SGLang offsets its KV-event ports by the attention-DP rank, 0 for every plain DP replica).",
+    engine="sglang",
+    when=_publishes,
+)
+def kv_events_sglang_dp(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if engine.dp >= 2 and not engine.dp_attention:
+        yield (
+            setting_path(topo, engine.name, "dp"),
+            f"{engine.name}: SGLang offsets each KV-event port by the attention-DP rank, which "
+            f"is 0 for all {engine.dp} replicas without enable_dp_attention, so they would all "
+            "bind one port; set args.enable_dp_attention: true, or give its route policy "
+            "approximate or least-outstanding",
+        )

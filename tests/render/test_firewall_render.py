@@ -44,19 +44,39 @@ def test_pd_prefill_port_reaches_its_peer_and_the_proxy_only() -> None:
     assert accepts(text) == {
         8100: {"10.77.0.11", "10.77.0.12", "10.77.0.13"},  # own, decode-0's host, proxy/gate
         5600: {"10.77.0.11", "10.77.0.12"},  # the side channel: own host and the decode's only
+        28100: {"10.77.0.11", "10.77.0.13"},  # KV events: own host and the proxy's
+        29100: {"10.77.0.11", "10.77.0.13"},  # their replay listener, the same
     }
-    assert dropped(text) == [8100, 5600]
+    assert dropped(text) == [8100, 5600, 28100, 29100]
+    assert "tcp dport 28100 ip saddr @controller_v4" not in text
     assert "tcp dport 8100 ip saddr @controller_v4 accept" in text  # HTTP API only
     assert "tcp dport 5600 ip saddr @controller_v4" not in text
     assert 'iifname "lo" accept' in text and "policy accept;" in text
     assert "dport 22" not in text and "dport 8000" not in text  # sshd, the proxy: untouched
 
 
-def test_the_proxy_host_with_only_loopback_engines_gets_no_table() -> None:
-    topo = topology("demo/demo-pd.yml")
-    assert render_firewall(topo, "hgx-c") is None  # combined-0 listens on loopback
+def test_the_proxy_host_with_only_loopback_engines_gets_no_table(tmp_path: Path) -> None:
+    # combined-0 listens on loopback; with policy least-outstanding it publishes no KV events
+    path = _variant(tmp_path, "")
+    path.write_text(
+        path.read_text().replace(
+            "combined: [combined-0]",
+            "combined: [combined-0]\n  routing: {policy: least-outstanding}",
+        )
+    )
+    topo = load_topology(path)
+    assert render_firewall(topo, "hgx-c") is None
     assert FIREWALL_FILE not in render_host(topo, "hgx-c").files
     assert FIREWALL_FILE in render_host(topo, "hgx-a").files
+
+
+def test_a_kv_event_publisher_beside_the_proxy_is_filtered_to_its_host() -> None:
+    # the engines bind a PUB endpoint only as a wildcard: the proxy dials it on loopback
+    # (always accepted), every other host is dropped
+    text = render_firewall(topology("demo/demo-pd.yml"), "hgx-c")
+    assert text is not None
+    assert accepts(text) == {28300: {"10.77.0.13"}}
+    assert dropped(text) == [28300]  # the replay listener binds loopback like the API
 
 
 def test_sglang_bootstrap_reaches_the_decode_only() -> None:
@@ -79,7 +99,8 @@ def test_multi_node_rpc_and_watcher_reach_the_engine_hosts_only() -> None:
 def test_combined_single_host_filters_vllm_port_to_the_host_itself() -> None:
     text = render_firewall(topology("h20-v4flash-tp8.yml"), "h20-a")
     assert text is not None
-    assert accepts(text) == {20000: {"10.0.0.11"}}  # VLLM_PORT binds 0.0.0.0
+    # VLLM_PORT and the KV-event publisher bind 0.0.0.0; the proxy is on the same host
+    assert accepts(text) == {20000: {"10.0.0.11"}, 28100: {"10.0.0.11"}}
 
 
 def test_every_filtered_port_comes_from_the_port_plan_and_no_fabric_port_is_dropped() -> None:

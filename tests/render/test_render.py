@@ -174,8 +174,16 @@ def test_proxy_urls_cross_host_and_loopback():
     topo = topology("seed000-2p1d-multinode.yml")
     config = json.loads(render_host(topo, "h200-c").files["/etc/hgxserve/proxy.json"].content)
     group = config["pd_groups"][0]
-    assert group["prefill"] == [{"url": "http://10.0.1.11:8100"}]  # head on another host
-    assert group["decode"] == [{"url": "http://127.0.0.1:8200"}]  # same host as the proxy
+    assert [e["url"] for e in group["prefill"]] == ["http://10.0.1.11:8100"]  # another host
+    assert [e["url"] for e in group["decode"]] == ["http://127.0.0.1:8200"]  # the proxy's host
+    # KV events: one publisher and replay per DP rank (8), each on the host running the rank
+    events = group["prefill"][0]["kv_events"]
+    assert events["publishers"] == [
+        *(f"tcp://10.0.1.11:{28100 + r}" for r in range(4)),
+        *(f"tcp://10.0.1.12:{28100 + r}" for r in range(4, 8)),
+    ]
+    assert events["replays"] == [p.replace(":281", ":291") for p in events["publishers"]]
+    assert group["decode"][0]["kv_events"]["publishers"][0] == "tcp://127.0.0.1:28200"
 
 
 def test_container_runtime_podman_cdi_and_env_by_name():

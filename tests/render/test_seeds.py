@@ -53,8 +53,16 @@ def test_seed003_tp8_combined():
         ("--port", "8100"),
         ("--max-num-seqs", "16"),  # seed 003 §5: "explicitly set --max-num-seqs"
         ("--distributed-executor-backend", "mp"),  # seed 003 §11.3
+        # the proxy routes it with policy kv-events (the default): the engine publishes
+        ("--kv-events-config", KV_EVENTS.format(port=28100, replay="127.0.0.1:29100")),
     }
     assert u.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+
+
+KV_EVENTS = (
+    '{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{port}",'
+    '"replay_endpoint":"tcp://{replay}","topic":"kv-events"}}'
+)
 
 
 PD_COMMON = [
@@ -75,6 +83,7 @@ def test_seed003_pd_prefill_and_decode():
         "prefill-0": ("8100", "kv_producer", "0,1,2,3", "20000", "5559"),
         "decode-0": ("8200", "kv_consumer", "4,5,6,7", "30000", "5659"),
     }
+    port_offset = 20000  # KV events: the engine's port + 20000, replay + 21000, beside the API
     for name, (port, role, gpus, vllm_port, side_port) in cases.items():
         u = unit(topo, "h20-a", name)
         seed = [
@@ -84,7 +93,13 @@ def test_seed003_pd_prefill_and_decode():
         ]  # fmt: skip
         ours = flag_pairs(u.argv)
         assert set(flag_pairs(seed)) - set(ours) == set()
-        assert set(ours) - set(flag_pairs(seed)) == {("--distributed-executor-backend", "mp")}
+        events = KV_EVENTS.format(
+            port=int(port) + port_offset, replay=f"127.0.0.1:{int(port) + port_offset + 1000}"
+        )
+        assert set(ours) - set(flag_pairs(seed)) == {
+            ("--distributed-executor-backend", "mp"),
+            ("--kv-events-config", events),
+        }
         # the env of seed 003 §9.2, exactly
         for var, value in {
             "CUDA_VISIBLE_DEVICES": gpus,

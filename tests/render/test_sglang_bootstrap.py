@@ -54,16 +54,29 @@ def test_cross_host_prefill_beside_the_proxy_binds_where_the_decode_reaches() ->
     assert _sockets(topo, "h20-a", "prefill-0") == {
         "HTTP API": "0.0.0.0",
         "SGLang bootstrap": "0.0.0.0",
+        "KV events (dp rank 0)": "0.0.0.0",
+        "KV events replay (dp rank 0)": "0.0.0.0",  # where the HTTP API binds
     }
     shown = build_plan(topo)["hosts"]["h20-a"]["listeners"]
     assert {(li["port"], li["bind"]) for li in shown if li["owner"] == "prefill-0"} == {
         (30000, "0.0.0.0"),
         (8998, "0.0.0.0"),
+        (50000, "0.0.0.0"),
+        (51000, "0.0.0.0"),
     }
     # the proxy beside it still dials loopback; the decode on h20-b gets the host's address
     config = json.loads(render_host(topo, "h20-a").files["/etc/hgxserve/proxy.json"].content)
     assert config["pd_groups"][0]["prefill"] == [
-        {"url": "http://127.0.0.1:30000", "bootstrap_host": "10.0.0.11", "bootstrap_port": 8998}
+        {
+            "url": "http://127.0.0.1:30000",
+            "kv_events": {
+                "publishers": ["tcp://127.0.0.1:50000"],
+                "replays": ["tcp://127.0.0.1:51000"],
+                "topic": "kv-events",
+            },
+            "bootstrap_host": "10.0.0.11",
+            "bootstrap_port": 8998,
+        }
     ]
     assert bootstrap_address(topo, prefill) == "10.0.0.11"
 
@@ -77,6 +90,8 @@ def test_same_host_pd_stays_on_loopback_and_hands_out_loopback(tmp_path: Path) -
     assert _sockets(topo, "h-a", "prefill-0") == {
         "HTTP API": "127.0.0.1",
         "SGLang bootstrap": "127.0.0.1",
+        "KV events (dp rank 0)": "0.0.0.0",  # SGLang binds a PUB endpoint only as a wildcard
+        "KV events replay (dp rank 0)": "127.0.0.1",
     }
     # a loopback-bound bootstrap server answers only on loopback: that is what the decode dials
     config = json.loads(render_host(topo, "h-a").files["/etc/hgxserve/proxy.json"].content)

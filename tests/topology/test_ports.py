@@ -36,9 +36,15 @@ def test_same_host_pd_listeners() -> None:
         (8100, "127.0.0.1", "prefill-0", "HTTP API"),
         (20000, "0.0.0.0", "prefill-0", "VLLM_PORT"),
         (5559, "127.0.0.1", "prefill-0", "NIXL side channel (dp rank 0)"),
+        # KV events (policy kv-events, the default): the publisher binds every address (the
+        # engines bind only a wildcard PUB endpoint), the replay listener beside the API
+        (28100, "0.0.0.0", "prefill-0", "KV events (dp rank 0)"),
+        (29100, "127.0.0.1", "prefill-0", "KV events replay (dp rank 0)"),
         (8200, "127.0.0.1", "decode-0", "HTTP API"),
         (30000, "0.0.0.0", "decode-0", "VLLM_PORT"),
         (5659, "127.0.0.1", "decode-0", "NIXL side channel (dp rank 0)"),
+        (28200, "0.0.0.0", "decode-0", "KV events (dp rank 0)"),
+        (29200, "127.0.0.1", "decode-0", "KV events replay (dp rank 0)"),
     ]
 
 
@@ -60,6 +66,8 @@ def test_multi_host_dp_side_channels_are_base_plus_rank_per_host() -> None:
         5605,
         5606,
         5607,
+        # KV events of DP ranks 4-7, publisher and replay, each base + rank on this host
+        *(p for rank in range(4, 8) for p in (28200 + rank, 29200 + rank)),
         13346,  # the engine's watcher, on every host of a multi-node engine
     ]
 
