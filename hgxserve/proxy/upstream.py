@@ -37,8 +37,12 @@ from urllib.parse import urlsplit
 from hgxserve.base.compat import timeout
 
 MAX_HEAD_BYTES = 64 * 1024
-# stop reading from the engine while this much answer waits for a slow client
-PAUSE_BYTES = 1024 * 1024
+# Stop reading from the engine while this much answer waits for a slow client. With its
+# transport buffer it is what a stalled stream holds in the proxy (the soak benchmark,
+# --scenario stalled): 1.36 MiB of RSS per stream at 1 MiB (~2.7 GiB at max_in_flight), about
+# 0.8 MiB at 256 KiB. A streamed answer is a few KB a second, so only a client far behind
+# fills it; 256 KiB streamed as fast as 1 MiB (docs/proxy.md "CPU per request").
+PAUSE_BYTES = 256 * 1024
 
 
 CONNECT_FAILURES = ("ClientConnectorError", "ConnectionTimeoutError")
