@@ -357,6 +357,8 @@ def answer_whole(call: Call, status: int, ctype: str, body: bytes) -> web.Stream
     transport = request.transport
     if (
         transport is None
+        or status < 200
+        or status in (204, 304)  # (answers without a body: aiohttp drops what an engine sent)
         or transport.get_write_buffer_size()
         or request.version != HttpVersion11
         or not request.keep_alive
