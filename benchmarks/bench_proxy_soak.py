@@ -210,10 +210,11 @@ async def soak(url: str, port: int, args: argparse.Namespace, pid: int) -> dict[
 
 NORMAL_ADDR, STALLED_ADDR, HOLDER_ADDR = "127.0.0.1", "127.0.0.2", "127.0.0.3"
 # What one stalled stream may hold in the proxy: the engine's answer it queues before it stops
-# reading from the engine (hgxserve.proxy.upstream.PAUSE_BYTES, 1 MiB), the client transport's
+# reading from the engine (hgxserve.proxy.upstream.PAUSE_BYTES, 256 KiB), the client transport's
 # buffer (64 KiB high water, plus up to 64 KiB aiohttp writes between drains) and the objects
-# of the queued chunks; measured 1.36 MiB per stream (50 streams, 2-core dev machine).
-STREAM_MIB = 1.5
+# of the queued chunks; measured 0.79 MiB per stream (100 streams, 2-core dev machine; 1.36 MiB
+# when PAUSE_BYTES was 1 MiB).
+STREAM_MIB = 1.0
 # everything else: the holder's 2048 idle connections measured 10 MiB
 OTHERS_MIB = 32.0
 STALLED_METRIC = "hgxserve_proxy_client_stalled_total"

@@ -48,8 +48,18 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-# one decoder for every request (json.loads with arguments would build one per call)
+# one decoder and one encoder for every request (json.loads/dumps with arguments build one per
+# call, which cost more than encoding a short body)
 _STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
+def compact_json(value: Any) -> bytes:
+    """`value` as compact JSON bytes (ASCII: non-ASCII text escaped, as json.dumps does).
+
+    Example: compact_json({"a": [1, 2]}) == b'{"a":[1,2]}'
+    """
+    return _COMPACT.encode(value).encode()
 
 
 def parse_body(raw: bytes) -> Any:
@@ -82,13 +92,17 @@ def strip_transfer_fields(raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict
     Example: strip_transfer_fields(b'{"kv_transfer_params":{}}', {"kv_transfer_params": {}})
              == (b'{}', {})
     """
-    if not any(_transfer_field(k) for k in body) and not _nested_transfer(body):
-        return raw, body
+    for key in body:
+        if key in TRANSFER_FIELDS or key.startswith(TRANSFER_PREFIXES):
+            break
+    else:
+        if not _nested_transfer(body):
+            return raw, body  # (the usual case: one pass over the keys, no call per key)
     clean = {k: v for k, v in body.items() if not _transfer_field(k)}
     if _nested_transfer(clean):
         xargs = {k: v for k, v in clean["vllm_xargs"].items() if not _transfer_field(k)}
         clean["vllm_xargs"] = xargs
-    return json.dumps(clean, separators=(",", ":")).encode(), clean
+    return compact_json(clean), clean
 
 
 def with_fields(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> bytes:
@@ -100,9 +114,8 @@ def with_fields(raw: bytes, body: dict[str, Any], extra: dict[str, Any]) -> byte
     Example: with_fields(b'{"a": 1}', {"a": 1}, {"b": 2}) == b'{"a": 1,"b":2}'
     """
     if body and raw.lstrip()[:1] == b"{" and not any(k in body for k in extra):
-        inner = json.dumps(extra, separators=(",", ":"))[1:-1].encode()
-        return raw[: raw.rfind(b"}")] + b"," + inner + b"}"
-    return json.dumps({**body, **extra}, separators=(",", ":")).encode()
+        return b"".join((raw[: raw.rfind(b"}")], b",", compact_json(extra)[1:]))
+    return compact_json({**body, **extra})
 
 
 def estimate_prompt_tokens(body: dict[str, Any], bytes_per_token: float) -> int:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -69,11 +70,8 @@ class Metrics:
 
     def observe_added_ttft(self, seconds: float) -> None:
         self.added_sum += seconds
-        for i, bound in enumerate(LATENCY_BUCKETS):
-            if seconds <= bound:
-                self.added_ttft[i] += 1
-                return
-        self.added_ttft[-1] += 1
+        # the first bucket whose bound is >= seconds; past the last bound, the +Inf one
+        self.added_ttft[bisect_left(LATENCY_BUCKETS, seconds)] += 1
 
     def render(self, pool: Pool) -> str:
         out: list[str] = []

@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from hgxserve.proxy.balancer import Decision, Instance
-from hgxserve.proxy.body import with_fields
+from hgxserve.proxy.body import compact_json, with_fields
 from hgxserve.proxy.frontdoor import Call
 from hgxserve.proxy.relay import RETRYABLE_STATUS, Relay, UpstreamUnavailable
 
@@ -35,10 +35,6 @@ PREFILL_KV_PARAMS = {
 }
 
 
-def _json(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
 def nixl_prefill_body(body: dict[str, Any]) -> bytes:
     """What a vLLM NIXL prefill gets: one token, not streamed, asked to keep the KV for a
     remote decode."""
@@ -47,7 +43,7 @@ def nixl_prefill_body(body: dict[str, Any]) -> bytes:
     prefill_body.pop("stream_options", None)
     prefill_body.pop("min_tokens", None)
     prefill_body["kv_transfer_params"] = PREFILL_KV_PARAMS
-    return _json(prefill_body)
+    return compact_json(prefill_body)
 
 
 def kv_transfer_params(answer: bytes) -> Any:
@@ -99,7 +95,7 @@ async def sglang(relay: Relay, call: Call, decision: Decision) -> web.StreamResp
         "bootstrap_room": random.getrandbits(63),
     }
     pd_raw = with_fields(call.raw, body, bootstrap)
-    prefill_raw = _json({**body, **bootstrap, "stream": False})
+    prefill_raw = compact_json({**body, **bootstrap, "stream": False})
     prefill_task = asyncio.create_task(_sglang_prefill(relay, call, prefill, prefill_raw))
     try:
         return await relay.relay(call, decision.target, pd_raw, 0.0, watch=prefill_task)

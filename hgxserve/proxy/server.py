@@ -21,6 +21,7 @@ import contextlib
 import logging
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,17 @@ class Proxy:
             "/health": ("GET", self.health, False),
             "/metrics": ("GET", self.metrics_page, False),
             "/v1/models": ("GET", self.models, True),
-            "/v1/completions": ("POST", self.completions, True),
-            "/v1/chat/completions": ("POST", self.chat_completions, True),
+            # (partial, not a method that awaits generate: one coroutine less on every resume)
+            "/v1/completions": (
+                "POST",
+                partial(self.generate, path="/v1/completions", endpoint="completions"),
+                True,
+            ),
+            "/v1/chat/completions": (
+                "POST",
+                partial(self.generate, path="/v1/chat/completions", endpoint="chat"),
+                True,
+            ),
         }
         self.front = front_door(routes, self.config.limits, self.metrics)
         return self.front
@@ -252,12 +262,6 @@ class Proxy:
         return web.json_response({"object": "list", "data": data})
 
     # ------------------------------------------------------------------ generation
-
-    async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
-        return await self.generate(request, "/v1/completions", "completions")
-
-    async def chat_completions(self, request: web.BaseRequest) -> web.StreamResponse:
-        return await self.generate(request, "/v1/chat/completions", "chat")
 
     async def generate(
         self, request: web.BaseRequest, path: str, endpoint: str

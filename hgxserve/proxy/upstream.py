@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import socket
 import ssl
 from collections.abc import AsyncIterator
 from typing import cast
@@ -39,8 +37,12 @@ from urllib.parse import urlsplit
 from hgxserve.base.compat import timeout
 
 MAX_HEAD_BYTES = 64 * 1024
-# stop reading from the engine while this much answer waits for a slow client
-PAUSE_BYTES = 1024 * 1024
+# Stop reading from the engine while this much answer waits for a slow client. With its
+# transport buffer it is what a stalled stream holds in the proxy (the soak benchmark,
+# --scenario stalled): 1.36 MiB of RSS per stream at 1 MiB (~2.7 GiB at max_in_flight), about
+# 0.8 MiB at 256 KiB. A streamed answer is a few KB a second, so only a client far behind
+# fills it; 256 KiB streamed as fast as 1 MiB (docs/proxy.md "CPU per request").
+PAUSE_BYTES = 256 * 1024
 
 
 CONNECT_FAILURES = ("ClientConnectorError", "ConnectionTimeoutError")
@@ -65,7 +67,7 @@ class Response:
     __slots__ = (
         "conn", "status", "headers", "keep_alive", "done", "error", "got_bytes", "_head",
         "_mode", "_left", "_cbuf", "_chunk_state", "_queue", "_queued", "_paused", "_waiter",
-        "head_ready", "_read_timeout", "_deadline", "_last", "_timer",
+        "head_ready", "_read_timeout", "_deadline", "_last", "_timed",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, read_timeout: float | None, deadline: float | None) -> None:
@@ -76,29 +78,29 @@ class Response:
         self.done = False
         self.error: BaseException | None = None
         self.got_bytes = False
-        self._head = bytearray()
+        self._head = b""
         self._mode = ""  # length | chunked | close
         self._left = 0  # body bytes left (length mode) or in the current chunk (chunked)
-        self._cbuf = bytearray()  # unparsed chunked framing
+        self._cbuf: bytearray | None = None  # unparsed chunked framing (chunked mode)
         self._chunk_state = "size"  # size | data | crlf | trailer
         self._queue: collections.deque[bytes] = collections.deque()
         self._queued = 0
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self.head_ready: asyncio.Future[None] = conn.loop.create_future()
-        # one timer per answer, re-armed only when it fires (not on every byte)
+        # the connection's timer watches the answer's time limits (`_Conn.watch`)
         self._read_timeout = read_timeout
         self._deadline = deadline
         self._last = conn.loop.time()
-        self._timer: asyncio.TimerHandle | None = None
-        if read_timeout is not None or deadline is not None:
-            self._timer = conn.loop.call_at(self._due(), self._check_time)
+        self._timed = read_timeout is not None or deadline is not None
+        if self._timed:
+            conn.watch(self._due())
 
     # ---------------------------------------------------------------- fed by the protocol
 
     def feed(self, data: bytes) -> None:
         self.got_bytes = True
-        if self._timer is not None:
+        if self._timed:
             self._last = self.conn.loop.time()
         if not self.head_ready.done():
             data = self._feed_head(data)
@@ -114,19 +116,21 @@ class Response:
     def _feed_head(self, data: bytes) -> bytes:
         """Collect the answer's head; once it is complete, the body bytes that came with it
         (b"" while it is not, or when the answer is already over)."""
-        self._head += data
-        end = self._head.find(b"\r\n\r\n")
+        if self._head:
+            data = self._head + data  # (a head usually comes whole in its first packet)
+        end = data.find(b"\r\n\r\n")
         if end < 0:
-            if len(self._head) > MAX_HEAD_BYTES:
+            self._head = data
+            if len(data) > MAX_HEAD_BYTES:
                 self.fail(UpstreamError("ClientResponseError", "answer headers too large"))
             return b""
         try:
-            self._parse_head(bytes(self._head[:end]))
+            self._parse_head(data[:end])
         except (ValueError, UnicodeDecodeError) as exc:
             self.fail(UpstreamError("ClientResponseError", f"bad answer head: {exc}"))
             return b""
-        data = bytes(self._head[end + 4 :])
-        self._head = bytearray()
+        data = data[end + 4 :]
+        self._head = b""
         self.head_ready.set_result(None)
         if self._mode == "length" and self._left == 0:
             self._finish()
@@ -161,6 +165,7 @@ class Response:
         )
         if "chunked" in headers.get("transfer-encoding", "").lower():
             self._mode = "chunked"
+            self._cbuf = bytearray()
         elif "content-length" in headers:
             self._mode = "length"
             self._left = int(headers["content-length"])
@@ -173,6 +178,7 @@ class Response:
 
     def _feed_chunked(self, data: bytes) -> None:
         buf = self._cbuf
+        assert buf is not None
         buf += data
         pos = 0
         n = len(buf)
@@ -231,7 +237,6 @@ class Response:
 
     def _finish(self) -> None:
         self.done = True
-        self._stop_timer()
         self._wake()
 
     def fail(self, exc: BaseException) -> None:
@@ -241,7 +246,6 @@ class Response:
         self.done = True
         self.error = exc
         self.keep_alive = False
-        self._stop_timer()
         if not self.head_ready.done():
             self.head_ready.set_exception(exc)
             self.head_ready.exception()  # retrieved: a caller may already have given up
@@ -264,21 +268,17 @@ class Response:
             due = min(due, self._last + self._read_timeout)
         return due
 
-    def _check_time(self) -> None:
+    def check_time(self) -> None:
+        """Fail the answer if a time limit passed; else have the connection look again when
+        the next one is due (its timer fired, for this answer or an earlier one)."""
         due = self._due()
         if self.conn.loop.time() >= due:
-            self._timer = None
             if self._deadline is not None and due >= self._deadline:
                 self.fail(TimeoutError("no complete answer in time"))
             else:
                 self.fail(TimeoutError(f"no answer byte for {self._read_timeout} s"))
         else:
-            self._timer = self.conn.loop.call_at(due, self._check_time)
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+            self.conn.watch(due)
 
     def _wake(self) -> None:
         w = self._waiter
@@ -328,7 +328,6 @@ class Response:
 
     def release(self) -> None:
         """Return the connection to the pool if the answer was read whole, else close it."""
-        self._stop_timer()
         conn = self.conn
         conn.response = None
         if self.done and self.error is None and self.keep_alive and not self._queue:
@@ -338,9 +337,18 @@ class Response:
 
 
 class _Conn(asyncio.Protocol):
-    """One TCP connection to an engine; carries one request at a time."""
+    """One TCP connection to an engine; carries one request at a time.
 
-    __slots__ = ("origin", "loop", "transport", "response", "closed", "used", "idle_since")
+    One timer per connection watches its answers' time limits, moved only when an answer is
+    due earlier than it fires: arming and cancelling a timer for every answer was a measurable
+    share of the proxy's CPU per request. A timer that fires early (for an answer already over,
+    or before the current one is due) looks at the current answer and waits again.
+    """
+
+    __slots__ = (
+        "origin", "loop", "transport", "response", "closed", "used", "idle_since", "timer",
+        "timer_due",
+    )  # fmt: skip
 
     def __init__(self, origin: _Origin) -> None:
         self.origin = origin
@@ -350,14 +358,33 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.used = False
         self.idle_since = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_due = 0.0
+
+    def watch(self, due: float) -> None:
+        """Have the timer fire at `due` (loop time), unless it already fires by then."""
+        if self.timer is not None:
+            if self.timer_due <= due:
+                return
+            self.timer.cancel()
+        self.timer_due = due
+        self.timer = self.loop.call_at(due, self._time_up)
+
+    def _time_up(self) -> None:
+        self.timer = None
+        resp = self.response
+        if resp is not None and not resp.done:
+            resp.check_time()
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports do not subclass asyncio.Transport, but have its methods
+        # uvloop's transports do not subclass asyncio.Transport, but have its methods; both
+        # loops set TCP_NODELAY on every TCP transport themselves
         self.transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         resp = self.response
@@ -372,6 +399,7 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
+        self._stop_timer()
         self.origin.drop(self)
         if self.response is not None:
             self.response.lost(exc)
@@ -379,6 +407,7 @@ class _Conn(asyncio.Protocol):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._stop_timer()
             self.origin.drop(self)
             if self.transport is not None:
                 self.transport.abort()  # the engine sees the connection end and aborts

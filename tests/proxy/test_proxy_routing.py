@@ -7,6 +7,7 @@ import re
 import socket
 import time
 from collections.abc import Callable
+from http.client import HTTPConnection
 from typing import Any
 
 import pytest
@@ -456,3 +457,48 @@ def test_unknown_path_404_wrong_method_405_with_openai_errors(engines, proxy) ->
     assert status == 405 and json.loads(body)["error"]["type"] == "invalid_request_error"
     status, body = http("POST", px.url + "/v1/completions", "a JSON string, not an object")[:2]
     assert status == 400 and "JSON object" in json.loads(body)["error"]["message"]
+
+
+def test_whole_answers_on_one_kept_alive_connection_are_complete(engines, proxy) -> None:
+    """A non-streamed answer to a keep-alive HTTP/1.1 client is written in one piece by the
+    proxy itself (not aiohttp's Response): status line, headers and body as aiohttp would send
+    them, an engine's error status kept, and the connection serving the next request; an HTTP/1.0
+    client still gets aiohttp's answer."""
+    px = proxy(nixl_config([vllm(engines, "prefill")], [vllm(engines, "decode")]))
+    conn = HTTPConnection("127.0.0.1", px.port, timeout=10)
+    asks = [
+        ({"prompt": LONG, "max_tokens": 3}, {"X-Request-Id": "trace-7"}, 200, "OK"),
+        ({"prompt": "hi", "max_tokens": 100000}, {}, 400, "Bad Request"),  # past max_model_len
+        ({"prompt": "hi", "max_tokens": 2}, {}, 200, "OK"),
+    ]
+    socks = set()
+    for body, headers, status, reason in asks:
+        conn.request("POST", "/v1/completions", json.dumps({"model": "m", **body}),
+                     {"Content-Type": "application/json", **headers})  # fmt: skip
+        resp = conn.getresponse()
+        data = resp.read()
+        socks.add(id(conn.sock))
+        assert (resp.status, resp.reason, resp.version) == (status, reason, 11), data[:200]
+        assert resp.getheader("Content-Type", "").startswith("application/json")
+        assert int(resp.getheader("Content-Length", "-1")) == len(data)
+        assert resp.getheader("Date", "").endswith(" GMT")
+        assert re.fullmatch(
+            r"[0-9a-f]{32}|trace-7\.[0-9a-f]{16}", resp.getheader("X-Request-Id", "")
+        )
+        assert resp.getheader("X-Client-Request-Id") == headers.get("X-Request-Id")
+        if status == 200:
+            assert json.loads(data)["choices"][0]["text"]
+        else:
+            assert json.loads(data)["error"]
+    assert len(socks) == 1 and conn.sock is not None  # one connection served all three
+    conn.close()
+    with socket.create_connection(("127.0.0.1", px.port), timeout=10) as sock:
+        payload = b'{"model": "m", "prompt": "hi", "max_tokens": 2}'
+        sock.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    head, _, data = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 OK") and json.loads(data)["choices"][0]["text"]
+    assert metric(px.metrics(), ROUTE, route="pd", code="2xx") == 3
