@@ -105,3 +105,28 @@ def test_a_matrix_too_large_is_refused(tmp_path: Path) -> None:
 def test_duplicate_keys_are_errors(tmp_path: Path) -> None:
     found = errors(tmp_path, "base: demo-pd.yml\nbase: demo-pd.yml\ncandidates: [demo-pd.yml]\n")
     assert any(":2:1:" in f for f in found), found
+
+
+def test_deploy_data_goes_to_pyinfra_one_argv_word_each_never_a_shell(tmp_path: Path) -> None:
+    from hgxserve.tune.loop import SITE, deploy_argv
+
+    spec = load_spec(
+        write(
+            tmp_path,
+            "base: demo-pd.yml\ncandidates: [demo-pd.yml]\n"
+            "deploy: {stages: [engines], data: {health_timeout: 900, bench_tokenizer: "
+            "'/x; rm -rf / $(reboot)', confirm: true}}\n",
+        )
+    )
+    argv = deploy_argv(spec, tmp_path / "demo-pd.yml", Path("/inv/lab.py"))
+    assert argv[1:4] == ["-y", "/inv/lab.py", str(SITE)]
+    assert argv[4:] == [
+        "--data", f"topology={(tmp_path / 'demo-pd.yml').resolve()}",
+        "--data", "stages=engines",
+        "--data", "health_timeout=900",
+        "--data", "bench_tokenizer=/x; rm -rf / $(reboot)",
+        "--data", "confirm=true",
+    ]  # fmt: skip
+    assert errors(
+        tmp_path, "base: demo-pd.yml\ncandidates: [demo-pd.yml]\ndeploy: {data: {'a b': 1}}\n"
+    )
