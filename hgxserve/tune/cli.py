@@ -86,6 +86,11 @@ def _run_dir(spec: Any, out_root: Path, resume: str | None) -> tuple[Path, dict[
     type=click.Path(dir_okay=False, exists=True),
     help="File holding the proxy's API key, for the bench.",
 )
+@click.option(
+    "--metrics-key-file",
+    type=click.Path(dir_okay=False, exists=True),
+    help="File holding the key the proxy's /metrics wants (proxy.auth.metrics_key).",
+)
 @click.option("--from", "from_host", metavar="HOST", help="Send the bench load from this host.")
 @click.option(
     "--round-timeout",
@@ -114,6 +119,7 @@ def tune(  # noqa: PLR0913 - a click command: one parameter per option
     inventory: str | None,
     tokenizer: str | None,
     api_key_file: str | None,
+    metrics_key_file: str | None,
     from_host: str | None,
     round_timeout: float,
     deploy_timeout: float,
@@ -150,6 +156,8 @@ def tune(  # noqa: PLR0913 - a click command: one parameter per option
         return
     api_key = _api_key(api_key_file)
     register_secret(api_key)
+    metrics_key = _api_key(metrics_key_file)
+    register_secret(metrics_key)
     signal.signal(signal.SIGTERM, _interrupt)
     run_dir, state = _run_dir(spec, Path(out_root), resume)
     _progress(f"tune {run_dir}")
@@ -159,6 +167,7 @@ def tune(  # noqa: PLR0913 - a click command: one parameter per option
         progress=_progress,
         tokenizer=tokenizer,
         api_key=api_key,
+        metrics_key=metrics_key,
         from_host=from_host,
         round_timeout_s=round_timeout,
         deploy_timeout_s=deploy_timeout,

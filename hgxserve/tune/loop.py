@@ -38,6 +38,7 @@ class TuneOptions:
     progress: Callable[[str], None]
     tokenizer: str | None = None
     api_key: str | None = None
+    metrics_key: str | None = None  # the proxy's /metrics key (proxy.auth.metrics_key)
     from_host: str | None = None
     round_timeout_s: float = 3600.0
     deploy_timeout_s: float = TUNE_DEPLOY_TIMEOUT_S
@@ -185,6 +186,7 @@ def bench(
         engine_urls=reach.engine_urls,
         tokenizer=opts.tokenizer,
         api_key=opts.api_key,
+        metrics_key=opts.metrics_key,
         release_id=release,
         round_timeout_s=opts.round_timeout_s,
         origin=reach.origin,
