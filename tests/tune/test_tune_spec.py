@@ -130,3 +130,31 @@ def test_deploy_data_goes_to_pyinfra_one_argv_word_each_never_a_shell(tmp_path: 
     assert errors(
         tmp_path, "base: demo-pd.yml\ncandidates: [demo-pd.yml]\ndeploy: {data: {'a b': 1}}\n"
     )
+
+
+def test_the_command_dry_run_prunes_and_estimates_without_deploying() -> None:
+    from click.testing import CliRunner
+
+    from hgxserve.tune.cli import tune
+
+    result = CliRunner().invoke(tune, [str(DEMO / "demo.tune.yaml"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "keep   demo-pd-m00 (demo-pd-m00.yml)"
+    assert "pruned demo-pd-m02 (demo-pd-m02.yml)" in lines
+    assert any("is already used by prefill-0" in line for line in lines)
+    assert any(line.startswith("estimated wall time: ") for line in lines)
+
+
+def test_the_command_exits_2_on_a_bad_spec_or_no_inventory(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hgxserve.tune.cli import tune
+
+    bad = write(tmp_path, "base: demo-pd.yml\ncandidates: [demo-pd.yml]\nleave: worst\n")
+    result = CliRunner().invoke(tune, [str(bad)])
+    assert result.exit_code == 2
+    assert f"{bad}:3:8: $.leave:" in result.output
+    bare = write(tmp_path, "base: demo-pd.yml\ncandidates: [demo-pd.yml]\n")
+    result = CliRunner().invoke(tune, [str(bare)])
+    assert result.exit_code == 2 and "no inventory" in result.output
