@@ -3,7 +3,7 @@
 A candidate is pruned when `validate` finds an error (its rules include the memory / KV-cache
 fit estimate's errors, `fit-weights` and `fit-context`) or when the fit estimate itself says an
 engine does not fit (`no-fit`, docs/fit.md) or cannot be computed (a broken model config). Every
-reason is kept, as `validate` prints it.
+reason is kept, as `validate` prints it, with the rule that found it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _fit_reasons(topo: Topology, reported: set[str]) -> tuple[list[str], list[st
 def check(path: Path) -> Checked:
     """One candidate through validate and the fit estimate."""
     result = check_topology(path)
-    reasons = [p.text() for p in result.errors]
+    reasons = [f"{p.text()} (rule {p.rule})" for p in result.errors]
     notes = [p.text() for p in result.warnings]
     if result.topology is None:
         return Checked(path, None, reasons or [f"{path}: cannot be read"], notes)
