@@ -12,7 +12,7 @@ and its bench rounds, plus the final release.
 >>> from hgxserve.bench.scenario import Scenario, Sla
 >>> sla = Sla(ttft_s=1, tpot_ms=100)
 >>> s = Scenario("x", 100, 10, concurrency=(2,), requests=4, warmup=2, sla=sla)
->>> bench_s([s]) == 12.0 + 3 * 2.0
+>>> bench_s([s]) == 20.0 + 3 * 2.0
 True
 """
 

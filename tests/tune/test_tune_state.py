@@ -120,7 +120,7 @@ def test_the_estimate_uses_a_measured_start_when_the_lab_has_one() -> None:
     scenario = Scenario("s", 100, 10, concurrency=(2,), requests=4, warmup=2, sla=Sla(1, 1, 100))
     total, lines = estimate.estimate([Topo(), Topo()], [scenario], {})
     bench = estimate.bench_s([scenario])
-    assert bench == 12.0 + 3 * 2.0
+    assert bench == 20.0 + 3 * 2.0
     assert total == 3 * 1800 + 2 * bench
     assert "start_timeout_s" in lines[1]
     observed = {"hgx-a": {"hgxserve-engine-e.service": {"start_s": 700.5}}}
