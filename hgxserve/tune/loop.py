@@ -262,26 +262,35 @@ def add_candidates(spec: TuneSpec, tune: dict[str, Any], opts: TuneOptions) -> l
     return checked
 
 
-def leave(spec: TuneSpec, tune: dict[str, Any], opts: TuneOptions) -> bool:
-    """Deploy the winner (or the baseline); record it in `final`; True when the lab is on it."""
+def final_target(spec: TuneSpec, tune: dict[str, Any]) -> dict[str, Any]:
+    """Where the lab is to be left: the winner, the baseline, or (nothing was deployed: every
+    candidate pruned) where it is; `deploy` says whether a release is needed for it."""
     records = list(tune["candidates"].values())
     winner = choose.best(records)
+    final: dict[str, Any] = {"winner": winner["name"] if winner else None}
     if spec.leave == "best" and winner is not None:
-        target, why = Path(winner["file"]), f"best candidate {winner['name']}"
+        target, why = str(Path(winner["file"])), f"best candidate {winner['name']}"
+    elif not any(r["attempts"] for r in records):
+        return {**final, "left_on": None, "why": "nothing was deployed", "deploy": False}
     else:
-        target = spec.baseline_file.resolve()
+        target = str(spec.baseline_file.resolve())
         why = "leave: baseline" if spec.leave == "baseline" else "no candidate met the SLA"
         why = f"baseline ({why})"
-    final = {"winner": winner["name"] if winner else None, "left_on": str(target), "why": why}
-    if tune.get("deployed") == str(target):
-        final.update(deployed=True, redeployed=False)
-    else:
-        ok, reason = deploy(spec, target, opts, tune, "final")
+    return {**final, "left_on": target, "why": why, "deploy": tune.get("deployed") != target}
+
+
+def leave(spec: TuneSpec, tune: dict[str, Any], opts: TuneOptions) -> bool:
+    """Deploy the winner (or the baseline); record it in `final`; True when the lab is on it."""
+    final = final_target(spec, tune)
+    if final.pop("deploy"):
+        ok, reason = deploy(spec, Path(final["left_on"]), opts, tune, "final")
         final.update(deployed=ok, redeployed=True, reason=reason or None)
-    if final["deployed"]:
+    else:
+        final.update(deployed=True, redeployed=False)
+    if final["deployed"] and final["left_on"]:
         from hgxserve.topology import load_topology
 
-        final["release"], _ = read_releases(load_topology(target), opts.inventory)
+        final["release"], _ = read_releases(load_topology(final["left_on"]), opts.inventory)
     final["finished"] = state.now()
     tune["final"] = final
     state.save(opts.run_dir, tune)

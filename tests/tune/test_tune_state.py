@@ -141,3 +141,32 @@ def test_the_report_lists_candidates_and_the_pruned_with_reasons(tmp_path: Path)
     assert "| a | 8 | a | c4 | 42.0 | 100.0 | 200.0 | 10.0 | p90 | met | PASS |" in text
     assert "  - b.yml:3:1: $.engines: too big" in text and "  - fit estimate: x" in text
     assert json.loads((tmp_path / "report.json").read_text())["final"]["winner"] == "a"
+
+
+def test_where_the_lab_is_left(tmp_path: Path) -> None:
+    from hgxserve.tune.loop import final_target
+    from hgxserve.tune.spec import TuneSpec
+
+    base = tmp_path / "base.yml"
+    spec = TuneSpec(file="t", digest="d", base=base)
+    tune = state.new_state("t", "d")
+    a = state.add_candidate(tune, "a", "/x/a.yml", gpus=8)
+    b = state.add_candidate(tune, "b", "/x/b.yml", gpus=4)
+    state.add_candidate(tune, "c", "/x/c.yml")["status"] = "pruned"
+    # every candidate pruned or not run: the lab is not touched
+    assert final_target(spec, tune) == {
+        "winner": None, "left_on": None, "why": "nothing was deployed", "deploy": False
+    }  # fmt: skip
+    a.update(attempts=1, verdict="PASS", score=10.0)
+    b.update(attempts=1, verdict="FAIL", score=50.0)
+    tune["deployed"] = "/x/b.yml"
+    best = final_target(spec, tune)
+    assert best == {"winner": "a", "left_on": "/x/a.yml", "why": "best candidate a", "deploy": True}
+    tune["deployed"] = "/x/a.yml"  # the last deploy left it running: no second release
+    assert final_target(spec, tune)["deploy"] is False
+    stay = final_target(TuneSpec(file="t", digest="d", base=base, leave="baseline"), tune)
+    assert stay["left_on"] == str(base.resolve()) and stay["why"] == "baseline (leave: baseline)"
+    assert stay["winner"] == "a" and stay["deploy"] is True
+    a["verdict"] = "FAIL"
+    none = final_target(spec, tune)
+    assert none["winner"] is None and none["why"] == "baseline (no candidate met the SLA)"
