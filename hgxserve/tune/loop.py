@@ -305,6 +305,7 @@ def run_tune(spec: TuneSpec, opts: TuneOptions, tune: dict[str, Any]) -> dict[st
             opts.progress(f"pruned {c.file}: " + "; ".join(c.reasons))
     if opts.scenarios is None:
         opts.scenarios = scenarios_of(spec)
+    tune["scenarios"] = [s.to_dict() for s in opts.scenarios[1]]
     survivors = [c for c in checked if not c.pruned]
     _, observed = _observed(survivors, opts)
     total, lines = estimate([c.topology for c in survivors], opts.scenarios[1], observed)

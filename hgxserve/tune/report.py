@@ -54,6 +54,12 @@ def markdown(tune: dict[str, Any], plots: list[Path]) -> str:
         f"- lab left on: {final.get('left_on', '-')} ({final.get('why', '-')}), "
         f"deployed: {final.get('deployed')}, release {final.get('release', '-')}",
         "- score: output tok/s per GPU, per scenario its best load point, averaged over scenarios",
+        "- scenarios: "
+        + "; ".join(
+            f"{s['name']} {s['input']}/{s['output']} SLA "
+            + ", ".join(f"{k} {v}" for k, v in (s.get("sla") or {}).items() if v is not None)
+            for s in tune.get("scenarios") or []
+        ),
         "",
         "## Candidates",
         "",
@@ -82,6 +88,20 @@ def markdown(tune: dict[str, Any], plots: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _shade_sla(ax: Any, tune: dict[str, Any]) -> None:
+    """Shade where tok/s/user meets the TPOT target, when every scenario has the same one."""
+    targets = {(s.get("sla") or {}).get("tpot_ms") for s in tune.get("scenarios") or []}
+    tpot = targets.pop() if len(targets) == 1 else None
+    if tpot is None:
+        return
+    left, right = ax.get_xlim()
+    edge = 1000.0 / float(tpot)
+    ax.axvspan(
+        edge, max(right, edge * 1.1), color="tab:green", alpha=0.08, label=f"TPOT <= {tpot:g} ms"
+    )
+    ax.set_xlim(min(left, edge * 0.9), max(right, edge * 1.1))
+
+
 def plot(tune: dict[str, Any], out_dir: Path) -> list[Path]:
     """tune.png, when matplotlib is installed; none otherwise."""
     try:
@@ -108,6 +128,7 @@ def plot(tune: dict[str, Any], out_dir: Path) -> list[Path]:
         for group, face in ((met, line.get_color()), (missed, "none")):
             if group:
                 ax.scatter(*zip(*group, strict=True), facecolors=face, edgecolors=line.get_color())
+    _shade_sla(ax, tune)
     ax.set_xlabel("output tokens/s per user (1000 / TPOT)")
     ax.set_ylabel("output tokens/s per GPU")
     ax.set_title("tune: candidates (filled: SLA met)")

@@ -136,7 +136,10 @@ def test_the_report_lists_candidates_and_the_pruned_with_reasons(tmp_path: Path)
     pruned = state.add_candidate(tune, "b", "/x/b.yml")
     pruned.update(status="pruned", reasons=["b.yml:3:1: $.engines: too big", "fit estimate: x"])
     tune["final"] = {"winner": "a", "left_on": "/x/a.yml", "why": "best", "deployed": True}
+    tune["scenarios"] = [Scenario("a", 128, 64, concurrency=(4,), sla=Sla(tpot_ms=20)).to_dict()]
     path = report.write(tmp_path, tune)
+    assert "- scenarios: a 128/64 SLA percentile 90, tpot_ms 20" in path.read_text()
+    assert (tmp_path / "tune.png").stat().st_size > 0  # matplotlib is in the dev venv
     text = path.read_text()
     assert "| a | 8 | a | c4 | 42.0 | 100.0 | 200.0 | 10.0 | p90 | met | PASS |" in text
     assert "  - b.yml:3:1: $.engines: too big" in text and "  - fit estimate: x" in text
