@@ -143,7 +143,7 @@ ENGINE_SHELL = "/usr/sbin/nologin"
 # its start_timeout_s (schema maximum 14400 s; seed 003 measured ~12-23 min), so 4 h covers both.
 # The wall-time estimate printed before a tune adds, per bench round, TUNE_ROUND_OVERHEAD_S for
 # AIPerf's start-up and the round's idle checks (measured on the test hosts, tests/e2e/test_tune.py:
-# nine rounds of 13.2-34.5 s, 9-26 s of each besides the 12 measured requests), and per
+# twelve rounds of 13.2-34.5 s, 9-26 s of each besides the 12 measured requests), and per
 # request without an SLA to bound it TUNE_REQUEST_S (seed 003 §8.4: 4096/128 at C4 took ~6 s per
 # request on 8 x H20).
 TUNE_RUNS_DIR = "tune-runs"
