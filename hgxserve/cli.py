@@ -31,6 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("hgxserve.status.cli:logs", "An engine's or the proxy's journal on all its hosts."),
     "inspect": ("hgxserve.status.host:inspect", "This host's serving state as JSON (for status)."),
     "runtime": ("hgxserve.runtime.cli:runtime", "Check the files the runtime stage shipped."),
+    "tune": (
+        "hgxserve.tune.cli:tune",
+        "Deploy candidate topologies, bench each, keep the best under the SLA.",
+    ),
     "deploy-data": ("hgxserve.deploy.cli:deploy_data", "The --data keys the deploys read."),
     "monitoring": (
         "hgxserve.monitoring.cli:monitoring",

@@ -22,6 +22,13 @@ Environment knobs (all optional):
   HGXSERVE_SIM_GPU_TOTAL_MIB   per-GPU memory used to size "used_mib" (default 143771, H200)
   HGXSERVE_SIM_TOKEN_SECONDS   time per generated token (default 0.01)
   HGXSERVE_SIM_PREFILL_SECONDS_PER_1K  local prefill time per 1000 prompt tokens (default 0.02)
+  HGXSERVE_SIM_TP_EXPONENT     SIMULATED speed by TP and role (sim_speed, sim_prefill, sim_step):
+                               per-token and prefill times are divided by TP**exponent (e.g. 0.8:
+                               TP8 is ~5.3x TP1), and the engine has one forward pass: prefills
+                               run one after the other and each decode step first waits for the
+                               prefill running, so a combined engine's TPOT stalls behind new
+                               prompts and a P/D decode (which never prefills) does not. Unset:
+                               neither applies
   HGXSERVE_SIM_LOOPBACK        address this simulated host's "localhost" means (default
                                127.0.0.1); lets one machine play several hosts: a side channel
                                advertised as localhost/127.0.0.1 resolves to this address
@@ -702,6 +709,40 @@ async def pause(conn: Conn | None, seconds: float) -> None:
         await asyncio.sleep(min(left, 0.25))
 
 
+# ------------------------------------------------ SIMULATED speed by TP and role (opt-in knob)
+
+_SIM_PREFILL_ENDS: list[float] = []  # when this engine's queued prefills end, in order
+
+
+def sim_speed(seconds: float) -> float:
+    """A step's time on this engine: seconds / TP**HGXSERVE_SIM_TP_EXPONENT (unset: seconds)."""
+    exponent = env_float("HGXSERVE_SIM_TP_EXPONENT", 0.0)
+    return seconds / STATE.tp**exponent if exponent else seconds
+
+
+async def sim_prefill(conn: Conn | None, seconds: float) -> None:
+    """A prefill; with the TP knob set it queues behind this engine's earlier prefills."""
+    if not env_float("HGXSERVE_SIM_TP_EXPONENT", 0.0):
+        await pause(conn, seconds)
+        return
+    now = time.monotonic()
+    _SIM_PREFILL_ENDS[:] = [e for e in _SIM_PREFILL_ENDS if e > now]
+    end = max([now, *_SIM_PREFILL_ENDS]) + seconds
+    _SIM_PREFILL_ENDS.append(end)
+    await pause(conn, end - time.monotonic())
+
+
+async def sim_step(conn: Conn | None, seconds: float, first: bool) -> None:
+    """A token; with the TP knob set a decode step (not the first token, which the request's
+    own prefill produces) first waits for the prefill this engine is running."""
+    if env_float("HGXSERVE_SIM_TP_EXPONENT", 0.0) and not first:
+        now = time.monotonic()
+        running = [e for e in _SIM_PREFILL_ENDS if e > now]
+        if running:
+            await pause(conn, min(running) - now)
+    await pause(conn, seconds)
+
+
 async def handle_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     conn = Conn(reader, writer)
     # as uvicorn under vLLM and SGLang: an idle keep-alive connection is closed after 5 s
@@ -1191,6 +1232,7 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
     kv_in = body.get("kv_transfer_params") or {}
     nixl = s.kv.get("kv_connector") == "NixlConnector"
     prefill_time = prompt_tokens / 1000 * env_float("HGXSERVE_SIM_PREFILL_SECONDS_PER_1K", 0.02)
+    prefill_time = sim_speed(prefill_time)
     remote_prefill = bool(
         nixl and kv_in.get("do_remote_prefill") and s.kv_role in ("kv_consumer", "kv_both")
     )
@@ -1231,7 +1273,7 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
                     return
                 entry["kv"] = "recomputed"
                 s.inc("prompt_src:local_compute", prompt_tokens)
-                await pause(conn, prefill_time)
+                await sim_prefill(conn, prefill_time)
         elif s.disagg_mode == "decode":
             if body.get("bootstrap_room") is None or not body.get("bootstrap_host"):
                 entry["status"] = 400
@@ -1254,7 +1296,7 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
             entry["kv"] = "transferred"
         else:
             s.inc("prompt_src:local_compute", prompt_tokens)
-            await pause(conn, prefill_time)
+            await sim_prefill(conn, prefill_time)
         if s.disagg_mode == "prefill":
             room = body.get("bootstrap_room")
             if room is None:
@@ -1324,7 +1366,7 @@ async def emit(
     start: float,
 ) -> None:
     """Write the answer: SSE chunks as tokens are produced, or one JSON body at the end."""
-    token_time = env_float("HGXSERVE_SIM_TOKEN_SECONDS", 0.01)
+    token_time = sim_speed(env_float("HGXSERVE_SIM_TOKEN_SECONDS", 0.01))
     created = int(time.time())
     rid = ("chatcmpl-" if chat else "cmpl-") + req_id
     obj = "chat.completion" if chat else "text_completion"
@@ -1380,7 +1422,7 @@ async def emit(
         first_at = prev = time.monotonic()
         gaps: list[float] = []
         for kind, tok in tokens:
-            await pause(conn, token_time)
+            await sim_step(conn, token_time, first)
             now = time.monotonic()
             if first:
                 STATE.ttft.observe(now - start)

@@ -145,3 +145,16 @@ INDEX_LOCK_MAX_BYTES = 1 << 20
 ENGINE_USER = "hgxserve-engine"
 ENGINE_GROUPS = ("video", "rdma")
 ENGINE_SHELL = "/usr/sbin/nologin"
+# hgxserve tune (docs/tune.md). Where its runs are kept. One candidate's deploy (the pyinfra run
+# of deploys/site.py) is bounded by TUNE_DEPLOY_TIMEOUT_S: a first sync of a 690 GB model at the
+# measured 284-350 MiB/s (docs/weights.md) takes 35-40 min, and each engine's start is bounded by
+# its start_timeout_s (schema maximum 14400 s; seed 003 measured ~12-23 min), so 4 h covers both.
+# The wall-time estimate printed before a tune adds, per bench round, TUNE_ROUND_OVERHEAD_S for
+# AIPerf's start-up and the round's idle checks (measured on the test hosts, tests/e2e/test_tune.py:
+# twelve rounds of 13.2-34.5 s, 9-26 s of each besides the 12 measured requests), and per
+# request without an SLA to bound it TUNE_REQUEST_S (seed 003 §8.4: 4096/128 at C4 took ~6 s per
+# request on 8 x H20).
+TUNE_RUNS_DIR = "tune-runs"
+TUNE_DEPLOY_TIMEOUT_S = 4 * 3600.0
+TUNE_ROUND_OVERHEAD_S = 20.0
+TUNE_REQUEST_S = 6.0

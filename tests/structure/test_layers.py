@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pyinfra operations", ("hgxserve.operations",)),
     ("status and bench", ("hgxserve.status", "hgxserve.bench")),
     ("deploy", ("hgxserve.deploy",)),  # the --data table and the stage plans
+    ("tune", ("hgxserve.tune",)),  # deploy -> bench -> compare candidate topologies
     ("command line", ("hgxserve.cli", "*.cli")),
     ("roles", ("roles",)),
     ("deploys", ("deploys",)),
