@@ -11,6 +11,9 @@ msgpack of
     BlockRemoved     = ["BlockRemoved", block_hashes, medium?, ...]
     AllBlocksCleared = ["AllBlocksCleared", ...]
 
+vLLM 0.26 and later send each event as a map instead ({"type": "BlockStored", "block_hashes":
+..., "token_ids": ..., ...}, the EventBatch still an array): both layouts are read.
+
 Replay: a DEALER sends (b"", start seq as 8 bytes) to the publisher's ROUTER; it answers
 (b"", seq, payload) for every buffered batch from that seq on, then (b"", -1 as 8 signed bytes,
 b"").
@@ -142,7 +145,38 @@ def _stored(f: list[Any]) -> Stored:
     return Stored(hashes, parent, ids, size, lora, _medium(f, 6), extra)
 
 
+# The named layout: vLLM structs without array_like (vLLM 0.26 on) arrive as maps tagged by
+# "type"; their fields in the array layout's order, so one decoder reads both.
+MAP_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": ("medium",),
+}
+
+
+def _from_map(raw: dict[Any, Any]) -> list[Any]:
+    """A map-layout event as the array layout: [tag, field, ...] (absent fields None)."""
+    tag = raw.get("type")
+    if not isinstance(tag, str) or tag not in MAP_FIELDS:
+        raise KVEventError(f"unknown event {str(tag)[:40]!r}")
+    names = MAP_FIELDS[tag]
+    if tag != "AllBlocksCleared" and "block_hashes" not in raw:
+        raise KVEventError(f"{tag} has no block_hashes")
+    return [tag, *(raw.get(name) for name in names)]
+
+
 def _event(raw: Any) -> Event:
+    if isinstance(raw, dict):
+        raw = _from_map(raw)
     if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
         raise KVEventError("an event is not a tagged array")
     tag = raw[0]

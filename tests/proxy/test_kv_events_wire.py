@@ -50,6 +50,49 @@ def test_old_and_new_layouts() -> None:
     assert isinstance(lora, Stored) and lora.lora == "adapter"
 
 
+def test_map_layout_of_newer_vllm() -> None:
+    # vLLM 0.26 on: events are maps tagged by "type" (field names, extra fields such as
+    # group_idx ignored); the EventBatch around them is still an array
+    tokens = list(range(32))
+    hashes = blocks(tokens)
+    payload = msgpack.packb(
+        [
+            2.0,
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": hashes,
+                    "parent_block_hash": None,
+                    "token_ids": tokens,
+                    "block_size": 16,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                    "extra_keys": [None, None],
+                    "group_idx": 0,
+                    "kv_cache_spec_kind": "full_attention",
+                },
+                {"type": "BlockRemoved", "block_hashes": [hashes[1]], "medium": "GPU"},
+                {"type": "AllBlocksCleared"},
+            ],
+            0,
+        ]
+    )
+    got = decode_batch(payload)
+    assert got.events == [
+        Stored(hashes, None, tokens, 16, None, "GPU", [None, None]),
+        Removed([hashes[1]], "GPU"),
+        Cleared(),
+    ]
+    for bad in ({"type": "Nope"}, {"block_hashes": [1]}, {"type": "BlockRemoved"}):
+        with pytest.raises(KVEventError):
+            decode_batch(msgpack.packb([1.0, [bad]]))
+    # a map event is checked like an array one: token ids must fill the blocks
+    short = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 2}
+    with pytest.raises(KVEventError):
+        decode_batch(msgpack.packb([1.0, [short]]))
+
+
 @pytest.mark.parametrize(
     "raw",
     [
