@@ -92,7 +92,15 @@ unexpectedly", EngineDeadError; SGLang: "Received sigquit from a child process")
 A head that dies: the worker keeps running and serves nothing, as a real worker hangs in NCCL,
 until SIGTERM.
 
-Simulated-only debug endpoint: GET /sim/requests (recent requests: id, kind, KV outcome, aborted).
+Prefix caching (docs/testbed.md "Prefix cache and KV events"): token ids are the UTF-8 bytes
+of the rendered prompt (chat: render_chat's format, which the demo model's chat_template
+renders too); full blocks are cached per DP rank with LRU eviction at the KV capacity, the
+prefill pause covers only the uncached share, and --kv-events-config publishes BlockStored /
+BlockRemoved / AllBlocksCleared over ZMQ in the real engines' msgpack format (pyzmq and
+msgpack are imported only then).
+
+Simulated-only debug endpoints: GET /sim/requests (recent requests: id, kind, KV outcome,
+aborted, cached tokens), GET /sim/kv (each DP rank's cached blocks).
 """
 
 from __future__ import annotations
