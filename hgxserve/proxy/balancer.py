@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -32,6 +33,10 @@ class Instance:
         self.name = urlsplit(endpoint.url).netloc
         self.outstanding = 0
         self.picked = 0
+        # prompt + answer-bound tokens of the requests in flight here (hgxserve.proxy.kvroute)
+        self.inflight_tokens = 0
+        # called as the instance leaves rotation (the KV indexes forget its cache)
+        self.on_eject: Callable[[Instance], None] | None = None
         self.healthy = False
         self.ok_streak = 0
         self.fail_streak = 0
@@ -50,6 +55,8 @@ class Instance:
         self.since = time.time()
         if healthy:
             self.reason = ""
+        elif self.on_eject is not None:
+            self.on_eject(self)
         return True
 
     def sort_key(self) -> tuple[int, int]:
@@ -65,9 +72,11 @@ class Instance:
 class Decision:
     """Where one request goes. `prefill` is None for a single-engine route."""
 
-    route: str  # pd | combined | fallback
+    route: str  # pd | pd-local (decode prefills itself) | combined | fallback
     target: Instance  # the engine whose answer reaches the client
     prefill: Instance | None = None
+    # why (hgxserve.proxy.kvroute): cache-hit, load, no-cache, overflow, ...; "" by length
+    reason: str = ""
 
 
 class Pool:

@@ -39,6 +39,10 @@ from hgxserve.base.errors import Found
 from hgxserve.base.sizes import parse_size
 
 PROTOCOLS = ("vllm-nixl", "sglang")
+# routing policies per route (docs/proxy.md "KV-aware routing"): today's least outstanding
+# requests, an index of the proxy's own decisions over prompt characters, or the engines' KV
+# events scored against the model's own tokens
+POLICIES = ("least-outstanding", "approximate", "kv-events")
 T = TypeVar("T")
 
 # What the topology schema states for the proxy ($defs.proxy), so a proxy.json that leaves them
@@ -51,6 +55,17 @@ MAX_BODY_BYTES = parse_size(schema_default("proxy", "max_body"))
 # the topology's one upstream timeout: the whole prefill call, and the silence between two
 # bytes of a decode/combined answer
 UPSTREAM_TIMEOUT_S = float(schema_default("proxy", "timeout_s"))
+# KV-aware routing defaults (docs/proxy.md "KV-aware routing" names the figure behind each):
+# NVIDIA Dynamo's KV router weighs uncached prefill blocks and active blocks 1:1 by default
+INFLIGHT_TOKEN_WEIGHT = 1.0
+# an engine holding the prefix may be up to twice as busy as the best other one: with n
+# engines one hot prefix then takes at most ratio / (ratio + n - 1) of the load (40 % of 4)
+STICKY_MAX_WAIT_RATIO = 2.0
+# below this many uncached tokens a decode's own prefill (tens of ms on an H100/H200) costs
+# less than a remote prefill's round trip and KV pull
+PD_REMOTE_PREFILL_MIN_UNCACHED = 512
+# multi-turn think time: a conversation's next turn within 5 minutes finds its prefix
+APPROX_TTL_S = 300.0
 
 
 def drain_bound(output_tokens: int, tpot_ms: float, cap_s: float) -> float:
@@ -91,6 +106,11 @@ def at_least(minimum: float, default: T) -> T:
     return cast(T, field(default=default, metadata={"min": minimum}))
 
 
+def one_of(choices: tuple[str, ...], default: str) -> str:
+    """A setting's default, with the values `parse_proxy_config` accepts for it."""
+    return cast(str, field(default=default, metadata={"choices": choices}))
+
+
 class ProxyConfigError(Found):
     """The proxy configuration is unreadable or invalid; the message lists every problem."""
 
@@ -102,6 +122,18 @@ class Endpoint:
     url: str
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    # the engine's KV event publishers (one per data-parallel rank), when it publishes them
+    kv_events: KVEvents | None = None
+
+
+@dataclass(frozen=True)
+class KVEvents:
+    """Where one engine publishes its KV cache events: a ZMQ PUB address and a replay (ROUTER)
+    address per data-parallel rank, in rank order (docs/proxy.md "KV-aware routing")."""
+
+    publishers: tuple[str, ...]
+    replays: tuple[str, ...] = ()
+    topic: str = "kv-events"
 
 
 @dataclass(frozen=True)
@@ -111,6 +143,8 @@ class PDGroup:
     name: str
     prefill: tuple[Endpoint, ...]
     decode: tuple[Endpoint, ...]
+    # this group's routing policy; None: $.routing.policy
+    policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +159,24 @@ class Routing:
     fallback_to_combined: bool = True
     # extra attempts on another instance, only before any byte reached the client
     max_retries: int = at_least(0, 1)
+    # KV-aware routing (docs/proxy.md "KV-aware routing" gives each default's source).
+    # least-outstanding keeps the proxy's routing as it was before KV-aware routing existed
+    policy: str = one_of(POLICIES, "least-outstanding")
+    # a directory with the model's tokenizer.json (and tokenizer_config.json's chat_template);
+    # None: requests are matched over characters (the approximate index)
+    tokenizer_dir: str | None = None
+    # score = uncached prompt tokens + this x tokens in flight on the engine
+    inflight_token_weight: float = at_least(0, INFLIGHT_TOKEN_WEIGHT)
+    # the engine holding the longest prefix keeps a request until its estimated wait passes
+    # this many times the best other engine's
+    sticky_max_wait_ratio: float = at_least(1, STICKY_MAX_WAIT_RATIO)
+    # vLLM NIXL: fewer uncached prompt tokens than this on the chosen decode: it prefills itself
+    pd_remote_prefill_min_uncached_tokens: int = at_least(0, PD_REMOTE_PREFILL_MIN_UNCACHED)
+    # overflow bounds (tokens in flight per decode / per combined engine); 0: no overflow
+    pair_max_inflight_tokens: int = at_least(0, 0)
+    combined_max_inflight_tokens: int = at_least(0, 0)
+    # how long the approximate index remembers where a prompt prefix went
+    approx_ttl_s: float = at_least(1, APPROX_TTL_S)
 
 
 @dataclass(frozen=True)
@@ -197,6 +249,8 @@ class ProxyConfig:
     upstream_api_key_file: str | None = None
     # when set, GET /metrics wants this key as a Bearer token (Prometheus, status, drains)
     metrics_key_file: str | None = None
+    # the combined engines' routing policy; None: $.routing.policy
+    combined_policy: str | None = None
 
 
 class _Checker:
@@ -224,6 +278,12 @@ class _Checker:
             return None
         return value
 
+    def choice(self, value: Any, path: str, choices: tuple[str, ...]) -> str | None:
+        if value not in choices:
+            self.fail(path, f"must be one of {', '.join(choices)}, not {value!r}")
+            return None
+        return str(value)
+
     def url(self, value: Any, path: str) -> str:
         parts = urlsplit(value) if isinstance(value, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
@@ -235,8 +295,11 @@ class _Checker:
 def _endpoint(chk: _Checker, raw: Any, path: str, sglang_prefill: bool) -> Endpoint:
     if isinstance(raw, str):
         raw = {"url": raw}
-    data = chk.obj(raw, path, {"url", "bootstrap_host", "bootstrap_port"})
+    data = chk.obj(raw, path, {"url", "bootstrap_host", "bootstrap_port", "kv_events"})
     url = chk.url(data.get("url"), f"{path}.url")
+    events = (
+        _kv_events(chk, data["kv_events"], f"{path}.kv_events") if "kv_events" in data else None
+    )
     host = data.get("bootstrap_host")
     port = data.get("bootstrap_port")
     if not sglang_prefill and (host is not None or port is not None):
@@ -247,36 +310,75 @@ def _endpoint(chk: _Checker, raw: Any, path: str, sglang_prefill: bool) -> Endpo
             port = SGLANG_BOOTSTRAP_PORT
         else:
             port = chk.number(port, f"{path}.bootstrap_port", 1, True)
-    return Endpoint(url=url, bootstrap_host=host, bootstrap_port=port)
+    return Endpoint(url=url, bootstrap_host=host, bootstrap_port=port, kv_events=events)
+
+
+def _zmq_addresses(chk: _Checker, value: Any, path: str) -> tuple[str, ...]:
+    ok = isinstance(value, list) and all(
+        isinstance(a, str) and a.startswith("tcp://") and urlsplit(a).port for a in value
+    )
+    if not ok:
+        chk.fail(path, f"must be a list of tcp://HOST:PORT addresses, not {value!r}")
+        return ()
+    return tuple(value)
+
+
+def _kv_events(chk: _Checker, raw: Any, path: str) -> KVEvents | None:
+    data = chk.obj(raw, path, {"publishers", "replays", "topic"})
+    publishers = _zmq_addresses(chk, data.get("publishers"), f"{path}.publishers")
+    if "publishers" in data and not publishers:
+        chk.fail(f"{path}.publishers", "must name at least one publisher (one per DP rank)")
+    replays = _zmq_addresses(chk, data.get("replays", []), f"{path}.replays")
+    if replays and len(replays) != len(publishers):
+        chk.fail(f"{path}.replays", "must name one replay address per publisher (DP rank)")
+    topic = data.get("topic", "kv-events")
+    if not isinstance(topic, str):
+        chk.fail(f"{path}.topic", f"must be a string, not {topic!r}")
+    if not publishers:
+        return None
+    return KVEvents(publishers=publishers, replays=replays, topic=str(topic))
 
 
 # The sections of the file, each a dataclass: its fields are the keys, with their types,
 # defaults and least values (`at_least`); a path (str) must start with /.
 SECTIONS: dict[str, type] = {"routing": Routing, "limits": Limits, "health": Health}
-TOP_KEYS = {"listen", "protocol", "served_model_name", "pd_groups", "combined", "auth", *SECTIONS}
+TOP_KEYS = {
+    "listen",
+    "protocol",
+    "served_model_name",
+    "pd_groups",
+    "combined",
+    "combined_policy",
+    "auth",
+    *SECTIONS,
+}
 AUTH_KEYS = ("api_key_file", "upstream_api_key_file", "metrics_key_file")
 
 
-def _value(chk: _Checker, value: Any, path: str, kind: type, minimum: Any) -> Any:
+def _value(chk: _Checker, value: Any, path: str, kind: Any, meta: Any) -> Any:
     """One section value, checked against its type; a number that fails is None."""
     if kind is bool:
         if not isinstance(value, bool):
             chk.fail(path, f"must be true or false, not {value!r}")
         return value
-    if kind is str:
+    if "choices" in meta:
+        return chk.choice(value, path, meta["choices"])
+    if kind is str or kind == (str | None):
+        if value is None and kind is not str:
+            return None
         if not isinstance(value, str) or not value.startswith("/"):
             chk.fail(path, f"must be a path starting with /, not {value!r}")
         return value
-    return chk.number(value, path, minimum, kind is int)
+    return chk.number(value, path, meta.get("min"), kind is int)
 
 
 def _section(chk: _Checker, top: dict[str, Any], key: str) -> Any:
     cls = SECTIONS[key]
     kinds = get_type_hints(cls)
-    minimums = {f.name: f.metadata.get("min") for f in fields(cls)}
+    metas = {f.name: f.metadata for f in fields(cls)}
     data = chk.obj(top.get(key, {}), f"$.{key}", set(kinds))
     values = {
-        name: _value(chk, data[name], f"$.{key}.{name}", kind, minimums[name])
+        name: _value(chk, data[name], f"$.{key}.{name}", kind, metas[name])
         for name, kind in kinds.items()
         if name in data
     }
@@ -302,7 +404,8 @@ def _listen(chk: _Checker, top: dict[str, Any]) -> tuple[Any, Any]:
 
 def _group(chk: _Checker, raw: Any, i: int, protocol: Any, seen: set[str]) -> PDGroup:
     path = f"$.pd_groups[{i}]"
-    g = chk.obj(raw, path, {"name", "prefill", "decode"})
+    g = chk.obj(raw, path, {"name", "prefill", "decode", "policy"})
+    policy = chk.choice(g["policy"], f"{path}.policy", POLICIES) if "policy" in g else None
     name = g.get("name", f"pd-{i}")
     if not isinstance(name, str) or name in seen:
         chk.fail(f"{path}.name", f"must be a unique string, not {name!r}")
@@ -317,7 +420,7 @@ def _group(chk: _Checker, raw: Any, i: int, protocol: Any, seen: set[str]) -> PD
         sides[side] = tuple(
             _endpoint(chk, e, f"{path}.{side}[{j}]", bootstrap) for j, e in enumerate(items)
         )
-    return PDGroup(name=str(name), prefill=sides["prefill"], decode=sides["decode"])
+    return PDGroup(name=str(name), prefill=sides["prefill"], decode=sides["decode"], policy=policy)
 
 
 def _groups(chk: _Checker, top: dict[str, Any], protocol: Any) -> list[PDGroup]:
@@ -376,6 +479,9 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
     if not groups and not combined:
         chk.fail("$", "needs at least one of pd_groups or combined: there is nowhere to route")
     routing, limits, health = (_section(chk, top, key) for key in SECTIONS)
+    combined_policy = top.get("combined_policy")
+    if combined_policy is not None:
+        combined_policy = chk.choice(combined_policy, "$.combined_policy", POLICIES)
     auth = _auth(chk, top)
     _check_together(chk, routing, limits, groups, combined)
     if chk.errors:
@@ -393,6 +499,7 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
         api_key_file=auth.get("api_key_file"),
         upstream_api_key_file=auth.get("upstream_api_key_file"),
         metrics_key_file=auth.get("metrics_key_file"),
+        combined_policy=combined_policy,
     )
 
 

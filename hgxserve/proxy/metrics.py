@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from hgxserve.base.promtext import Labels, family, histogram
@@ -51,6 +52,8 @@ class Metrics:
         self.buffered_body_bytes = 0
         self.added_ttft = [0] * (len(LATENCY_BUCKETS) + 1)
         self.added_sum = 0.0
+        # more families appended to /metrics (the router's: hgxserve.proxy.kvroute)
+        self.extra: Callable[[list[str]], None] | None = None
 
     def refuse(self, reason: str) -> None:
         _count(self.refused, reason)
@@ -86,6 +89,8 @@ class Metrics:
         )
         for name, kind, help_text, samples in self._door_families():
             family(out, name, kind, help_text, samples)
+        if self.extra is not None:
+            self.extra(out)
         return "\n".join(out) + "\n"
 
     def _route_families(self, pool: Pool) -> list[Family]:

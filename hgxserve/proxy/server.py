@@ -29,7 +29,6 @@ from aiohttp import web
 
 from hgxserve.base.defaults import DRAIN_RETRY_AFTER_S
 from hgxserve.proxy.balancer import HealthChecker, Instance, Pool
-from hgxserve.proxy.body import estimate_prompt_tokens
 from hgxserve.proxy.config import (
     ProxyConfig,
     ProxyConfigError,
@@ -50,6 +49,7 @@ from hgxserve.proxy.frontdoor import (
     front_door,
     return_large_buffers_to_the_system,
 )
+from hgxserve.proxy.kvroute import Router
 from hgxserve.proxy.metrics import Metrics
 from hgxserve.proxy.pd import dispatch
 from hgxserve.proxy.relay import Relay, UpstreamUnavailable
@@ -68,6 +68,8 @@ class Proxy:
         self.config = config
         self.pool = Pool(config)
         self.metrics = Metrics()
+        self.router = Router(config, self.pool)
+        self.metrics.extra = self.router.render
         self.api_key = read_api_key(config.api_key_file) if config.api_key_file else None
         self.upstream_key = (
             read_api_key(config.upstream_api_key_file) if config.upstream_api_key_file else None
@@ -122,6 +124,7 @@ class Proxy:
             headers=headers,
         )
         self.checker_task = asyncio.create_task(HealthChecker(self.pool, self.session).run())
+        self.router.start()
 
     async def stop_checks(self) -> None:
         if self.checker_task:
@@ -132,6 +135,7 @@ class Proxy:
 
     async def stop(self) -> None:
         await self.stop_checks()
+        await self.router.stop()
         if self.session:
             await self.session.close()
         self.upstream.close()
@@ -195,7 +199,11 @@ class Proxy:
         pool = Pool(new)
         carry_health(self.pool, pool)
         await self.stop_checks()
+        await self.router.stop()
         self.config, self.pool, self.api_key = new, pool, key
+        self.router = Router(new, pool)
+        self.metrics.extra = self.router.render
+        self.router.start()
         self.relay = Relay(self.upstream, self.metrics, new.limits)
         self.door = Admission(new.limits, self.metrics, key)
         if self.front is not None:
@@ -268,16 +276,18 @@ class Proxy:
     async def route(self, call: Call, endpoint: str) -> web.StreamResponse:
         """Route `call` to the engines the balancer picks; on a failure before any byte reached
         the client, again to others (`max_retries`)."""
-        tokens = estimate_prompt_tokens(call.body, self.config.routing.bytes_per_token)
+        router = self.router
+        plan = router.plan(call.body, endpoint)
         exclude: set[Instance] = set()
         attempts = 0
         route = "none"
         try:
             while True:
-                decision = self.pool.decide(tokens, exclude)
+                decision = router.decide(plan, exclude)
                 if decision is None:
                     return self.answered(route, endpoint, self.no_engine(tried=bool(exclude)))
                 route = decision.route
+                router.begin(decision, plan)
                 try:
                     resp = await dispatch(self.relay, self.config.protocol, call, decision)
                     return self.answered(route, endpoint, resp)
@@ -288,6 +298,8 @@ class Proxy:
                     if stop is not None:
                         return self.answered(route, endpoint, stop)
                     self.metrics.retries += 1
+                finally:
+                    router.end(decision, plan)
         except asyncio.CancelledError:
             # the client went away; cancelling here closed the upstream connections
             self.metrics.disconnects += 1

@@ -352,9 +352,10 @@ _INSTANCE_FIELDS: dict[str, tuple[str, Callable[[dict[str, str], float], Any]]] 
 
 def parse_proxy_metrics(text: str) -> dict[str, Any]:
     """The proxy's /metrics text -> instances (in rotation, why not, since, outstanding,
-    upstream errors), KV hand-offs by result, start time."""
+    upstream errors), KV hand-offs by result, routing decisions by route/reason, start time."""
     instances: dict[str, dict[str, Any]] = {}
     handoffs: dict[str, float] = {}
+    decisions: dict[str, float] = {}
     errors: dict[str, float] = {}
     started = None
     for name, labels, value in parse_samples(text):
@@ -369,6 +370,8 @@ def parse_proxy_metrics(text: str) -> dict[str, Any]:
                 entry[key] = read(labels, value)
         elif metric == "kv_handoffs_total":
             handoffs[labels.get("result", "")] = value
+        elif metric == "route_decisions_total":
+            decisions[f"{labels.get('route', '')}/{labels.get('reason', '')}"] = value
         elif metric == "upstream_errors_total" and inst:
             errors[inst] = errors.get(inst, 0.0) + value
         elif metric == "start_time_seconds":
@@ -380,6 +383,8 @@ def parse_proxy_metrics(text: str) -> dict[str, Any]:
         "started": started,
         "instances": sorted(instances.values(), key=lambda i: i["url"]),
         "kv_handoffs": {k: int(v) for k, v in sorted(handoffs.items())},
+        # routing decisions by route/reason (docs/proxy.md "KV-aware routing")
+        "decisions": {k: int(v) for k, v in sorted(decisions.items())},
     }
 
 

@@ -216,6 +216,9 @@ def _proxy_lines(report: Report, topo: Topology) -> list[str]:
     if kv or pulled:
         parts = ["hand-offs " + (", ".join(kv) or "none"), *pulled]
         lines.append("KV since start: " + "; ".join(parts))
+    decisions = proxy.get("decisions") or {}
+    if decisions:
+        lines.append("Routing since start: " + ", ".join(f"{k} {v}" for k, v in decisions.items()))
     return lines
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from hgxserve.proxy.balancer import Pool
 from hgxserve.proxy.config import parse_proxy_config
+from hgxserve.proxy.kvroute import Router
 from hgxserve.proxy.metrics import Metrics
 from hgxserve.release.store import ReleaseSpec, Store, UnitSpec
 from hgxserve.remote.inventory import InventoryError, load_inventory
@@ -62,8 +63,12 @@ def test_proxy_metrics_round_trip_rotation_reasons_and_kv_handoffs() -> None:
     metrics.kv_handoff("ok")
     metrics.kv_handoff("none")
     metrics.upstream_error(decode, "connect")
+    router = Router(config, pool)
+    metrics.extra = router.render
+    router.stats.decisions = {("pd", "length"): 5, ("pd-local", "cache-hit"): 2}
     parsed = inspect.parse_proxy_metrics(metrics.render(pool))
     assert parsed["known"] and parsed["kv_handoffs"] == {"none": 1, "ok": 2}
+    assert parsed["decisions"] == {"pd-local/cache-hit": 2, "pd/length": 5}
     by_url = {i["url"]: i for i in parsed["instances"]}
     assert by_url["http://10.0.0.1:8100"]["in_rotation"] is True
     out = by_url["http://10.0.0.2:8200"]

@@ -98,6 +98,7 @@ def healthy(topo: Any, host: str) -> dict[str, Any]:
                 for e in topo.engines.values()
             ],  # fmt: skip
             "kv_handoffs": {"ok": 4},
+            "decisions": {"combined/cache-hit": 7, "pd/load": 1},
         }
     return snap
 
@@ -125,6 +126,7 @@ def test_everything_as_the_topology_says_is_healthy(topo: Any) -> None:
     assert text.startswith("demo-pd  HEALTHY  3/3 hosts")
     assert "decode-0" in text and "PROXY hgx-c" in text and "PROBLEMS" not in text
     assert "0-3 decode-0 503/561 GiB" in text  # GPUs 0-3 held by the decode on hgx-b
+    assert "Routing since start: combined/cache-hit 7, pd/load 1" in text
 
 
 def test_stopped_decode_names_host_unit_and_proxy_ejection(topo: Any) -> None:
