@@ -184,6 +184,10 @@ def proxy_config(port: int, policy: str, tokenizer: Path, layout: dict[str, Any]
         config["routing"] = {"policy": policy}
         if policy == "kv-events":
             config["routing"]["tokenizer_dir"] = str(tokenizer)
+            if "pd_groups" in layout:
+                # the contract's 512-token default, in the demo tokenizer's tokens (bytes):
+                # about 4 bytes per token of a real tokenizer
+                config["routing"]["pd_remote_prefill_min_uncached_tokens"] = 2048
     if "pd_groups" in layout and "combined" not in layout:
         # no combined engines: every request takes the P/D route (the proxy requires 0 here)
         config.setdefault("routing", {})["pd_min_prompt_tokens"] = 0
