@@ -705,20 +705,20 @@ class PrefixCache:
         for own in reversed(hashes):
             self.blocks[own] = self.blocks.pop(own)
 
-    def lookup(self, ids: list[int]) -> int:
-        """Cached prefix length in tokens (whole blocks; the last prompt token is always
-        computed, as vLLM's max_cache_hit_length), refreshing the hit blocks."""
+    def lookup(self, ids: list[int], chain: list[tuple[int, int | None, list[int]]]) -> int:
+        """Cached prefix length in tokens of `ids` (whose full blocks are `chain`): whole blocks,
+        and never the last prompt token (vLLM's max_cache_hit_length); refreshes the hits."""
         hit: list[int] = []
-        for own, _parent, _toks in self.chain(ids, max(0, len(ids) - 1) // self.block_size):
+        for own, _parent, _toks in chain[: max(0, len(ids) - 1) // self.block_size]:
             if own not in self.blocks:
                 break
             hit.append(own)
         self.touch(hit)
         return len(hit) * self.block_size
 
-    def store(self, ids: list[int]) -> None:
+    def store(self, chain: list[tuple[int, int | None, list[int]]]) -> None:
         """Cache the prompt's full blocks, evicting LRU blocks for room; publish the changes."""
-        chain = self.chain(ids, min(len(ids) // self.block_size, self.capacity))
+        chain = chain[: self.capacity]
         mine = {own for own, _p, _t in chain}
         events: list[list[Any]] = []
         run: list[tuple[int, int | None, list[int]]] = []
@@ -919,9 +919,10 @@ def prefix_plan(body: dict[str, Any], text: str, chat: bool, prompt_tokens: int,
     caches = [c for c in s.prefix_caches if str(c.rank) == asked] or s.prefix_caches
     cache = min(caches, key=lambda c: c.inflight)
     ids = prompt_token_ids(body, text, chat)
-    hit = cache.lookup(ids)
+    chain = cache.chain(ids, len(ids) // cache.block_size)
+    hit = cache.lookup(ids, chain)
     cache.inflight += 1
-    plan.update(cache=cache, ids=ids, cached_ids=hit)
+    plan.update(cache=cache, ids=ids, chain=chain, cached_ids=hit)
     plan["cached"] = prompt_tokens * hit // max(1, len(ids))
     s.inc("prefix_cache_queries", prompt_tokens)
     s.inc("prefix_cache_hits", plan["cached"])
@@ -932,7 +933,7 @@ def prefix_store(plan: dict[str, Any]) -> None:
     """The prompt's KV is built (computed or transferred): its full blocks are cached now, as
     the real engines cache each block once computed."""
     if plan["cache"] is not None:
-        plan["cache"].store(plan["ids"])
+        plan["cache"].store(plan["chain"])
 
 
 def prefix_done(plan: dict[str, Any]) -> None:

@@ -50,10 +50,16 @@ class Events:
         time.sleep(0.3)  # PUB/SUB: the subscription must reach the publisher first
 
     def next(self, timeout: float = 5.0) -> tuple[int, list[Any]]:
-        assert self.sub.poll(int(timeout * 1000)), "no KV event batch"
-        topic, seq, payload = self.sub.recv_multipart()
-        assert topic == b"kv-events"
-        return int.from_bytes(seq, "big"), msgpack.unpackb(payload)
+        """The next batch, past the start's AllBlocksCleared (seq 0) when the subscription was
+        in place early enough to get it."""
+        while True:
+            assert self.sub.poll(int(timeout * 1000)), "no KV event batch"
+            topic, raw_seq, payload = self.sub.recv_multipart()
+            assert topic == b"kv-events"
+            seq, batch = int.from_bytes(raw_seq, "big"), msgpack.unpackb(payload)
+            if seq != 0:
+                return seq, batch
+            assert batch[1] == [["AllBlocksCleared"]]
 
     def replay(self, start: int) -> list[tuple[int, bytes]]:
         dealer = self.ctx.socket(zmq.DEALER)
@@ -124,7 +130,7 @@ def test_events_carry_the_stored_blocks_and_replay(tmp_path: Path, engine: str) 
             rendered = template.render(messages=CHAT["messages"], add_generation_prompt=True)
             expected = tokenizer.encode(rendered).ids
             full = len(expected) // BLOCK
-            assert seq == 1  # seq 0 was AllBlocksCleared at start, before anyone subscribed
+            assert seq == 1  # seq 0 was AllBlocksCleared at start
             if engine == "vllm":
                 ts, evs, rank = batch
                 assert rank == 0
@@ -238,8 +244,23 @@ def test_prefix_caching_off_and_no_zmq_without_the_flag(tmp_path: Path) -> None:
         assert "zmq" not in maps and "msgpack" not in maps  # stdlib only without the flag
 
 
+def free_pair() -> int:
+    """A port p with p + 1 free too (DP rank 1 publishes on p + 1)."""
+    import socket
+
+    while True:
+        base = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("0.0.0.0", base))
+                b.bind(("0.0.0.0", base + 1))
+            except OSError:
+                continue
+        return base
+
+
 def test_dp_ranks_publish_on_offset_ports(tmp_path: Path) -> None:
-    port, replay = free_port(), free_port()
+    port, replay = free_pair(), free_pair()
     args = [*kv_flags("vllm", port, replay), "--data-parallel-size", "2"]
     with SimEngine("vllm", args, tmp_path) as eng:
         rank1 = Events(port + 1, replay + 1)
