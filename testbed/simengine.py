@@ -97,7 +97,8 @@ of the rendered prompt (chat: render_chat's format, which the demo model's chat_
 renders too); full blocks are cached per DP rank with LRU eviction at the KV capacity, the
 prefill pause covers only the uncached share, and --kv-events-config publishes BlockStored /
 BlockRemoved / AllBlocksCleared over ZMQ in the real engines' msgpack format (pyzmq and
-msgpack are imported only then).
+msgpack are imported only then; HGXSERVE_SIM_KV_EVENTS_LAYOUT=map: vLLM's events as the named
+maps vLLM sends since vllm-project/vllm#42892, else the array layout).
 
 Simulated-only debug endpoints: GET /sim/requests (recent requests: id, kind, KV outcome,
 aborted, cached tokens), GET /sim/kv (each DP rank's cached blocks).
@@ -762,10 +763,28 @@ class PrefixCache:
 
     def publish(self, events: list[list[Any]]) -> None:
         if events and self.publisher is not None:
+            if STATE.engine == "vllm" and os.environ.get("HGXSERVE_SIM_KV_EVENTS_LAYOUT") == "map":
+                events = [vllm_map_event(e) for e in events]
             batch: list[Any] = [time.time(), events]
             if STATE.engine == "vllm":
                 batch.append(self.rank)  # vLLM's publisher fills data_parallel_rank
             self.publisher.put(batch)
+
+
+def vllm_map_event(event: list[Any]) -> dict[str, Any]:
+    """An event as vLLM publishes it since its structs dropped array_like (vllm-project/vllm
+    #42892, in 0.26 and later): a map tagged by "type" with the fields' names, the EventBatch
+    around it still an array. HGXSERVE_SIM_KV_EVENTS_LAYOUT=map selects it."""
+    if event[0] == "BlockStored":
+        names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                 "medium", "lora_name")  # fmt: skip
+        out = {"type": event[0], **dict(zip(names, event[1:], strict=True))}
+        out.update(extra_keys=[None] * len(event[1]), group_idx=0)
+        out["kv_cache_spec_kind"] = "full_attention"
+        return out
+    if event[0] == "BlockRemoved":
+        return {"type": event[0], "block_hashes": event[1], "medium": event[2], "group_idx": 0}
+    return {"type": event[0]}
 
 
 def offset_endpoint_port(endpoint: str | None, rank: int) -> str | None:

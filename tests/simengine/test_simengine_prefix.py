@@ -245,11 +245,13 @@ def test_prefix_caching_off_and_no_zmq_without_the_flag(tmp_path: Path) -> None:
 
 
 def free_pair() -> int:
-    """A port p with p + 1 free too (DP rank 1 publishes on p + 1)."""
+    """A port p with p + 1 free too (DP rank 1 publishes on p + 1), below Linux's ephemeral
+    range so that no outgoing connection takes p + 1 before the engine binds it."""
+    import random
     import socket
 
     while True:
-        base = free_port()
+        base = random.randrange(20000, 32000)
         with socket.socket() as a, socket.socket() as b:
             try:
                 a.bind(("0.0.0.0", base))
@@ -277,3 +279,26 @@ def test_dp_ranks_publish_on_offset_ports(tmp_path: Path) -> None:
             rank1.close()
         ranks = http_json("GET", eng.url + "/sim/kv")[1]["ranks"]
         assert [len(r["blocks"]) for r in ranks] == [0, 2]
+
+
+def test_map_layout_as_vllm_0_26_sends_it(tmp_path: Path) -> None:
+    port, replay = free_port(), free_port()
+    env = {"HGXSERVE_SIM_KV_EVENTS_LAYOUT": "map", "HGXSERVE_SIM_KV_TOKENS": str(2 * BLOCK)}
+    with SimEngine("vllm", kv_flags("vllm", port, replay), tmp_path, env=env) as eng:
+        events = Events(port, replay)
+        try:
+            first = {"model": "m", "prompt": "M" * (2 * BLOCK), "max_tokens": 2}
+            assert http_json("POST", eng.url + "/v1/completions", first)[0] == 200
+            ts, [stored], rank = events.next()[1]
+            assert rank == 0 and stored["type"] == "BlockStored"
+            assert stored["token_ids"] == [ord("M")] * (2 * BLOCK) and stored["block_size"] == BLOCK
+            assert stored["parent_block_hash"] is None and len(stored["block_hashes"]) == 2
+            assert stored["medium"] == "GPU" and stored["group_idx"] == 0
+            second = {"model": "m", "prompt": "N" * (2 * BLOCK), "max_tokens": 2}
+            assert http_json("POST", eng.url + "/v1/completions", second)[0] == 200
+            evs = events.next()[1][1]
+            assert [e["type"] for e in evs] == ["BlockRemoved", "BlockRemoved", "BlockStored"]
+            assert [h for e in evs[:2] for h in e["block_hashes"]] == stored["block_hashes"][::-1]
+            assert msgpack.unpackb(events.replay(0)[0][1])[1] == [{"type": "AllBlocksCleared"}]
+        finally:
+            events.close()
