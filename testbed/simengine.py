@@ -787,6 +787,25 @@ def vllm_map_event(event: list[Any]) -> dict[str, Any]:
     return {"type": event[0]}
 
 
+# Debian's python3-zmq and python3-msgpack (the test image's): a runtime venv on a test host is
+# made with `python3 -m venv`, without the system's site-packages, so they are looked up here
+# when the venv itself has no pyzmq/msgpack.
+SYSTEM_DIST_PACKAGES = "/usr/lib/python3/dist-packages"
+
+
+def kv_event_modules() -> tuple[Any, Any]:
+    """(zmq, msgpack), imported only with --kv-events-config (the sim is stdlib-only otherwise):
+    from this Python's path, else from HGXSERVE_SIM_DIST_PACKAGES or Debian's dist-packages."""
+    try:
+        import msgpack
+        import zmq
+    except ImportError:
+        sys.path.append(os.environ.get("HGXSERVE_SIM_DIST_PACKAGES") or SYSTEM_DIST_PACKAGES)
+        import msgpack
+        import zmq
+    return zmq, msgpack
+
+
 def offset_endpoint_port(endpoint: str | None, rank: int) -> str | None:
     """vLLM's / SGLang's ZmqEventPublisher.offset_endpoint_port: DP rank N adds N to the port."""
     if not endpoint or rank == 0:
@@ -808,9 +827,7 @@ class KvEventPublisher:
         import queue
         import threading
 
-        import msgpack  # only with --kv-events-config: the sim is stdlib-only otherwise
-        import zmq
-
+        zmq, msgpack = kv_event_modules()
         self.zmq, self.pack = zmq, msgpack.packb
         self.queue: queue.Queue[list[Any] | None] = queue.Queue()
         self.buffer: list[tuple[int, bytes]] = []

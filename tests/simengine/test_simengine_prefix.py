@@ -15,7 +15,7 @@ import jinja2
 import msgpack
 import pytest
 import zmq
-from harness import SimEngine, free_port, http, http_json, metric
+from harness import SimEngine, free_port, http, http_json, metric, port_open
 from tokenizers import Tokenizer
 
 from testbed import demo
@@ -302,3 +302,39 @@ def test_map_layout_as_vllm_0_26_sends_it(tmp_path: Path) -> None:
             assert msgpack.unpackb(events.replay(0)[0][1])[1] == [{"type": "AllBlocksCleared"}]
         finally:
             events.close()
+
+
+def test_a_venv_without_pyzmq_finds_the_system_s(tmp_path: Path) -> None:
+    """A test host's runtime venv has no system site-packages: the engine then takes pyzmq and
+    msgpack from Debian's dist-packages (here: the directory HGXSERVE_SIM_DIST_PACKAGES names)."""
+    import subprocess
+    import sys
+
+    from harness import SIMENGINE
+
+    port, pub, replay = free_port(), free_port(), free_port()
+    argv = [sys.executable, "-S", str(SIMENGINE), "--engine", "vllm",
+            *kv_flags("vllm", pub, replay), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    base = {"HGXSERVE_SIM_START_SECONDS": "0.1", "HGXSERVE_SIM_GPU_DIR": str(tmp_path / "gpus"),
+            "PATH": "/usr/bin:/bin"}  # fmt: skip
+    missing = subprocess.run(argv, env={**base, "HGXSERVE_SIM_DIST_PACKAGES": str(tmp_path)},
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert missing.returncode == 1 and "No module named" in missing.stdout, missing.stdout
+    site = str(Path(zmq.__file__).parents[1])
+    log = (tmp_path / "sim.log").open("wb")
+    proc = subprocess.Popen(argv, env={**base, "HGXSERVE_SIM_DIST_PACKAGES": site},
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        events = Events(pub, replay)
+        deadline = time.monotonic() + 15
+        while not port_open("127.0.0.1", port):
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "sim.log"
+            ).read_text()
+            time.sleep(0.1)
+        assert [s for s, _ in events.replay(0)] == [0, -1]  # AllBlocksCleared published
+        events.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
