@@ -152,6 +152,8 @@ def test_real_vllm_publishes_the_prompt_token_ids_of_its_cached_blocks(tmp_path:
         assert topic == b"kv-events" and len(seq) == 8
         first_seq = int.from_bytes(seq, "big")
         time.sleep(1)
+        while sub.poll(0):  # every batch the first request caused (one per engine step)
+            first_seq = max(first_seq, int.from_bytes(sub.recv_multipart()[1], "big"))
         post(port, "/v1/completions", {"model": "tiny", "prompt": prompts[1], "max_tokens": 4})
         time.sleep(1)
 
@@ -168,7 +170,7 @@ def test_real_vllm_publishes_the_prompt_token_ids_of_its_cached_blocks(tmp_path:
                 break
             batches.append((number, rpayload))
         dealer.close(linger=0)
-        assert payload in [p for s, p in batches if s == first_seq]
+        assert payload in [p for _, p in batches]
 
         stored: list[tuple[int, dict[str, Any]]] = [
             (s, fields)
