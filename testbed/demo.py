@@ -62,9 +62,54 @@ FORGET_RELEASES = (
 )
 
 
+# The simulated engine's chat format (testbed/simengine.py render_chat): `<|role|>\n` + content
+# + `\n` per message (a list content: its parts' text joined by one space), then `<|assistant|>\n`
+# when add_generation_prompt. A proxy rendering this template with the messages and tokenizing
+# with byte_tokenizer_json() gets exactly the token ids the simulated engine caches.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + (message['role'] or '') + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] is iterable and message['content'] is not mapping %}"
+    "{% for part in message['content'] if part is mapping %}"
+    "{% if not loop.first %}{{ ' ' }}{% endif %}"
+    "{{ part['text'] if part['text'] is defined else '' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: one printable character per byte value."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
+
+
+def byte_tokenizer_json() -> str:
+    """tokenizer.json of a byte-level vocabulary whose token id is the byte's value (no merges,
+    no special tokens): the ids the simulated engine uses, UTF-8 bytes of the prompt."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return str(tokenizer.to_str(pretty=True))
+
+
 def make_tiny_model(dest: Path, *, shards: int = 2, shard_mib: int = 2) -> Path:
-    """A small Llama-shaped checkpoint: config, tokenizer config and safetensors shards with
-    random weights (real safetensors headers), enough for sync/verify and the simulated engine."""
+    """A small Llama-shaped checkpoint: config, a byte-level tokenizer with the simulated
+    engine's chat template, and safetensors shards with random weights (real safetensors
+    headers), enough for sync/verify, the simulated engine and a proxy that tokenizes."""
     dest.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -79,7 +124,13 @@ def make_tiny_model(dest: Path, *, shards: int = 2, shard_mib: int = 2) -> Path:
     }
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     (dest / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    (dest / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    (dest / "tokenizer.json").write_text(byte_tokenizer_json())
+    tokenizer_config = {
+        "model_max_length": 256,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     weight_map = {}
     for i in range(shards):
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"

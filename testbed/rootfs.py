@@ -35,7 +35,9 @@ VARIANT = "minbase"
 # Prometheus and node exporter, which the monitoring stage installs from the hosts' mirror (the
 # test hosts have none: here they are preinstalled, their units left disabled until the stage
 # enables them); nftables, the host firewall the release stage loads (real hosts install it from
-# their mirror like the other provision packages).
+# their mirror like the other provision packages); Debian's pyzmq and msgpack, which the simulated
+# engine imports only when --kv-events-config asks it to publish KV events (as the real engines
+# do over ZMQ with msgpack payloads).
 PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -56,6 +58,8 @@ PACKAGES = (
     "prometheus",
     "prometheus-node-exporter",
     "nftables",
+    "python3-zmq",
+    "python3-msgpack",
 )
 # Units of preinstalled packages that only a deploy stage may enable and start.
 DISABLED_UNITS = ("prometheus.service", "prometheus-node-exporter.service")

@@ -99,7 +99,16 @@ unexpectedly", EngineDeadError; SGLang: "Received sigquit from a child process")
 A head that dies: the worker keeps running and serves nothing, as a real worker hangs in NCCL,
 until SIGTERM.
 
-Simulated-only debug endpoint: GET /sim/requests (recent requests: id, kind, KV outcome, aborted).
+Prefix caching (docs/testbed.md "Prefix cache and KV events"): token ids are the UTF-8 bytes
+of the rendered prompt (chat: render_chat's format, which the demo model's chat_template
+renders too); full blocks are cached per DP rank with LRU eviction at the KV capacity, the
+prefill pause covers only the uncached share, and --kv-events-config publishes BlockStored /
+BlockRemoved / AllBlocksCleared over ZMQ in the real engines' msgpack format (pyzmq and
+msgpack are imported only then; HGXSERVE_SIM_KV_EVENTS_LAYOUT=map: vLLM's events as the named
+maps vLLM sends since vllm-project/vllm#42892, else the array layout).
+
+Simulated-only debug endpoints: GET /sim/requests (recent requests: id, kind, KV outcome,
+aborted, cached tokens), GET /sim/kv (each DP rank's cached blocks).
 """
 
 from __future__ import annotations
@@ -437,6 +446,8 @@ class State:
         self.joined: dict[str, int] = {}
         self.joined_event: asyncio.Event | None = None
         self.engine_dead = False
+        # prefix caches, one per local DP rank (start_prefix_caches)
+        self.prefix_caches: list[PrefixCache] = []
 
     def inc(self, key: str, value: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + value
@@ -514,6 +525,7 @@ def render_metrics() -> str:
             f'engine="0",gpu_memory_utilization="0.9",'
             f'num_gpu_blocks="{kv_tokens() // max(1, s.block_size)}"}} 1.0',
         ]
+        lines += prefix_cache_metrics()
         if s.kv.get("kv_connector") == "NixlConnector":
             lines += s.nixl_xfer.render("vllm:nixl_xfer_time_seconds", lab)
             lines += s.nixl_post.render("vllm:nixl_post_time_seconds", lab)
@@ -544,6 +556,7 @@ def render_metrics() -> str:
         lines += s.e2e.render("sglang:e2e_request_latency_seconds", lab)
         lines += s.itl.render("sglang:inter_token_latency_seconds", lab)
         lines += ["# TYPE sglang:token_usage gauge", f"sglang:token_usage{{{lab}}} {kv_usage()}"]
+        lines += prefix_cache_metrics()
         if s.disagg_mode != "null":
             lines += s.sgl_xfer_ms.render("sglang:kv_transfer_latency_ms", lab)
             for key in ("bootstrap_failed_reqs", "transfer_failed_reqs"):
@@ -623,6 +636,392 @@ def plan_tokens(body: dict[str, Any], text: str, chat: bool) -> tuple[list[str],
         return reasoning, [match.group(1)], "stop"
     n = 16 + rng.randrange(48)
     return reasoning, [rng.choice(WORDS) + " " for _ in range(n)], "stop"
+
+
+# ------------------------------------------------------------------- prefix cache and KV events
+#
+# SIMULATED prefix caching. Token ids are the UTF-8 bytes of the rendered prompt (chat: the chat
+# format below; the demo model's tokenizer.json and chat_template give the same ids). The cache
+# keeps full blocks of token ids per DP rank, chained by hash (as vLLM's and SGLang's caches),
+# evicts least recently used blocks at the KV capacity (kv_tokens()), and publishes the changes
+# in vLLM's / SGLang's KV-event wire format when --kv-events-config asks for it. The counts the
+# engine reports (usage, prompt token metrics, the context-length check) stay the ~4 bytes per
+# token estimate of count_prompt_tokens; the cached share scales them.
+
+KV_MEDIUM = "GPU"  # vLLM's MEDIUM_GPU
+
+
+def render_chat(body: dict[str, Any]) -> str:
+    """The simulated engine's chat format (the demo model's chat_template renders the same):
+    `<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n` unless add_generation_prompt is
+    false. List contents join their parts' text with one space.
+
+    Example: render_chat({"messages": [{"role": "user", "content": "hi"}]})
+    == "<|user|>\\nhi\\n<|assistant|>\\n"
+    """
+    out = []
+    for msg in body.get("messages") or []:
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        elif not isinstance(content, str):
+            content = ""
+        out.append(f"<|{msg.get('role') or ''}|>\n{content}\n")
+    if body.get("add_generation_prompt", True):
+        out.append("<|assistant|>\n")
+    return "".join(out)
+
+
+def prompt_token_ids(body: dict[str, Any], text: str, chat: bool) -> list[int]:
+    """The prompt's token ids: the given ids, else the UTF-8 bytes of the rendered prompt."""
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return [int(t) for t in prompt]
+    return list((render_chat(body) if chat else text).encode("utf-8"))
+
+
+class PrefixCache:
+    """One DP rank's simulated prefix cache: full blocks keyed by a chain hash, LRU order."""
+
+    def __init__(self, rank: int, block_size: int, capacity_blocks: int, seed: bytes) -> None:
+        self.rank = rank
+        self.block_size = block_size
+        self.capacity = max(0, capacity_blocks)
+        self.seed = seed  # a per-start hash seed, as the real engines' (PYTHONHASHSEED etc.)
+        # own hash -> (parent hash, token ids); insertion order = LRU order (last: most recent)
+        self.blocks: dict[int, tuple[int | None, list[int]]] = {}
+        self.publisher: KvEventPublisher | None = None
+        self.inflight = 0
+
+    def chain(self, ids: list[int], nblocks: int) -> list[tuple[int, int | None, list[int]]]:
+        """(hash, parent hash, token ids) of the first nblocks full blocks of ids."""
+        out: list[tuple[int, int | None, list[int]]] = []
+        parent: int | None = None
+        bs = self.block_size
+        for i in range(nblocks):
+            toks = ids[i * bs : (i + 1) * bs]
+            digest = hashlib.sha256(
+                self.seed + (parent or 0).to_bytes(8, "big") + struct.pack(f"<{bs}I", *toks)
+            ).digest()
+            own = int.from_bytes(digest[:8], "big")
+            out.append((own, parent, toks))
+            parent = own
+        return out
+
+    def touch(self, hashes: list[int]) -> None:
+        """Mark blocks used: children older than their parents, so a chain evicts tail first."""
+        for own in reversed(hashes):
+            self.blocks[own] = self.blocks.pop(own)
+
+    def lookup(self, ids: list[int], chain: list[tuple[int, int | None, list[int]]]) -> int:
+        """Cached prefix length in tokens of `ids` (whose full blocks are `chain`): whole blocks,
+        and never the last prompt token (vLLM's max_cache_hit_length); refreshes the hits."""
+        hit: list[int] = []
+        for own, _parent, _toks in chain[: max(0, len(ids) - 1) // self.block_size]:
+            if own not in self.blocks:
+                break
+            hit.append(own)
+        self.touch(hit)
+        return len(hit) * self.block_size
+
+    def store(self, chain: list[tuple[int, int | None, list[int]]]) -> None:
+        """Cache the prompt's full blocks, evicting LRU blocks for room; publish the changes."""
+        chain = chain[: self.capacity]
+        mine = {own for own, _p, _t in chain}
+        events: list[list[Any]] = []
+        run: list[tuple[int, int | None, list[int]]] = []
+        for link in chain + [(0, None, [])]:  # a sentinel closes the last run
+            if link[2] and link[0] not in self.blocks:
+                removed = self.evict(len(self.blocks) + 1 - self.capacity, mine)
+                if removed:
+                    events.append(self.removed_event(removed))
+                self.blocks[link[0]] = (link[1], link[2])
+                run.append(link)
+                continue
+            if run:
+                events.append(self.stored_event(run))
+                run = []
+        self.touch([own for own, _p, _t in chain])
+        self.publish(events)
+
+    def evict(self, count: int, keep: set[int]) -> list[int]:
+        removed = []
+        for own in list(self.blocks):
+            if len(removed) >= count:
+                break
+            if own not in keep:
+                del self.blocks[own]
+                removed.append(own)
+        return removed
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.publish([["AllBlocksCleared"]])
+
+    def stored_event(self, run: list[tuple[int, int | None, list[int]]]) -> list[Any]:
+        tokens = [t for _own, _parent, toks in run for t in toks]
+        event = ["BlockStored", [r[0] for r in run], run[0][1], tokens, self.block_size, None]
+        if STATE.engine == "vllm":
+            event += [KV_MEDIUM, None]  # medium, lora_name (vLLM >= 0.10)
+        return event
+
+    def removed_event(self, hashes: list[int]) -> list[Any]:
+        return ["BlockRemoved", hashes] + ([KV_MEDIUM] if STATE.engine == "vllm" else [])
+
+    def publish(self, events: list[list[Any]]) -> None:
+        if events and self.publisher is not None:
+            if STATE.engine == "vllm" and os.environ.get("HGXSERVE_SIM_KV_EVENTS_LAYOUT") == "map":
+                events = [vllm_map_event(e) for e in events]
+            batch: list[Any] = [time.time(), events]
+            if STATE.engine == "vllm":
+                batch.append(self.rank)  # vLLM's publisher fills data_parallel_rank
+            self.publisher.put(batch)
+
+
+def vllm_map_event(event: list[Any]) -> dict[str, Any]:
+    """An event as vLLM publishes it since its structs dropped array_like (vllm-project/vllm
+    #42892, in 0.26 and later): a map tagged by "type" with the fields' names, the EventBatch
+    around it still an array. HGXSERVE_SIM_KV_EVENTS_LAYOUT=map selects it."""
+    if event[0] == "BlockStored":
+        names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                 "medium", "lora_name")  # fmt: skip
+        out = {"type": event[0], **dict(zip(names, event[1:], strict=True))}
+        out.update(extra_keys=[None] * len(event[1]), group_idx=0)
+        out["kv_cache_spec_kind"] = "full_attention"
+        return out
+    if event[0] == "BlockRemoved":
+        return {"type": event[0], "block_hashes": event[1], "medium": event[2], "group_idx": 0}
+    return {"type": event[0]}
+
+
+# Debian's python3-zmq and python3-msgpack (the test image's): a runtime venv on a test host is
+# made with `python3 -m venv`, without the system's site-packages, so they are looked up here
+# when the venv itself has no pyzmq/msgpack.
+SYSTEM_DIST_PACKAGES = "/usr/lib/python3/dist-packages"
+
+
+def kv_event_modules() -> tuple[Any, Any]:
+    """(zmq, msgpack), imported only with --kv-events-config (the sim is stdlib-only otherwise):
+    from this Python's path, else from HGXSERVE_SIM_DIST_PACKAGES or Debian's dist-packages."""
+    try:
+        import msgpack
+        import zmq
+    except ImportError:
+        sys.path.append(os.environ.get("HGXSERVE_SIM_DIST_PACKAGES") or SYSTEM_DIST_PACKAGES)
+        import msgpack
+        import zmq
+    return zmq, msgpack
+
+
+def offset_endpoint_port(endpoint: str | None, rank: int) -> str | None:
+    """vLLM's / SGLang's ZmqEventPublisher.offset_endpoint_port: DP rank N adds N to the port."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
+
+
+class KvEventPublisher:
+    """The real engines' ZmqEventPublisher, re-done: a thread owning a PUB socket (topic, 8-byte
+    big-endian seq, msgpack payload) and a ROUTER replay socket answering a start seq with the
+    buffered batches from it, then the end marker (seq -1)."""
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, config: dict[str, Any], rank: int) -> None:
+        import queue
+        import threading
+
+        zmq, msgpack = kv_event_modules()
+        self.zmq, self.pack = zmq, msgpack.packb
+        self.queue: queue.Queue[list[Any] | None] = queue.Queue()
+        self.buffer: list[tuple[int, bytes]] = []
+        self.buffer_steps = int(config.get("buffer_steps", 10_000))
+        self.topic = str(config.get("topic") or "").encode()
+        self.endpoint = offset_endpoint_port(config.get("endpoint") or "tcp://*:5557", rank)
+        self.replay_endpoint = offset_endpoint_port(config.get("replay_endpoint"), rank)
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.set_hwm(int(config.get("hwm", 100_000)))
+        assert self.endpoint is not None
+        # the real publisher's heuristic: bind a wildcard (or ipc/inproc) address, else connect
+        wildcard = "*" in self.endpoint or "::" in self.endpoint
+        if wildcard or self.endpoint.startswith(("ipc://", "inproc://")):
+            self.pub.bind(self.endpoint)
+        else:
+            self.pub.connect(self.endpoint)
+        self.replay = None
+        if self.replay_endpoint:
+            self.replay = ctx.socket(zmq.ROUTER)
+            self.replay.bind(self.replay_endpoint)
+        self.seq = 0
+        self.thread = threading.Thread(target=self.run, daemon=True, name="kv-events")
+        self.thread.start()
+
+    def put(self, batch: list[Any]) -> None:
+        self.queue.put(batch)
+
+    def run(self) -> None:
+        import queue
+
+        while True:
+            if self.replay is not None and self.replay.poll(0):
+                self.serve_replay()
+            try:
+                batch = self.queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                break
+            payload = self.pack(batch, use_bin_type=True)
+            self.pub.send_multipart((self.topic, self.seq.to_bytes(8, "big"), payload))
+            self.buffer.append((self.seq, payload))
+            del self.buffer[: -self.buffer_steps]
+            self.seq += 1
+        self.pub.close(linger=0)
+        if self.replay is not None:
+            self.replay.close(linger=0)
+
+    def serve_replay(self) -> None:
+        assert self.replay is not None
+        frame = self.replay.recv_multipart()
+        if len(frame) != 3:
+            log(f"KV events: invalid replay request ({len(frame)} frames)")
+            return
+        client, _, start = frame
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self.buffer):
+            if seq >= first:
+                self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self.replay.send_multipart((client, b"", self.END_SEQ, b""))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=1.0)
+
+
+def prefix_caching_on(args: dict[str, Any]) -> bool:
+    """vLLM V1 caches prefixes unless --no-enable-prefix-caching; SGLang unless
+    --disable-radix-cache."""
+    if STATE.engine == "vllm":
+        return args.get("--no-enable-prefix-caching") is not True
+    return args.get("--disable-radix-cache") is not True
+
+
+def kv_events_config(args: dict[str, Any]) -> dict[str, Any] | None:
+    """--kv-events-config when it asks for a ZMQ publisher (vLLM: enable_kv_cache_events too)."""
+    config = args.get("--kv-events-config")
+    if not isinstance(config, dict) or config.get("publisher", "null") == "null":
+        return None
+    if STATE.engine == "vllm" and not config.get("enable_kv_cache_events"):
+        return None
+    if config.get("publisher") != "zmq":
+        raise ArgError(f"Unknown event publisher '{config.get('publisher')}'")
+    return config
+
+
+def start_prefix_caches(args: dict[str, Any]) -> None:
+    """One cache per local DP rank, each with its publisher when --kv-events-config asks;
+    every publisher starts with AllBlocksCleared (a fresh engine holds nothing)."""
+    s = STATE
+    if not prefix_caching_on(args):
+        return
+    config = kv_events_config(args)
+    seed = os.urandom(8)
+    capacity = kv_tokens() // max(1, s.block_size)
+    first = s.dp_start if s.engine == "vllm" else 0
+    for rank in range(first, first + (s.dp_local if s.engine == "vllm" else s.dp_size)):
+        cache = PrefixCache(rank, s.block_size, capacity, seed)
+        if config is not None:
+            cache.publisher = KvEventPublisher(config, rank)
+            log(
+                f"KV events (simulated) dp_rank={rank}: PUB {cache.publisher.endpoint} "
+                f"replay {cache.publisher.replay_endpoint} topic {config.get('topic') or ''!r}"
+            )
+            cache.clear()
+        s.prefix_caches.append(cache)
+
+
+def stop_prefix_caches() -> None:
+    for cache in STATE.prefix_caches:
+        if cache.publisher is not None:
+            cache.publisher.close()
+
+
+def prefix_plan(body: dict[str, Any], text: str, chat: bool, prompt_tokens: int,
+                headers: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """Pick the DP rank (X-data-parallel-rank, else the least busy, as vLLM's DP balancing) and
+    look the prompt up in its cache. `cached` is in the reported count's units."""
+    s = STATE
+    plan: dict[str, Any] = {"cache": None, "ids": [], "cached": 0, "cached_ids": 0}
+    if not s.prefix_caches:
+        return plan
+    asked = headers.get("x-data-parallel-rank")
+    caches = [c for c in s.prefix_caches if str(c.rank) == asked] or s.prefix_caches
+    cache = min(caches, key=lambda c: c.inflight)
+    ids = prompt_token_ids(body, text, chat)
+    chain = cache.chain(ids, len(ids) // cache.block_size)
+    hit = cache.lookup(ids, chain)
+    cache.inflight += 1
+    plan.update(cache=cache, ids=ids, chain=chain, cached_ids=hit)
+    plan["cached"] = prompt_tokens * hit // max(1, len(ids))
+    s.inc("prefix_cache_queries", prompt_tokens)
+    s.inc("prefix_cache_hits", plan["cached"])
+    return plan
+
+
+def prefix_store(plan: dict[str, Any]) -> None:
+    """The prompt's KV is built (computed or transferred): its full blocks are cached now, as
+    the real engines cache each block once computed."""
+    if plan["cache"] is not None:
+        plan["cache"].store(plan["chain"])
+
+
+def prefix_done(plan: dict[str, Any]) -> None:
+    """The request left the engine."""
+    if plan["cache"] is not None:
+        plan["cache"].inflight -= 1
+
+
+def prefix_cache_state() -> dict[str, Any]:
+    """GET /sim/kv: each rank's cached blocks (LRU order), for tests."""
+    return {
+        "simulated": True,
+        "block_size": STATE.block_size,
+        "ranks": [
+            {
+                "rank": c.rank,
+                "capacity_blocks": c.capacity,
+                "blocks": [
+                    {"hash": own, "parent": parent, "token_ids": toks}
+                    for own, (parent, toks) in c.blocks.items()
+                ],
+            }
+            for c in STATE.prefix_caches
+        ],
+    }
+
+
+def prefix_cache_metrics() -> list[str]:
+    """vLLM's prefix-cache counters (tokens) / SGLang's cache hit rate gauge."""
+    s = STATE
+    c = s.counters.get
+    name = s.served_names[0] if s.served_names else s.model_path
+    if s.engine == "vllm":
+        lab = f'engine="0",model_name="{name}"'
+        return [
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{lab}}} {c('prefix_cache_queries', 0)}",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{lab}}} {c('prefix_cache_hits', 0)}",
+        ]
+    rate = c("prefix_cache_hits", 0) / max(1.0, c("prefix_cache_queries", 0))
+    return [
+        "# TYPE sglang:cache_hit_rate gauge",
+        f'sglang:cache_hit_rate{{model_name="{name}"}} {round(rate, 6)}',
+    ]
 
 
 # --------------------------------------------------------------------------- HTTP plumbing
@@ -856,6 +1255,16 @@ async def route(conn: Conn, method: str, path: str, headers: dict[str, str], raw
         await conn.send_json(200, {"version": "0.0.0+simulated"})
     elif path == "/sim/requests" and method == "GET":
         await conn.send_json(200, {"simulated": True, "requests": s.recent})
+    elif path == "/sim/kv" and method == "GET":
+        await conn.send_json(200, prefix_cache_state())
+    elif (path, method, s.engine) in (
+        ("/reset_prefix_cache", "POST", "vllm"),
+        ("/flush_cache", "POST", "sglang"),
+        ("/flush_cache", "GET", "sglang"),
+    ):
+        for cache in s.prefix_caches:  # the real ones publish AllBlocksCleared
+            cache.clear()
+        await conn.send(200, b"")
     elif (
         path in ("/v1/completions", "/v1/chat/completions")
         or (path == "/invocations" and s.engine == "vllm")
@@ -1246,7 +1655,11 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
     finally:
         s.waiting -= 1
     s.running += 1
+    plan: dict[str, Any] = {"cache": None}
     try:
+        plan = prefix_plan(body, text, chat, prompt_tokens, headers)
+        entry["cached_tokens"] = plan["cached"]
+        prefill_time *= (prompt_tokens - plan["cached"]) / max(1, prompt_tokens)
         # ----- obtain the prompt's KV: remote transfer, or local compute
         if remote_prefill:
             t0 = time.monotonic()
@@ -1272,7 +1685,8 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
                     )
                     return
                 entry["kv"] = "recomputed"
-                s.inc("prompt_src:local_compute", prompt_tokens)
+                s.inc("prompt_src:local_compute", prompt_tokens - plan["cached"])
+                s.inc("prompt_src:local_cache_hit", plan["cached"])
                 await sim_prefill(conn, prefill_time)
         elif s.disagg_mode == "decode":
             if body.get("bootstrap_room") is None or not body.get("bootstrap_host"):
@@ -1295,8 +1709,10 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
             s.sgl_xfer_ms.observe((time.monotonic() - t0) * 1000)
             entry["kv"] = "transferred"
         else:
-            s.inc("prompt_src:local_compute", prompt_tokens)
+            s.inc("prompt_src:local_compute", prompt_tokens - plan["cached"])
+            s.inc("prompt_src:local_cache_hit", plan["cached"])
             await sim_prefill(conn, prefill_time)
+        prefix_store(plan)
         if s.disagg_mode == "prefill":
             room = body.get("bootstrap_room")
             if room is None:
@@ -1349,6 +1765,7 @@ async def generate(conn: Conn, body: dict[str, Any], headers: dict[str, str], ch
         log(f"request {req_id}: client went away, aborted")
         raise Aborted() from None
     finally:
+        prefix_done(plan)
         s.running -= 1
         s.slots.release()
 
@@ -1599,6 +2016,7 @@ def configure(args: dict[str, Any]) -> None:
         )
         s.dp_size = int(args.get("--dp") or args.get("--dp-size") or 1)
         s.max_num_seqs = int(args.get("--max-running-requests") or 256)
+        s.block_size = int(args.get("--page-size") or 16)  # SGLang's own default is 1
         s.reasoning_parser = args.get("--reasoning-parser")
         s.disagg_mode = str(args.get("--disaggregation-mode") or "null")
         s.bootstrap_port = int(args.get("--disaggregation-bootstrap-port") or 8998)
@@ -1840,6 +2258,12 @@ async def serve(args: dict[str, Any]) -> int:
     )
     hold_gpu_memory(fraction)
     try:
+        start_prefix_caches(args)
+    except Exception as exc:  # zmq.ZMQError (address in use), ArgError: the engine fails to start
+        log(f"KV events: cannot start the publisher: {exc!r}")
+        release_gpu_memory()
+        return 1
+    try:
         if s.kv.get("kv_connector") == "NixlConnector":
             bind = s.side_channel_host
             if bind in ("localhost", "127.0.0.1"):
@@ -1885,6 +2309,7 @@ async def serve(args: dict[str, Any]) -> int:
     log("shutting down: closing listeners")
     for srv in servers if rpc is None else [*servers, rpc]:
         srv.close()
+    stop_prefix_caches()
     await asyncio.sleep(env_float("HGXSERVE_SIM_STOP_SECONDS", 1.0))
     release_gpu_memory()
     if s.engine_dead:
