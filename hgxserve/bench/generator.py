@@ -82,12 +82,19 @@ def _prompt_args(args: RoundArgs) -> list[str]:
     s = args.scenario
     if args.input_file is not None:
         return ["--custom-dataset-type", "single_turn", "--input-file", str(args.input_file)]
-    return [
+    out = [
         "--synthetic-input-tokens-mean", str(s.input),
         "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(s.output),
         "--output-tokens-stddev", "0",
     ]  # fmt: skip
+    if s.prefix_prompts is not None:
+        out += ["--num-prefix-prompts", str(s.prefix_prompts)]
+        out += ["--prefix-prompt-length", str(s.prefix_tokens)]
+    if s.conversations is not None:
+        out += ["--conversation-num", str(s.conversations)]
+        out += ["--conversation-turn-mean", str(s.turns), "--conversation-turn-stddev", "0"]
+    return out
 
 
 def argv(args: RoundArgs) -> list[str]:

@@ -43,6 +43,10 @@ KV_FAILED = {
 NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 # The proxy's count of P/D requests by what the prefill handed over (hgxserve/proxy/metrics.py).
 PROXY_HANDOFFS = "hgxserve_proxy_kv_handoffs_total"
+# requests the proxy's KV-aware policy sent to a decode alone, to prefill locally because few of
+# their prompt tokens were uncached there (docs/proxy.md "KV-aware routing")
+PROXY_DECISIONS = "hgxserve_proxy_route_decisions_total"
+PD_LOCAL = "pd-local"
 # Speculative decoding: vLLM's counters (vllm/v1/spec_decode/metrics.py), SGLang's gauge of the
 # mean accepted length per verify step.
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -291,7 +295,9 @@ def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, obje
     no prompt the decode computed itself (vLLM `prompt_tokens_by_source{local_compute}` beyond
     the one token per request it may compute locally), no KV that expired on a vLLM prefill
     unpulled (`nixl_num_kv_expired_reqs`), no handoff the proxy counted as failed or without
-    KV. `pd` is False for a topology without prefill engines (always valid)."""
+    KV. Requests the proxy's KV-aware policy routed to a decode alone (`pd-local`) are counted
+    apart, not as recomputed. `pd` is False for a topology without prefill engines (always
+    valid)."""
     pd = any(e.role == "prefill" for e in t.engines)
     failed = sum(
         _delta(before.engines[e.name], after.engines[e.name], name)
@@ -304,8 +310,13 @@ def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, obje
         for e in t.engines
         if e.engine == "vllm"
     )
+    # a decode prefilling what the proxy routed to it alone (pd-local) is policy, not a lost
+    # transfer: its local tokens are then not counted as recomputed (failed transfers still are)
+    pd_local = _delta(before.proxy, after.proxy, PROXY_DECISIONS, {"route": PD_LOCAL})
     recomputed = 0.0
     for e in t.engines:
+        if pd_local:
+            break
         b, a = before.engines[e.name], after.engines[e.name]
         if e.role == "decode" and e.engine == "vllm" and total(a, LOCAL_PROMPT[0]):
             done = _delta(b, a, FINISHED[e.engine])
@@ -332,6 +343,7 @@ def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, obje
         "kv_expired": expired,
         "decode_recomputed_tokens": recomputed,
         "handoffs": handoffs,
+        "pd_local_requests": pd_local,
         "why": why if pd else [],
     }
 

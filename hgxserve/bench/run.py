@@ -409,7 +409,7 @@ def _point(
 
 def _kv_sum(kvs: list[dict[str, Any]]) -> dict[str, float]:
     """KV-transfer failures, decode-recomputed tokens and proxy handoffs over a point's rounds."""
-    out = {"failed_transfers": 0.0, "decode_recomputed_tokens": 0.0}
+    out = {"failed_transfers": 0.0, "decode_recomputed_tokens": 0.0, "pd_local_requests": 0.0}
     for kv in kvs:
         for key in out:
             out[key] += float(kv.get(key) or 0)

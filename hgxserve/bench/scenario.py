@@ -113,6 +113,12 @@ class Scenario:
     seeds: tuple[int, ...] = (0,)
     sla: Sla = field(default_factory=Sla)
     dataset: Dataset | None = None
+    # a pool of `prefix_prompts` prefixes of `prefix_tokens` each, and multi-turn conversations
+    # (`conversations` of `turns` each): shared-prefix load for prefix caches and KV routing
+    prefix_prompts: int | None = None
+    prefix_tokens: int | None = None
+    conversations: int | None = None
+    turns: int | None = None
 
     def load_points(self) -> list[LoadPoint]:
         if self.rate:
@@ -151,7 +157,13 @@ class Scenario:
             "seeds": list(self.seeds),
             "sla": self.sla.__dict__.copy(),
             "dataset": None,
+            "shared_prefix": None,
+            "conversations": None,
         }
+        if self.prefix_prompts is not None:
+            out["shared_prefix"] = {"prompts": self.prefix_prompts, "tokens": self.prefix_tokens}
+        if self.conversations is not None:
+            out["conversations"] = {"count": self.conversations, "turns": self.turns}
         out["sla"]["ttft_statistic"] = self.sla.statistic_for("ttft")
         out["sla"]["tpot_statistic"] = self.sla.statistic_for("tpot")
         if self.dataset is not None:
@@ -241,6 +253,10 @@ def _scenario(data: dict[str, Any], base: Path) -> Scenario:
         seeds=tuple(int(s) for s in data.get("seeds") or (0,)),
         sla=_sla(data.get("sla")),
         dataset=_dataset(data.get("dataset"), base),
+        prefix_prompts=(data.get("shared_prefix") or {}).get("prompts"),
+        prefix_tokens=(data.get("shared_prefix") or {}).get("tokens"),
+        conversations=(data.get("conversations") or {}).get("count"),
+        turns=(data.get("conversations") or {}).get("turns"),
     )
 
 
@@ -268,6 +284,25 @@ def _rule_problems(doc: Document, bench: dict[str, Any], base: tuple[Any, ...]) 
                 doc.problem((*path, "duration_s"), "give requests or duration_s, not both")
             )
         problems += _shape_problems(doc, data, path)
+        problems += _load_shape_problems(doc, data, path)
+    return problems
+
+
+def _load_shape_problems(
+    doc: Document, data: dict[str, Any], path: tuple[Any, ...]
+) -> list[Problem]:
+    """Shared prefixes and conversations are synthetic load: not with a dataset; conversations
+    are chat."""
+    problems: list[Problem] = []
+    for key in ("shared_prefix", "conversations"):
+        if key in data and "dataset" in data:
+            problems.append(
+                doc.problem((*path, key), f"{key} shapes synthetic prompts: not with a dataset")
+            )
+    if "conversations" in data and data.get("api", "completions") != "chat":
+        problems.append(
+            doc.problem((*path, "conversations"), "multi-turn conversations need api: chat")
+        )
     return problems
 
 

@@ -178,6 +178,21 @@ def test_any_failed_or_recomputed_transfer_makes_the_round_invalid(
     assert kv["valid"] is False and any(why in w for w in kv["why"]), kv  # type: ignore[attr-defined]
 
 
+def test_pd_local_routing_is_policy_not_recompute() -> None:
+    # the KV-aware proxy sent 4 requests to the decode alone (few uncached tokens): the decode's
+    # local prompt tokens are then expected; a failed transfer still makes the round INVALID
+    local = '\nhgxserve_proxy_route_decisions_total{route="pd-local",reason="cached"} 4\n'
+    before = _snap(handoffs(), vllm(), vllm())
+    after = _snap(handoffs(ok=12), vllm(), vllm(prompt=2048, local=12 + 512, done=16))
+    after_local = metrics.Snapshot(after.proxy + local, after.engines)
+    assert metrics.kv_validity(PD, before, after)["valid"] is False
+    kv = metrics.kv_validity(PD, before, after_local)
+    assert kv["valid"] is True and kv["pd_local_requests"] == 4, kv
+    failed = _snap(handoffs(ok=12), vllm(), vllm(prompt=2048, local=524, done=16, failed=1))
+    kv = metrics.kv_validity(PD, before, metrics.Snapshot(failed.proxy + local, failed.engines))
+    assert kv["valid"] is False and kv["failed_transfers"] == 1
+
+
 def test_sglang_transfer_and_bootstrap_failures_count() -> None:
     t = metrics.Targets(
         "http://p",

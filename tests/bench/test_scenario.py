@@ -119,3 +119,43 @@ def test_control_characters_and_unbounded_numbers_are_refused(tmp_path: Path) ->
     assert "$.bench.scenarios[0].name" in text
     assert "$.bench.scenarios[0].output" in text
     assert "$.bench.scenarios[0].concurrency[0]" in text
+
+
+def test_shared_prefix_and_conversations_reach_the_generator(tmp_path: Path) -> None:
+    from hgxserve.bench.generator import RoundArgs, argv
+
+    path = _copy_topology(
+        tmp_path,
+        "bench:\n  scenarios:\n"
+        "    - {name: chat, api: chat, input: 24, output: 8, concurrency: [4],\n"
+        "       shared_prefix: {prompts: 2, tokens: 96}, conversations: {count: 6, turns: 3}}\n",
+    )
+    (chat,) = load_bench(path).scenarios
+    assert (chat.prefix_prompts, chat.prefix_tokens) == (2, 96)
+    assert (chat.conversations, chat.turns) == (6, 3)
+    assert chat.to_dict()["conversations"] == {"count": 6, "turns": 3}
+    cmd = argv(RoundArgs("http://p", "m", chat, chat.load_points()[0], 1, tmp_path))
+    at = {flag: cmd[i + 1] for i, flag in enumerate(cmd[:-1]) if flag.startswith("--")}
+    assert at["--num-prefix-prompts"] == "2" and at["--prefix-prompt-length"] == "96"
+    assert at["--conversation-num"] == "6" and at["--conversation-turn-mean"] == "3"
+    assert at["--conversation-turn-stddev"] == "0"
+    plain = load_bench(DEMO_PD).scenarios[0]
+    assert "--num-prefix-prompts" not in argv(
+        RoundArgs("http://p", "m", plain, plain.load_points()[0], 1, tmp_path)
+    )
+
+
+def test_conversations_need_chat_and_bounded_turns(tmp_path: Path) -> None:
+    cases = {
+        "{name: multi, input: 24, output: 8, concurrency: [1],"
+        " conversations: {count: 2, turns: 2}}":
+            "$.bench.scenarios[0].conversations: multi-turn conversations need api: chat",
+        "{name: big, api: chat, input: 24, output: 8, concurrency: [1],"
+        " conversations: {count: 2, turns: 65}}":
+            "$.bench.scenarios[0].conversations.turns: must be <= 64",
+    }  # fmt: skip
+    for scenario, want in cases.items():
+        path = _copy_topology(tmp_path, f"bench:\n  scenarios:\n    - {scenario}\n")
+        with pytest.raises(TopologyError) as exc:
+            load_bench(path)
+        assert any(want in e for e in _errors(exc)), _errors(exc)
