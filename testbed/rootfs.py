@@ -59,6 +59,9 @@ PACKAGES = (
     "prometheus-node-exporter",
     "nftables",
     "python3-zmq",
+    # what python3-zmq needs through the virtual python3-cffi-backend-api-*, which debootstrap
+    # does not resolve by itself (as with podman's netavark)
+    "python3-cffi-backend",
     "python3-msgpack",
 )
 # Units of preinstalled packages that only a deploy stage may enable and start.

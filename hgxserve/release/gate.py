@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 import urllib.error
 import urllib.request
@@ -215,8 +216,11 @@ def _padded(prompt: str, length: str, words: int) -> str:
     """The probe's prompt, for `long` preceded by filler so the proxy routes it through P/D."""
     if length == "short":
         return prompt
+    # a fresh first line: no engine holds this prompt's prefix, so a KV-aware proxy sees every
+    # token uncached and sends it through a prefill (never `pd-local`; docs/proxy.md)
+    fresh = f"Probe {secrets.token_hex(8)}."
     filler = " ".join(f"Context line {i} can be ignored." for i in range(words // 5 + 1))
-    return f"{filler}\n{prompt}"
+    return f"{fresh} {filler}\n{prompt}"
 
 
 def _check_answer(spec: GateSpec, text: str, what: str) -> None:

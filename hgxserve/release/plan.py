@@ -14,7 +14,7 @@ from hgxserve.render.proxy import drain_bound_s, proxy_drains
 from hgxserve.topology import Topology
 from hgxserve.topology.model import Engine, Proxy, SecretRef
 from hgxserve.topology.ports import engine_url, proxy_url
-from hgxserve.topology.wiring import METRICS_KEY_CREDENTIAL, proxy_key_credential
+from hgxserve.topology.wiring import METRICS_KEY_CREDENTIAL, proxy_key_credential, proxy_protocol
 
 
 @dataclass
@@ -70,7 +70,17 @@ def gate_prompt_words(topo: Topology, proxy: Proxy) -> int:
         if isinstance(topo.engines[n].args.get("max_model_len"), int)
     ]
     fits = min(lengths, default=1 << 30) // 16
-    return max(proxy.pd_min_prompt_tokens * 2, min(64, fits))
+    return max(proxy.pd_min_prompt_tokens * 2, min(64, fits), _remote_prefill_words(topo, proxy))
+
+
+def _remote_prefill_words(topo: Topology, proxy: Proxy) -> int:
+    """Words that carry a probe past a KV-aware vLLM route's uncached-token threshold (under it
+    the decode prefills locally, `pd-local`, and the gate would see no KV move); 0 otherwise.
+    Rule pd-remote-prefill-threshold keeps the threshold below the decodes' max_model_len."""
+    if proxy.kind != "hgxserve" or proxy_protocol(topo) != "vllm-nixl":
+        return 0
+    kv_aware = any(proxy.route_policy(r) != "least-outstanding" for r in proxy.routes)
+    return proxy.routing.pd_remote_prefill_min_uncached_tokens + 1 if kv_aware else 0
 
 
 def gate_spec(topo: Topology) -> dict[str, object] | None:

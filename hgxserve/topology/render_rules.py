@@ -20,6 +20,7 @@ from hgxserve.topology.wiring import (
     keyed_by_proxy,
     route_engines,
 )
+from hgxserve.topology.wiring import proxy_protocol as proxy_protocol_of
 
 # What `hgxserve proxy serve` accepts (hgxserve.proxy.config: limits.max_body_bytes >= 1 KiB and
 # <= max_buffered_body_bytes, 512 MiB by default; timeouts >= 0.01 s); tests/render keeps these
@@ -200,3 +201,40 @@ def kv_events_sglang_dp(topo: Topology, engine: Engine) -> Iterator[Finding]:
             "bind one port; set args.enable_dp_attention: true, or give its route policy "
             "approximate or least-outstanding",
         )
+
+
+def _threshold_path(topo: Topology) -> tuple[str, ...]:
+    routing = (topo.raw.get("proxy") or {}).get("routing") or {}
+    if "pd_remote_prefill_min_uncached_tokens" in routing:
+        return ("proxy", "routing", "pd_remote_prefill_min_uncached_tokens")
+    return ("proxy",)
+
+
+@proxy_rule(
+    "pd-remote-prefill-threshold",
+    "error",
+    "A KV-aware vLLM P/D route can send prompts to its prefills: the uncached-token threshold "
+    "under which a decode prefills locally is below its decodes' max_model_len.",
+    kinds=("hgxserve",),
+)
+def pd_remote_prefill_threshold(topo: Topology, proxy: Proxy) -> Iterator[Finding]:
+    if proxy_protocol_of(topo) != "vllm-nixl":
+        return  # SGLang routes always prefill on the prefill engine
+    threshold = proxy.routing.pd_remote_prefill_min_uncached_tokens
+    for index, route in enumerate(proxy.routes):
+        if proxy.route_policy(route) == "least-outstanding":
+            continue
+        lengths = [
+            int(topo.engines[n].args["max_model_len"])
+            for n in route.decode
+            if n in topo.engines and isinstance(topo.engines[n].args.get("max_model_len"), int)
+        ]
+        if lengths and threshold >= min(lengths):
+            yield (
+                _threshold_path(topo),
+                f"route {index} (policy {proxy.route_policy(route)}) sends a prompt to its "
+                f"prefills only when at least {threshold} of its tokens are uncached on the "
+                f"chosen decode, but its decodes take at most {min(lengths)} tokens "
+                "(max_model_len): every request would prefill on its decode; lower "
+                "proxy.routing.pd_remote_prefill_min_uncached_tokens below that",
+            )

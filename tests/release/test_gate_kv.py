@@ -3,6 +3,7 @@ tokens by source, with what carried the KV across hosts said beside it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,9 +71,9 @@ def test_transfers_without_prompt_tokens_from_kv_fail_the_gate() -> None:
         vllm_kv_evidence(before, after, GateSpec("http://p", "tiny"))
 
 
-def test_p_d_probes_fit_a_small_context() -> None:
+def test_p_d_probes_fit_a_small_context(tmp_path: Path) -> None:
     from hgxserve.release.plan import gate_prompt_words, gate_spec
-    from hgxserve.topology import load_topology
+    from hgxserve.topology import Topology, load_topology
 
     # max_model_len 256 (the tiny Llama on CPU): 16 words, not 64 (~360 tokens of its tokenizer)
     cpu = load_topology(str(REPO / "topologies/demo/demo-vllm-cpu-pd.yml"))
@@ -83,5 +84,21 @@ def test_p_d_probes_fit_a_small_context() -> None:
     # the proxy's split still decides: demo-pd sends prompts under 64 tokens to combined
     pd = load_topology(str(REPO / "topologies/demo/demo-pd.yml"))
     assert pd.proxy is not None and gate_prompt_words(pd, pd.proxy) == 128
-    real = load_topology(str(REPO / "topologies/h20-v4flash-4p4d.yml"))  # max_model_len 204800
-    assert real.proxy is not None and gate_prompt_words(real, real.proxy) == 64
+    # a KV-aware route prefills on its decode under pd_remote_prefill_min_uncached_tokens: the
+    # probes carry at least that many words (a word is one token or more)
+    raised = pd.raw | {"proxy": pd.raw["proxy"] | {"pd_min_prompt_tokens": 0}}
+    raised["proxy"]["routing"] = {"pd_remote_prefill_min_uncached_tokens": 200}
+    wide = dict(raised, defaults=raised["defaults"] | {"args": {"max_model_len": 8192}})
+    def _load_raw(data: dict) -> Topology:
+        path = tmp_path / "t.yml"
+        path.write_text(json.dumps(data))
+        return load_topology(str(path))
+
+    kv = _load_raw(wide)
+    assert kv.proxy is not None and gate_prompt_words(kv, kv.proxy) == 201
+    wide["proxy"]["routing"]["policy"] = "least-outstanding"
+    plain = _load_raw(wide)
+    assert plain.proxy is not None and gate_prompt_words(plain, plain.proxy) == 64
+    # max_model_len 204800, policy kv-events by default: past the 512-token local-prefill bound
+    real = load_topology(str(REPO / "topologies/h20-v4flash-4p4d.yml"))
+    assert real.proxy is not None and gate_prompt_words(real, real.proxy) == 513

@@ -60,8 +60,8 @@ def test_the_proxy_host_with_only_loopback_engines_gets_no_table(tmp_path: Path)
     path = _variant(tmp_path, "")
     path.write_text(
         path.read_text().replace(
-            "combined: [combined-0]",
-            "combined: [combined-0]\n  routing: {policy: least-outstanding}",
+            "    pd_remote_prefill_min_uncached_tokens: 32",
+            "    pd_remote_prefill_min_uncached_tokens: 32\n    policy: least-outstanding",
         )
     )
     topo = load_topology(path)

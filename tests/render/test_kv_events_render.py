@@ -88,7 +88,7 @@ def test_proxy_json_routing_has_every_key_with_the_schema_defaults() -> None:
         "tokenizer_dir": "/models/tiny",  # hgx-c runs combined-0: its weights are there
         "inflight_token_weight": 1.0,
         "sticky_max_wait_ratio": 2.0,
-        "pd_remote_prefill_min_uncached_tokens": 512,
+        "pd_remote_prefill_min_uncached_tokens": 32,  # demo-pd's own (max_model_len 256)
         "pair_max_inflight_tokens": 0,
         "combined_max_inflight_tokens": 0,
         "approx_ttl_s": 300,
@@ -109,8 +109,14 @@ def test_per_route_and_combined_policies_reach_proxy_json(tmp_path: Path) -> Non
         tmp_path,
         "demo/demo-pd.yml",
         "combined: [combined-0]",
-        "combined: [combined-0]\n  combined_policy: approximate\n"
-        "  routing: {policy: kv-events, inflight_token_weight: 0.5, approx_ttl_s: 60}",
+        "combined: [combined-0]\n  combined_policy: approximate",
+    )
+    path.write_text(
+        path.read_text().replace(
+            "    pd_remote_prefill_min_uncached_tokens: 32",
+            "    pd_remote_prefill_min_uncached_tokens: 32\n    policy: kv-events\n"
+            "    inflight_token_weight: 0.5\n    approx_ttl_s: 60",
+        )
     )
     text = path.read_text().replace(
         "- {prefill: [prefill-0], decode: [decode-0]}",
