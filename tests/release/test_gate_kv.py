@@ -89,6 +89,7 @@ def test_p_d_probes_fit_a_small_context(tmp_path: Path) -> None:
     raised = pd.raw | {"proxy": pd.raw["proxy"] | {"pd_min_prompt_tokens": 0}}
     raised["proxy"]["routing"] = {"pd_remote_prefill_min_uncached_tokens": 200}
     wide = dict(raised, defaults=raised["defaults"] | {"args": {"max_model_len": 8192}})
+
     def _load_raw(data: dict) -> Topology:
         path = tmp_path / "t.yml"
         path.write_text(json.dumps(data))
