@@ -3,8 +3,18 @@
 Compares, at concurrency 1, 64 and 512 (non-streaming /v1/completions, 8 output tokens, engines
 with zero simulated compute so the proxy is what is measured):
   direct    client -> decode engine (no proxy, no prefill hop: the floor)
-  hgxserve  client -> `hgxserve proxy serve` -> prefill, then decode (vLLM NIXL protocol)
-  vllm-router  client -> `vllm-router --vllm-pd-disaggregation` -> prefill, then decode
+  hgxserve  client -> `hgxserve proxy serve` -> prefill, then decode (vLLM NIXL protocol;
+            routing policy least-outstanding, the default)
+  hgxserve-kv  the same proxy with routing policy kv-events and a tokenizer: every prompt is
+            tokenized (a byte-level BPE with a 32,000-token vocabulary and a Llama-3-style chat
+            template, trained here as benchmarks/bench_kv_index.py does) and matched against
+            the KV index; pd_remote_prefill_min_uncached_tokens 0 so that every request still
+            takes the prefill-then-decode path of the other targets (the simulated engines here
+            publish no KV events: the index stays empty, event ingestion is not measured)
+  vllm-router  client -> `vllm-router --vllm-pd-disaggregation --policy round_robin` -> prefill,
+            then decode
+  vllm-router-cache  the same with `--policy cache_aware` (its prefix-tree router: the
+            cache-aware counterpart of hgxserve-kv)
   toy-proxy client -> an equivalent of vLLM's example proxy (toy_proxy_server.py architecture:
             FastAPI + uvicorn + httpx.AsyncClient, benchmarks/baselines/toy_pd_proxy.py)
             -> prefill, then decode
@@ -25,7 +35,11 @@ Scratch venvs for the two baselines (kept out of the project's dependencies):
 Prints, per target and concurrency: p50/p99/mean latency, latency added over direct
 (p50/p99), req/s, errors, and the proxy process's CPU time per request (user+sys from
 /proc/<pid>/stat), pooled over --rounds rounds in which the targets take turns (so load from
-elsewhere hits all of them alike).
+elsewhere hits all of them alike). Then the tokenizer's share of hgxserve-kv's CPU: the
+benchmark's own prompt tokenized here, in this process, with the proxy's PromptTokenizer
+(CPU time per call: back to back, and 1 ms apart as at C=1, where caches are cold), over
+hgxserve-kv's CPU per request; and hgxserve-kv's CPU over hgxserve's (least-outstanding) in the
+same run: the tokenizer and the KV decision together.
 """
 
 from __future__ import annotations
@@ -50,6 +64,45 @@ SIMENGINE = ROOT / "testbed" / "simengine.py"
 TOY_PROXY = ROOT / "benchmarks" / "baselines" / "toy_pd_proxy.py"
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+BODY = {
+    "model": "m",
+    "prompt": "benchmark prompt " * 16,
+    "max_tokens": 8,
+    "ignore_eos": True,
+    "temperature": 0,
+}
+
+
+def kv_tokenizer(directory: Path) -> None:
+    """The tokenizer hgxserve-kv loads: bench_kv_index's BPE, trained on this repository."""
+    from bench_kv_index import build_tokenizer, corpus
+
+    build_tokenizer(directory, corpus())
+
+
+def tokenize_ms(directory: Path) -> tuple[float, float, int]:
+    """CPU ms of one tokenization of the benchmark's prompt: back to back (warm caches) and
+    with 1 ms asleep between calls (as at C=1: the sleep's own CPU subtracted), each the least
+    of 3 rounds; and the prompt's token count."""
+    from hgxserve.proxy.tokens import PromptTokenizer
+
+    tok = PromptTokenizer.load(str(directory))
+
+    def per_call(n: int, nap: float, work: bool) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            for _ in range(n):
+                if work:
+                    tok.prompt_ids(BODY, "completion")
+                if nap:
+                    time.sleep(nap)
+            best = min(best, (time.process_time() - t0) / n)
+        return best * 1e3
+
+    warm = per_call(2000, 0, True)
+    spaced = per_call(300, 0.001, True) - per_call(300, 0.001, False)
+    return warm, spaced, len(tok.prompt_ids(BODY, "completion"))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -62,13 +115,7 @@ def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[by
 
 
 async def load(url: str, concurrency: int, total: int) -> tuple[list[float], int, float]:
-    body = {
-        "model": "m",
-        "prompt": "benchmark prompt " * 16,
-        "max_tokens": 8,
-        "ignore_eos": True,
-        "temperature": 0,
-    }
+    body = BODY
     latencies: list[float] = []
     errors = 0
     left = total
@@ -96,6 +143,23 @@ async def load(url: str, concurrency: int, total: int) -> tuple[list[float], int
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t_start
     return latencies, errors, wall
+
+
+def start_proxy(
+    command: list[str],
+    config: dict[str, Any],
+    work: Path,
+    name: str,
+    env: dict[str, str],
+    procs: list[subprocess.Popen[bytes]],
+) -> subprocess.Popen[bytes]:
+    """`<command> proxy serve` with `config` (added to `procs`), once it answers /health."""
+    (work / f"{name}.json").write_text(json.dumps(config))
+    cmd = [*command, "proxy", "serve", "--config", str(work / f"{name}.json")]
+    proc = start([*cmd, "--log-level", "warning"], env, work / f"{name}.log")
+    procs.append(proc)
+    wait_http(f"http://127.0.0.1:{config['listen']['port']}/health")
+    return proc
 
 
 def main() -> int:
@@ -127,7 +191,11 @@ def main() -> int:
     }
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        ports = {k: free_port() for k in ("prefill", "decode", "hgxserve", "base", "router", "toy")}
+        names = ("prefill", "decode", "hgxserve", "kv", "base", "base-kv", "toy")
+        ports = {k: free_port() for k in (*names, "vllm-router", "vllm-router-cache")}
+        tok_dir = work / "tokenizer"
+        tok_dir.mkdir()
+        kv_tokenizer(tok_dir)
         for role, kv in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             eng_env = {
                 **env,
@@ -167,69 +235,64 @@ def main() -> int:
             # eject an engine mid-run (all proxies get the same configuration)
             "health": {"interval_s": 5, "timeout_s": 10},
         }
-        (work / "proxy.json").write_text(json.dumps(config))
-        px = start(
-            [
-                str(HGXSERVE),
-                "proxy",
-                "serve",
-                "--config",
-                str(work / "proxy.json"),
-                "--log-level",
-                "warning",
-            ],
-            env,
-            work / "hgxserve.log",
-        )
-        procs.append(px)
-        wait_http(f"http://127.0.0.1:{ports['hgxserve']}/health")
+        px = start_proxy([str(HGXSERVE)], config, work, "hgxserve", env, procs)
         targets["hgxserve"] = (f"http://127.0.0.1:{ports['hgxserve']}", px.pid)
+        kv_config = {
+            **config,
+            "listen": {"host": "127.0.0.1", "port": ports["kv"]},
+            "routing": {
+                "policy": "kv-events",
+                "tokenizer_dir": str(tok_dir),
+                "pd_remote_prefill_min_uncached_tokens": 0,
+            },
+        }
+        kp = start_proxy([str(HGXSERVE)], kv_config, work, "hgxserve-kv", env, procs)
+        targets["hgxserve-kv"] = (f"http://127.0.0.1:{ports['kv']}", kp.pid)
         if args.baseline_tree:
             base_cfg = {**config, "listen": {"host": "127.0.0.1", "port": ports["base"]}}
-            (work / "base.json").write_text(json.dumps(base_cfg))
-            bp = start(
-                [
-                    *baseline_command(args.baseline_tree),
-                    "proxy",
-                    "serve",
-                    "--config",
-                    str(work / "base.json"),
-                    "--log-level",
-                    "warning",
-                ],
-                env,
-                work / "base.log",
+            bp = start_proxy(
+                baseline_command(args.baseline_tree), base_cfg, work, "base", env, procs
             )
-            procs.append(bp)
-            wait_http(f"http://127.0.0.1:{ports['base']}/health")
             targets["hgxserve@base"] = (f"http://127.0.0.1:{ports['base']}", bp.pid)
+            base_kv = {**kv_config, "listen": {"host": "127.0.0.1", "port": ports["base-kv"]}}
+            bk = start_proxy(
+                baseline_command(args.baseline_tree), base_kv, work, "base-kv", env, procs
+            )
+            targets["hgxserve-kv@base"] = (f"http://127.0.0.1:{ports['base-kv']}", bk.pid)
         router_note = "not run (pass --vllm-router PATH)"
         if args.vllm_router:
-            rt = start(
-                [
-                    args.vllm_router,
-                    "--vllm-pd-disaggregation",
-                    "--prefill",
-                    prefill_url,
-                    "--decode",
-                    decode_url,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(ports["router"]),
-                    "--policy",
-                    "round_robin",
-                ],
-                env,
-                work / "router.log",
-            )
-            procs.append(rt)
-            try:
-                wait_http(f"http://127.0.0.1:{ports['router']}/health", 60)
-                targets["vllm-router"] = (f"http://127.0.0.1:{ports['router']}", rt.pid)
-                router_note = "run"
-            except SystemExit:
-                router_note = f"failed to start: see {work / 'router.log'}"
+            router_note = "run"
+            for name, policy in (
+                ("vllm-router", "round_robin"),
+                ("vllm-router-cache", "cache_aware"),
+            ):
+                rt = start(
+                    [
+                        args.vllm_router,
+                        "--vllm-pd-disaggregation",
+                        "--prefill",
+                        prefill_url,
+                        "--decode",
+                        decode_url,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(ports[name]),
+                        "--policy",
+                        policy,
+                        # each its own metrics port (both would take 29000)
+                        "--prometheus-port",
+                        str(free_port()),
+                    ],
+                    env,
+                    work / f"{name}.log",
+                )
+                procs.append(rt)
+                try:
+                    wait_http(f"http://127.0.0.1:{ports[name]}/health", 60)
+                    targets[name] = (f"http://127.0.0.1:{ports[name]}", rt.pid)
+                except SystemExit:
+                    router_note = f"{name} failed to start: see {work / (name + '.log')}"
         toy_note = "not run (pass --toy-proxy-python PATH)"
         if args.toy_proxy_python:
             toy = start(
@@ -300,6 +363,11 @@ def main() -> int:
             for line in text.splitlines()
             if line.startswith("vllm:nixl_xfer_time_seconds_count")
         )
+        with urllib.request.urlopen(targets["hgxserve-kv"][0] + "/metrics") as r:
+            kv_text = r.read().decode()
+        matched = [
+            line for line in kv_text.splitlines() if line.startswith("hgxserve_proxy_prompt_match")
+        ]
         fails = sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
@@ -331,6 +399,22 @@ def main() -> int:
             f"{r['add50'] * 1e3:>9.2f}{r['add99'] * 1e3:>9.2f}{r['rps']:>9.0f}{r['errors']:>5}"
             f"{r['cpu_ms']:>11.3f}"
         )
+    warm, spaced, tok_n = tokenize_ms(tok_dir)
+    print(
+        f"tokenizer: the prompt ({tok_n} tokens) costs {warm:.4f} CPU ms per tokenization back "
+        f"to back, {spaced:.4f} with 1 ms between calls"
+    )
+    least = {(r["target"].replace("hgxserve", ""), r["c"]): r["cpu_ms"] for r in rows}
+    for r in rows:
+        if r["target"].startswith("hgxserve-kv"):
+            extra = r["cpu_ms"] - least.get((r["target"].replace("hgxserve-kv", ""), r["c"]), 0)
+            print(
+                f"  {r['target']} C={r['c']}: {r['cpu_ms']:.3f} CPU ms/req; tokenizer "
+                f"{warm / r['cpu_ms'] * 100:.0f}-{spaced / r['cpu_ms'] * 100:.0f} % (back to "
+                f"back - spaced); over least-outstanding {extra:+.3f} ms "
+                f"({extra / r['cpu_ms'] * 100:.0f} %: tokenizer + decision)"
+            )
+    print("hgxserve-kv prompts matched by:", "; ".join(matched))
     print(
         f"decode NIXL transfers: {xfers:.0f} successful, {fails:.0f} failed "
         "(direct requests carry no KV params and transfer nothing)"

@@ -151,6 +151,8 @@ class Router:
             for inst in prefills + decodes:
                 self.policy_of[inst] = group.policy or routing.policy
                 self.group_of[inst] = gi
+        # the pool's instances are fixed for this router's life (a reload builds both anew)
+        self.decodes = [d for _, ds in pool.groups for d in ds]
         used = set(self.policy_of.values())
         self.simple = used <= {LEAST}
         self.tokenizer = (
@@ -209,9 +211,8 @@ class Router:
 
     def plan(self, body: dict[str, Any], endpoint: str) -> Plan:
         """What routing needs of a request body: tokens, and its prefix key (policy's own)."""
-        estimate = estimate_prompt_tokens(body, self.routing.bytes_per_token)
         if self.simple:
-            return Plan(estimate)
+            return Plan(estimate_prompt_tokens(body, self.routing.bytes_per_token))
         if self.tokenizer is not None:
             try:
                 ids = self.tokenizer.prompt_ids(body, endpoint)
@@ -220,6 +221,7 @@ class Router:
             except Exception:  # any failure at all: this request is matched approximately
                 self._path("tokenizer-failed")
         self._path("approximate")
+        estimate = estimate_prompt_tokens(body, self.routing.bytes_per_token)
         chunks = text_chain(prompt_text(body))
         return Plan(estimate, estimate + output_bound(body), chunks=chunks)
 
@@ -251,8 +253,11 @@ class Router:
         """The candidate by cache and load: the best-cached one keeps the request unless its
         wait passes sticky_max_wait_ratio x the least wait (then the least wait takes it)."""
         live = [i for i in cands if i.healthy and i not in exclude]
-        if not live:
-            return None
+        if len(live) <= 1:  # none, or one: no other to weigh it against
+            if not live:
+                return None
+            cached = self.cached(live[0], plan)
+            return Pick(live[0], cached, "cache-hit" if cached else "no-cache")
         scored = [(i, self.cached(i, plan)) for i in live]
         waits = {i: self.wait(i, plan, c) for i, c in scored}
         best, best_cached = min(scored, key=lambda s: (waits[s[0]], *s[0].sort_key()))
@@ -281,7 +286,7 @@ class Router:
         pool, routing = self.pool, self.routing
         long = bool(pool.groups) and (plan.tokens >= routing.pd_min_prompt_tokens
                                       or not pool.combined)  # fmt: skip
-        pd_full = self._full(self._decodes(), routing.pair_max_inflight_tokens, exclude)
+        pd_full = self._full(self.decodes, routing.pair_max_inflight_tokens, exclude)
         combined_full = self._full(pool.combined, routing.combined_max_inflight_tokens, exclude)
         decision: Decision | None
         if long:
@@ -300,17 +305,16 @@ class Router:
                 decision = self._pd(plan, exclude, "no-combined", route="fallback")
         if decision is None and self.config.protocol == "vllm-nixl":
             # a NIXL decode engine can prefill locally: slower, but it answers
-            got = self.pick(self._decodes(), plan, exclude)
+            got = self.pick(self.decodes, plan, exclude)
             if got:
                 decision = Decision("fallback", target=got.inst, reason="no-prefill")
         return decision
 
-    def _decodes(self) -> list[Instance]:
-        return [d for _, ds in self.pool.groups for d in ds]
-
     def _full(self, insts: list[Instance], bound: int, exclude: set[Instance]) -> bool:
+        if not bound:
+            return False
         live = [i for i in insts if i.healthy and i not in exclude]
-        return bool(bound) and bool(live) and all(i.inflight_tokens >= bound for i in live)
+        return bool(live) and all(i.inflight_tokens >= bound for i in live)
 
     def _combined(
         self, plan: Plan, exclude: set[Instance], route: str, reason: str
@@ -332,7 +336,7 @@ class Router:
             for gi, (prefills, _) in enumerate(self.pool.groups)
             if any(p.healthy and p not in exclude for p in prefills)
         }
-        decodes = [d for d in self._decodes() if self.group_of[d] in live_groups]
+        decodes = [d for d in self.decodes if self.group_of[d] in live_groups]
         got = self.pick(decodes, plan, exclude)
         if got is None:
             return None

@@ -19,7 +19,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from hgxserve.proxy.tokprefix import PrefixCache
+from hgxserve.proxy.tokprefix import PrefixCache, fast_ids
 
 # Bounds on what is read from the tokenizer directory: the largest tokenizer.json files in use
 # are ~35 MB (Gemma's 256k vocabulary; Llama 3 ~9 MB, DeepSeek ~8 MB); tokenizer_config.json
@@ -151,8 +151,7 @@ class PromptTokenizer:
         return text
 
     def encode(self, text: str, special: bool) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=special).ids
-        return ids
+        return fast_ids(self.tokenizer, text, special)
 
     def prompt_ids(self, body: dict[str, Any], endpoint: str) -> list[int]:
         """The request's prompt token ids: chat rendered and tokenized without added special

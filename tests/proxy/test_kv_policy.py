@@ -246,3 +246,24 @@ def test_fallbacks_when_a_side_is_down(tmp_path: Path) -> None:
     got = router.decide(long_plan)
     assert got is not None and (got.route, got.prefill) == ("pd", p1)
     assert router.decide(short_plan, exclude={d1, d2}) is None
+
+
+def test_one_live_candidate_is_picked_without_weighing(tmp_path: Path) -> None:
+    # the short way for one live candidate (the others down or excluded) gives what scoring
+    # them would: the candidate, its cached prefix, cache-hit or no-cache; none: no pick
+    router, pool = make(tmp_path, combined=[url(p) for p in (1, 2, 3)])
+    a, b, c = pool.combined
+    cache(router, b, PREFIX)
+    plan = prompt(router, PROMPT)
+    b.inflight_tokens = 10**9  # load does not matter when there is no other
+    got = router.pick(pool.combined, plan, exclude={a, c})
+    assert got is not None and (got.inst, got.cached, got.reason) == (b, 2000, "cache-hit")
+    c.healthy = False
+    got = router.pick(pool.combined, plan, exclude={b})
+    assert got is not None and (got.inst, got.cached, got.reason) == (a, 0, "no-cache")
+    assert router.pick(pool.combined, plan, exclude={a, b}) is None
+    assert router.pick([], plan, exclude=set()) is None
+    # and with two, the full weighing: the busy cached one loses on load
+    c.healthy = True
+    got = router.pick(pool.combined, plan, exclude={a})
+    assert got is not None and (got.inst, got.reason) == (c, "load")

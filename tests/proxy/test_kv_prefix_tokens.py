@@ -84,3 +84,26 @@ def test_memory_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         assert cache.tokens <= 5000
     held = {id(ids): len(ids) for ids, _ in cache.entries.values()}
     assert sum(held.values()) == cache.tokens and set(held) == set(cache.refs)
+
+
+@pytest.mark.parametrize("metaspace", [False, True])
+def test_ids_without_offsets_are_the_encode_ids(tmp_path: Path, metaspace: bool) -> None:
+    # tokprefix.fast_ids (encode_batch_fast of one text) must give tokenizer.encode's ids, with
+    # and without added special tokens (here a BOS by a post-processor), for any text
+    from tokenizers import Tokenizer, processors
+
+    write_bpe_tokenizer(tmp_path, metaspace=metaspace)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    bos = tok.token_to_id("<|im_start|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    rng = random.Random(5)
+    pieces = [*WORDS.split(), "<|im_start|>", "<|im_end|>", "\n", "  ", "日本語", "🙂", "\t"]
+    texts = ["", " ", "<|im_end|>"] + ["".join(rng.choices(pieces, k=rng.randint(1, 300)))
+                                        for _ in range(200)]  # fmt: skip
+    for text in texts:
+        for special in (False, True):
+            want = tok.encode(text, add_special_tokens=special).ids
+            assert tokprefix.fast_ids(tok, text, special) == want
+    assert tokprefix.fast_ids(tok, "the", True)[0] == bos  # the post-processor did run
