@@ -85,7 +85,7 @@ def test_proxy_json_routing_has_every_key_with_the_schema_defaults() -> None:
     assert routing == {
         "pd_min_prompt_tokens": 64,
         "policy": "kv-events",
-        "tokenizer_dir": "/models/tiny",  # hgx-c runs combined-0: its weights are there
+        "tokenizer_dir": None,  # demo-pd says tokenizer: none (its byte tokenizer)
         "inflight_token_weight": 1.0,
         "sticky_max_wait_ratio": 2.0,
         "pd_remote_prefill_min_uncached_tokens": 32,  # demo-pd's own (max_model_len 256)

@@ -145,8 +145,13 @@ def test_firewall_lets_the_proxy_host_and_the_engine_hosts_reach_kv_ports() -> N
 
 
 def test_tokenizer_from_the_weights_only_where_the_proxy_runs_an_engine(tmp_path: Path) -> None:
-    beside = load_topology(REPO / "topologies/demo/demo-pd.yml")
+    # demo-pd's proxy runs beside combined-0 (its weights are there); it says tokenizer: none
+    text = (REPO / "topologies/demo/demo-pd.yml").read_text()
+    path = tmp_path / "beside.yml"
+    path.write_text(text.replace("    tokenizer: none\n", ""))
+    beside = load_topology(path)
     assert proxy_tokenizer(beside)[0] == "/models/tiny"
+    assert proxy_tokenizer(load_topology(REPO / "topologies/demo/demo-pd.yml"))[0] is None
     apart = load_topology(REPO / "topologies/demo/demo-multinode.yml")
     directory, why = proxy_tokenizer(apart)
     assert directory is None
