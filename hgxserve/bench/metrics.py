@@ -311,12 +311,11 @@ def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, obje
         if e.engine == "vllm"
     )
     # a decode prefilling what the proxy routed to it alone (pd-local) is policy, not a lost
-    # transfer: its local tokens are then not counted as recomputed (failed transfers still are)
+    # transfer: its local tokens then make no round INVALID by themselves (they are reported;
+    # failed or expired transfers and failed handoffs still are)
     pd_local = _delta(before.proxy, after.proxy, PROXY_DECISIONS, {"route": PD_LOCAL})
     recomputed = 0.0
     for e in t.engines:
-        if pd_local:
-            break
         b, a = before.engines[e.name], after.engines[e.name]
         if e.role == "decode" and e.engine == "vllm" and total(a, LOCAL_PROMPT[0]):
             done = _delta(b, a, FINISHED[e.engine])
@@ -330,7 +329,7 @@ def kv_validity(t: Targets, before: Snapshot, after: Snapshot) -> dict[str, obje
         why.append(f"{failed:g} failed KV transfer(s)")
     if expired:
         why.append(f"{expired:g} request(s) whose KV expired on the prefill unpulled")
-    if recomputed:
+    if recomputed and not pd_local:
         why.append(f"{recomputed:g} prompt tokens recomputed by the decode")
     if handoffs["failed"]:
         why.append(f"{handoffs['failed']:g} handoff(s) failed at the proxy")

@@ -56,8 +56,7 @@ def markdown(tune: dict[str, Any], plots: list[Path]) -> str:
         "- score: output tok/s per GPU, per scenario its best load point, averaged over scenarios",
         "- scenarios: "
         + "; ".join(
-            f"{s['name']} {s['input']}/{s['output']} SLA "
-            + ", ".join(f"{k} {v}" for k, v in (s.get("sla") or {}).items() if v is not None)
+            f"{s['name']} {s['input']}/{s['output']} SLA {sla_text(s.get('sla') or {})}"
             for s in tune.get("scenarios") or []
         ),
         "",
@@ -150,3 +149,25 @@ def write(run_dir: Path, tune: dict[str, Any]) -> Path:
     path = run_dir / "report.md"
     path.write_text(markdown(doc, plot(tune, run_dir)))
     return path
+
+
+def sla_text(sla: dict[str, Any]) -> str:
+    """A scenario's SLA as its targets read, each latency at its statistic.
+
+    >>> sla_text({"percentile": 90, "ttft_statistic": "mean", "ttft_s": 3, "tpot_ms": 40})
+    'TTFT mean <= 3 s, TPOT p90 <= 40 ms'
+    """
+    default = sla.get("statistic") or f"p{sla.get('percentile', 90)}"
+    parts = []
+    if sla.get("ttft_s") is not None:
+        parts.append(f"TTFT {sla.get('ttft_statistic') or default} <= {sla['ttft_s']:g} s")
+    if sla.get("tpot_ms") is not None:
+        parts.append(f"TPOT {sla.get('tpot_statistic') or default} <= {sla['tpot_ms']:g} ms")
+    for key, op in (
+        ("prefill_tok_s_per_gpu", ">="),
+        ("output_tok_s_per_gpu", ">="),
+        ("error_rate", "<="),
+    ):
+        if sla.get(key) is not None:
+            parts.append(f"{key} {op} {sla[key]:g}")
+    return ", ".join(parts) or "none"

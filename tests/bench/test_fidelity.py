@@ -188,6 +188,7 @@ def test_pd_local_routing_is_policy_not_recompute() -> None:
     assert metrics.kv_validity(PD, before, after)["valid"] is False
     kv = metrics.kv_validity(PD, before, after_local)
     assert kv["valid"] is True and kv["pd_local_requests"] == 4, kv
+    assert kv["decode_recomputed_tokens"] == 12 + 512 - 16  # reported, not a reason
     failed = _snap(handoffs(ok=12), vllm(), vllm(prompt=2048, local=524, done=16, failed=1))
     kv = metrics.kv_validity(PD, before, metrics.Snapshot(failed.proxy + local, failed.engines))
     assert kv["valid"] is False and kv["failed_transfers"] == 1

@@ -122,6 +122,8 @@ def pd(prefills: int) -> str:
         engines
         + "proxy:\n  host: hgx-c\n  listen: 0.0.0.0:8000\n"
         + AUTH
+        # every prompt through a prefill (no pd-local): the simulated P/D speeds compare as such
+        + "  routing: {policy: least-outstanding}\n"
         + f"  routes:\n    - {{prefill: [{names}], decode: [decode-0]}}\n"
         + "warmup:\n  - {input: 128, output: 16, concurrency: 2}\n"
     )

@@ -21,8 +21,9 @@ KNOB = {
 
 
 def args(tp: int) -> list[str]:
+    # prefix caching off: both requests send one prompt, and a cached prefill would be skipped
     return ["serve", "/m", "--served-model-name", "m", "--max-model-len", "4096",
-            "--tensor-parallel-size", str(tp)]  # fmt: skip
+            "--tensor-parallel-size", str(tp), "--no-enable-prefix-caching"]  # fmt: skip
 
 
 def stream(url: str, max_tokens: int, out: list) -> None:

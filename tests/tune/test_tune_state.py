@@ -117,7 +117,9 @@ def test_the_estimate_uses_a_measured_start_when_the_lab_has_one() -> None:
         name = "t"
         engines = {"e": Engine()}
 
-    scenario = Scenario("s", 100, 10, concurrency=(2,), requests=4, warmup=2, sla=Sla(1, 1, 100))
+    scenario = Scenario(
+        "s", 100, 10, concurrency=(2,), requests=4, warmup=2, sla=Sla(ttft_s=1, tpot_ms=100)
+    )
     total, lines = estimate.estimate([Topo(), Topo()], [scenario], {})
     bench = estimate.bench_s([scenario])
     assert bench == 20.0 + 3 * 2.0
@@ -138,7 +140,7 @@ def test_the_report_lists_candidates_and_the_pruned_with_reasons(tmp_path: Path)
     tune["final"] = {"winner": "a", "left_on": "/x/a.yml", "why": "best", "deployed": True}
     tune["scenarios"] = [Scenario("a", 128, 64, concurrency=(4,), sla=Sla(tpot_ms=20)).to_dict()]
     path = report.write(tmp_path, tune)
-    assert "- scenarios: a 128/64 SLA percentile 90, tpot_ms 20" in path.read_text()
+    assert "- scenarios: a 128/64 SLA TPOT p90 <= 20 ms" in path.read_text()
     assert (tmp_path / "tune.png").stat().st_size > 0  # matplotlib is in the dev venv
     text = path.read_text()
     assert "| a | 8 | a | c4 | 42.0 | 100.0 | 200.0 | 10.0 | p90 | met | PASS |" in text
