@@ -211,6 +211,8 @@ def decode_batch(payload: bytes) -> Batch:
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise KVEventError(f"not msgpack: {exc}") from None
+    if isinstance(raw, dict):  # the batch as a map too (vLLM's newest layout)
+        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise KVEventError("not an EventBatch [ts, events, ...]")
     ts, events = raw[0], raw[1]

@@ -84,6 +84,11 @@ def test_map_layout_of_newer_vllm() -> None:
         Removed([hashes[1]], "GPU"),
         Cleared(),
     ]
+    # the batch itself as a map (vLLM's newest source)
+    as_map = msgpack.packb({"ts": 3.0, "events": [{"type": "AllBlocksCleared"}],
+                            "data_parallel_rank": 1})  # fmt: skip
+    got = decode_batch(as_map)
+    assert (got.ts, got.events, got.dp_rank) == (3.0, [Cleared()], 1)
     for bad in ({"type": "Nope"}, {"block_hashes": [1]}, {"type": "BlockRemoved"}):
         with pytest.raises(KVEventError):
             decode_batch(msgpack.packb([1.0, [bad]]))

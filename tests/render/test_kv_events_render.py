@@ -12,7 +12,7 @@ from hgxserve.base.paths import PROXY_CONFIG
 from hgxserve.render import render_host, render_topology
 from hgxserve.topology import load_topology
 
-# contract §2: the routing keys proxy.json carries, every one written out
+# the routing keys proxy.json carries (docs/proxy.md "KV-aware routing"), every one written out
 ROUTING_KEYS = {
     "pd_min_prompt_tokens",
     "policy",
