@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,12 @@ def seed_argv(text: str) -> list[str]:
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+def kv_demo_pd():  # -> Topology
+    """demo-pd routed with policy kv-events (the demo itself routes least-outstanding)."""
+    text = (ROOT / "topologies/demo/demo-pd.yml").read_text()
+    assert "    policy: least-outstanding" in text
+    path = Path(tempfile.mkdtemp(prefix="demo-pd-kv-")) / "demo-pd.yml"
+    path.write_text(text.replace("    policy: least-outstanding", "    policy: kv-events"))
+    return load_topology(path)

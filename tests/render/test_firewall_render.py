@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT, topology
+from conftest import ROOT, kv_demo_pd, topology
 
 from hgxserve.base.defaults import FABRIC_PERFTEST_PORT
 from hgxserve.base.paths import FIREWALL_FILE
@@ -37,7 +37,7 @@ def dropped(text: str) -> list[int]:
 
 
 def test_pd_prefill_port_reaches_its_peer_and_the_proxy_only() -> None:
-    text = render_firewall(topology("demo/demo-pd.yml"), "hgx-a")
+    text = render_firewall(kv_demo_pd(), "hgx-a")
     assert text is not None
     # one transaction: declare, delete, define (a second load replaces the table as a whole)
     assert text.index("table inet hgxserve\ndelete table inet hgxserve\ntable inet hgxserve {") > 0
@@ -58,12 +58,7 @@ def test_pd_prefill_port_reaches_its_peer_and_the_proxy_only() -> None:
 def test_the_proxy_host_with_only_loopback_engines_gets_no_table(tmp_path: Path) -> None:
     # combined-0 listens on loopback; with policy least-outstanding it publishes no KV events
     path = _variant(tmp_path, "")
-    path.write_text(
-        path.read_text().replace(
-            "    pd_remote_prefill_min_uncached_tokens: 32",
-            "    pd_remote_prefill_min_uncached_tokens: 32\n    policy: least-outstanding",
-        )
-    )
+    assert "    policy: least-outstanding" in path.read_text()  # demo-pd's own policy
     topo = load_topology(path)
     assert render_firewall(topo, "hgx-c") is None
     assert FIREWALL_FILE not in render_host(topo, "hgx-c").files
@@ -73,7 +68,7 @@ def test_the_proxy_host_with_only_loopback_engines_gets_no_table(tmp_path: Path)
 def test_a_kv_event_publisher_beside_the_proxy_is_filtered_to_its_host() -> None:
     # the engines bind a PUB endpoint only as a wildcard: the proxy dials it on loopback
     # (always accepted), every other host is dropped
-    text = render_firewall(topology("demo/demo-pd.yml"), "hgx-c")
+    text = render_firewall(kv_demo_pd(), "hgx-c")
     assert text is not None
     assert accepts(text) == {28300: {"10.77.0.13"}}
     assert dropped(text) == [28300]  # the replay listener binds loopback like the API

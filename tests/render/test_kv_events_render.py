@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import ROOT, flag_pairs, topology
+from conftest import ROOT, flag_pairs, kv_demo_pd, topology
 
 from hgxserve.base.paths import PROXY_CONFIG
 from hgxserve.render import render_host, render_topology
@@ -46,7 +46,7 @@ def _variant(tmp_path: Path, source: str, old: str, new: str) -> Path:
 
 
 def test_vllm_engine_beside_the_proxy_publishes_with_its_replay_on_loopback() -> None:
-    topo = topology("demo/demo-pd.yml")
+    topo = kv_demo_pd()
     assert _events_flag(topo, "hgx-c", "combined-0") == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -84,7 +84,7 @@ def test_proxy_json_routing_has_every_key_with_the_schema_defaults() -> None:
     assert set(routing) == ROUTING_KEYS
     assert routing == {
         "pd_min_prompt_tokens": 64,
-        "policy": "kv-events",
+        "policy": "least-outstanding",  # demo-pd's own (its P/D scenarios measure P/D)
         "tokenizer_dir": None,  # demo-pd says tokenizer: none (its byte tokenizer)
         "inflight_token_weight": 1.0,
         "sticky_max_wait_ratio": 2.0,
@@ -113,9 +113,8 @@ def test_per_route_and_combined_policies_reach_proxy_json(tmp_path: Path) -> Non
     )
     path.write_text(
         path.read_text().replace(
-            "    pd_remote_prefill_min_uncached_tokens: 32",
-            "    pd_remote_prefill_min_uncached_tokens: 32\n    policy: kv-events\n"
-            "    inflight_token_weight: 0.5\n    approx_ttl_s: 60",
+            "    policy: least-outstanding",
+            "    policy: kv-events\n    inflight_token_weight: 0.5\n    approx_ttl_s: 60",
         )
     )
     text = path.read_text().replace(

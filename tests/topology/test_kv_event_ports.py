@@ -148,7 +148,9 @@ def test_tokenizer_from_the_weights_only_where_the_proxy_runs_an_engine(tmp_path
     # demo-pd's proxy runs beside combined-0 (its weights are there); it says tokenizer: none
     text = (REPO / "topologies/demo/demo-pd.yml").read_text()
     path = tmp_path / "beside.yml"
-    path.write_text(text.replace("    tokenizer: none\n", ""))
+    path.write_text(
+        text.replace("    tokenizer: none\n", "").replace("    policy: least-outstanding\n", "")
+    )
     beside = load_topology(path)
     assert proxy_tokenizer(beside)[0] == "/models/tiny"
     assert proxy_tokenizer(load_topology(REPO / "topologies/demo/demo-pd.yml"))[0] is None
