@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,3 +73,17 @@ def testbed() -> Iterator[hosts.Testbed]:
             print(f"\ntestbed: leaving the test hosts up for pytest PIDs {others}", file=sys.stderr)
         elif os.environ.get("HGXSERVE_KEEP_TESTBED") != "1":
             hosts.down()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's own tokenizer, built locally with the bench venv (no hub download);
+    AIPerf counts the bench's prompts with it."""
+    dest = tmp_path_factory.mktemp("tokenizer")
+    subprocess.run(
+        [str(REPO / ".venv-aiperf/bin/python"), str(REPO / "testbed/tiny_llama.py"),
+         "--tokenizer-only", str(dest)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return dest

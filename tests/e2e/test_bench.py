@@ -74,18 +74,6 @@ def combined_url(lab: testbed_hosts.Testbed) -> Iterator[str]:
         tunnel.wait(10)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's own tokenizer, built locally (no hub download)."""
-    dest = tmp_path_factory.mktemp("tokenizer")
-    subprocess.run(
-        [str(AIPERF_PYTHON), str(REPO / "testbed/tiny_llama.py"), "--tokenizer-only", str(dest)],
-        check=True,
-        capture_output=True,
-    )
-    return dest
-
-
 COMBINED: list[str] = []  # combined-0 through the SSH tunnel, set by each test
 
 

@@ -166,17 +166,6 @@ def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
         testbed.ssh(name, demo.FORGET_RELEASES)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.mktemp("tokenizer")
-    subprocess.run(
-        [str(AIPERF_PYTHON), str(REPO / "testbed/tiny_llama.py"), "--tokenizer-only", str(dest)],
-        check=True,
-        capture_output=True,
-    )
-    return dest
-
-
 def tune_argv(spec: Path, out: Path, tokenizer: Path, key: Path, *extra: str) -> list[str]:
     return [str(HGXSERVE), "tune", str(spec), "--out", str(out), "--tokenizer", str(tokenizer),
             "--api-key-file", str(key), *extra]  # fmt: skip
