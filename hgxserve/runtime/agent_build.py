@@ -13,6 +13,7 @@ python3, 3.10 through 3.13 (`AGENT_PYTHONS`).
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from hgxserve.runtime.wheelhouse import (
     LAYOUT,
     LOCK_NAME,
     HostPlatform,
+    cache_lock,
     download_wheels,
     for_platform,
     hash_lock,
@@ -103,12 +105,18 @@ def controller_platform() -> HostPlatform:
 
 def _deps(platform: HostPlatform) -> Path:
     """The folder of dependency wheels for `platform`, downloaded once per pyproject.toml."""
-    deps_dir = CACHE / "deps" / _digest([REPO / "pyproject.toml"]) / platform.tag()
-    if not (deps_dir / ".complete").exists():
-        download_wheels(for_platform(_runtime_requirements(), platform), platform, deps_dir, [])
-        for own in deps_dir.glob("hgxserve-*.whl"):
-            own.unlink()
-        (deps_dir / ".complete").touch()
+    digest = _digest([REPO / "pyproject.toml"])
+    deps_dir = CACHE / "deps" / digest / platform.tag()
+    if (deps_dir / ".complete").exists():
+        return deps_dir
+    with cache_lock(f"agent-deps-{digest}-{platform.tag()}"):
+        if not (deps_dir / ".complete").exists():
+            shutil.rmtree(deps_dir, ignore_errors=True)  # a stopped download is not trusted
+            requirements = for_platform(_runtime_requirements(), platform)
+            download_wheels(requirements, platform, deps_dir, [])
+            for own in deps_dir.glob("hgxserve-*.whl"):
+                own.unlink()
+            (deps_dir / ".complete").touch()
     return deps_dir
 
 
@@ -122,16 +130,24 @@ def wheelhouse(platform: HostPlatform | None = None) -> tuple[Path, str]:
     digest = _digest(source_files())
     key = f"{digest}-{platform.tag()}"
     tarball = CACHE / f"agent-{key}.l{LAYOUT}.tar"
-    if not tarball.exists():
-        wheels = [*deps_dir.glob("*.whl"), *_own_wheel(digest)]
-        locks = CACHE / "locks" / key
-        locks.mkdir(parents=True, exist_ok=True)
-        lock = hash_lock([], wheels)
-        (locks / LOCK_NAME).write_text(lock)
-        own = [line for line in lock.splitlines() if line.startswith("hgxserve==")]
-        (locks / OWN_LOCK).write_text("\n".join(own) + "\n")
-        pack_wheels([*wheels, locks / LOCK_NAME, locks / OWN_LOCK], tarball)
+    if tarball.exists():
+        return tarball, key
+    with cache_lock(f"agent-{key}"):
+        if not tarball.exists():
+            _pack_agent(deps_dir, digest, key, tarball)
     return tarball, key
+
+
+def _pack_agent(deps_dir: Path, digest: str, key: str, tarball: Path) -> None:
+    """The agent's tarball: the dependency wheels, hgxserve's own and their hash locks."""
+    wheels = [*deps_dir.glob("*.whl"), *_own_wheel(digest)]
+    locks = CACHE / "locks" / key
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = hash_lock([], wheels)
+    (locks / LOCK_NAME).write_text(lock)
+    own = [line for line in lock.splitlines() if line.startswith("hgxserve==")]
+    (locks / OWN_LOCK).write_text("\n".join(own) + "\n")
+    pack_wheels([*wheels, locks / LOCK_NAME, locks / OWN_LOCK], tarball)
 
 
 def _own_wheel(digest: str) -> list[Path]:
@@ -154,6 +170,10 @@ def _own_wheel(digest: str) -> list[Path]:
                     )
                 elif path.exists():
                     shutil.copy2(path, src / name)
-            _pip_wheel(["--no-deps", str(src)], own_dir)
+            _pip_wheel(["--no-deps", str(src)], Path(tmp) / "out")
+            # moved in whole: another deploy building the same sources never sees half a wheel
+            own_dir.mkdir(parents=True, exist_ok=True)
+            for wheel in (Path(tmp) / "out").glob("hgxserve-*.whl"):
+                os.replace(wheel, own_dir / wheel.name)
         built = sorted(own_dir.glob("hgxserve-*.whl"))
     return built

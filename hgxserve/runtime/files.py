@@ -11,6 +11,7 @@ topology's pinned sha256, or nothing is shipped.
 from __future__ import annotations
 
 import hashlib
+import os
 import urllib.request
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def local_copy(spec: TopologyFile, cache: Path | None = None) -> Path:
         raise FileSourceError(
             f"files.{spec.name}: {spec.source} has sha256 {actual}, the topology pins {spec.sha256}"
         )
-    partial = target.with_suffix(".part")
+    partial = target.with_name(f".{target.name}.{os.getpid()}.part")  # one per writer
     partial.write_bytes(data)
     partial.replace(target)
     return target

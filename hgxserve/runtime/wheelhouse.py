@@ -16,15 +16,20 @@ downloaded (transitive dependencies included) and nothing that would build from 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +38,26 @@ from hgxserve.base.compat import file_sha256
 CACHE = Path(os.environ.get("HGXSERVE_CONTROLLER_CACHE", "/var/cache/hgxserve-controller"))
 LOCK_NAME = "requirements.lock"  # in every runtime wheelhouse: the hash-pinned install set
 LAYOUT = 2  # in the key: wheelhouses from before the lock are never reused
+
+
+_PROCESS_LOCKS: dict[str, threading.Lock] = {}
+
+
+@contextlib.contextmanager
+def cache_lock(name: str, cache: Path | None = None) -> Iterator[None]:
+    """Hold the controller cache's lock on `name` (one wheelhouse, one download folder).
+
+    Several deploys can run from one controller at once (two pyinfra runs, two labs, a tune's
+    candidates): the first builds an entry while the others wait, then find it done; none
+    reads or packs the other's half-downloaded files.
+    """
+    path = (cache or CACHE) / ".locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Within one process first: pyinfra runs each host in a gevent greenlet, and a second
+    # greenlet blocking in flock(2) would stop the whole process, the holder included.
+    with _PROCESS_LOCKS.setdefault(str(path), threading.Lock()), path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _canonical(name: str) -> str:
@@ -75,7 +100,7 @@ def hash_lock(requirements: tuple[str, ...] | list[str], wheels: list[Path]) -> 
 def pack_wheels(wheels: list[Path], tarball: Path) -> None:
     """One flat, reproducible tar of `wheels` (sorted, no times or owners), written atomically
     and streamed, so a wheelhouse of several GB never sits in memory."""
-    partial = tarball.with_suffix(".tmp")
+    partial = tarball.with_name(f".{tarball.name}.{os.getpid()}.tmp")
     with tarfile.open(partial, mode="w") as tar:
         for wheel in sorted(wheels, key=lambda path: path.name):
             info = tar.gettarinfo(str(wheel), arcname=wheel.name)
@@ -310,7 +335,24 @@ def build_wheelhouse(
     tarball = root / f"runtime-{key}.tar"
     if tarball.exists():
         return tarball, key
-    wheels = root / key
+    with cache_lock(f"runtime-{key}", cache):
+        if not tarball.exists():
+            _build_runtime(requirements, platform, index, tarball, log=log)
+    return tarball, key
+
+
+def _build_runtime(
+    requirements: tuple[str, ...],
+    platform: HostPlatform,
+    index: IndexOptions,
+    tarball: Path,
+    *,
+    log: bool,
+) -> None:
+    """Download into a fresh folder beside `tarball` (`<root>/<key>`: what a stopped download
+    left is not trusted) and pack the tarball, under the caller's lock."""
+    wheels = tarball.parent / tarball.stem.removeprefix("runtime-")
+    shutil.rmtree(wheels, ignore_errors=True)
     started = time.monotonic()
     if log:
         print(f"runtime wheelhouse: downloading {' '.join(requirements)} for Python "
@@ -322,9 +364,8 @@ def build_wheelhouse(
     pack_wheels([*files, lock], tarball)
     if log:
         size = tarball.stat().st_size / 2**20
-        print(f"runtime wheelhouse {key}: {len(files)} wheels, {size:.1f} MiB in "
+        print(f"runtime wheelhouse {wheels.name}: {len(files)} wheels, {size:.1f} MiB in "
               f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
-    return tarball, key
 
 
 def wheelhouse_lock_digest(tarball: Path) -> str:
