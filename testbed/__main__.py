@@ -1,4 +1,4 @@
-"""Command line of the test-host harness: ``python -m testbed up|down|status|ssh``.
+"""Command line of the test-host harness: ``python -m testbed [--lab L] up|down|status|ssh|exec``.
 
 Example::
 
@@ -6,6 +6,9 @@ Example::
     python -m testbed up --hosts 2 --image bookworm,trixie
     python -m testbed ssh hgx-a -- nvidia-smi -L
     python -m testbed down
+    python -m testbed labs                              # the labs on this machine
+    python -m testbed --lab 2 status                    # lab 2's hosts (testbed/lab.py)
+    python -m testbed --lab 2 exec -- curl -s http://10.77.0.11:8000/health
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
-from testbed import hosts, rootfs
+from testbed import lab, rootfs
 from testbed.util import TestbedError
+
+# testbed.hosts reads the lab's state directory when imported: imported once the lab is entered
+hosts: Any = None
 
 
 def _print_status(as_json: bool) -> int:
@@ -42,9 +49,34 @@ def _print_status(as_json: bool) -> int:
     return 0 if all(r["running"] for r in rows) else 1
 
 
+def _print_labs() -> int:
+    root = lab.base_dir() / "labs"
+    found = sorted(
+        (int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+        if root.is_dir()
+        else []
+    )
+    print(f"{'LAB':4} {'NETNS':9} {'HOSTS':6} {'HELD BY':8} STATE DIR")
+    for index in [0, *found]:
+        state = lab.state_dir(index) / "state.json"
+        count = len(json.loads(state.read_text()).get("hosts", [])) if state.is_file() else 0
+        holder = lab.holder(index) if index else None
+        netns = lab.netns(index) or "(machine)"
+        print(f"{index:<4} {netns:9} {count:<6} {holder or '-':8} {lab.state_dir(index)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    global hosts
     parser = argparse.ArgumentParser(
         prog="python -m testbed", description="Real systemd-nspawn test hosts for hgxserve."
+    )
+    parser.add_argument(
+        "--lab",
+        type=int,
+        default=None,
+        help="work in lab L (testbed/lab.py: its own network namespace hgxlab<L> and state "
+        "directory; default $HGXSERVE_LAB, else 0, the machine's own namespace)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="boot N test hosts (reuses running ones that match)")
@@ -70,8 +102,28 @@ def main(argv: list[str] | None = None) -> int:
     p_ssh = sub.add_parser("ssh", help="run a command on a host as root: ssh NAME -- CMD...")
     p_ssh.add_argument("name")
     p_ssh.add_argument("cmd", nargs=argparse.REMAINDER)
+    sub.add_parser("labs", help="list the labs on this machine and which process holds each")
+    p_exec = sub.add_parser(
+        "exec", help="run a command on the controller side of the lab: exec -- CMD..."
+    )
+    p_exec.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     try:
+        if args.command == "labs":
+            return _print_labs()
+        index = lab.current() if args.lab is None else args.lab
+        if not 0 <= index <= lab.MAX_LABS:
+            raise TestbedError(f"--lab must be between 0 and {lab.MAX_LABS}")
+        if index or args.lab is not None:
+            lab.enter(index)
+        from testbed import hosts as testbed_hosts
+
+        hosts = testbed_hosts
+        if args.command == "exec":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if not cmd:
+                raise TestbedError("exec needs a command: exec -- CMD...")
+            os.execvp(cmd[0], cmd)
         if args.command == "up":
             bed = hosts.up(args.hosts, args.gpu, args.image)
             for host in bed.hosts:

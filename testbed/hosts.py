@@ -2,9 +2,11 @@
 
 Each host has systemd as PID 1, a real sshd, its own network namespace with an address on the
 bridge ``br-hgx`` (10.77.0.1/24 on the controller; hosts 10.77.0.11, .12, ...), and its own
-overlayfs over one shared root filesystem. Everything the harness starts or creates is written to
-a JSON state file, so ``down`` stops exactly that (nspawn by PID, SIGTERM then wait) and nothing
-else.
+overlayfs over one shared root filesystem. All of it belongs to one lab (``testbed/lab.py``):
+lab 0 in the machine's own network namespace, lab L >= 1 in ``hgxlab<L>``, with the same
+addresses, its own state directory, and host namespace, cgroup and machine names that carry L.
+Everything the harness starts or creates is written to a JSON state file, so ``down`` stops
+exactly that (nspawn by PID, SIGTERM then wait) and nothing else.
 
 Example::
 
@@ -34,13 +36,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed import rootfs, simwheels
+from testbed import lab, rootfs, simwheels
 from testbed.util import TestbedError, run, say
 
 REPO = Path(__file__).resolve().parent.parent
 FAKES_DIR = REPO / "testbed" / "fakes"
 SIMENGINE = REPO / "testbed" / "simengine.py"
-STATE_DIR = Path(os.environ.get("HGXSERVE_TESTBED_DIR", "/var/lib/hgxserve-testbed"))
+LAB = lab.current()  # the lab this process works in (testbed/lab.py; 0: the machine's own)
+STATE_DIR = Path(os.environ.get("HGXSERVE_TESTBED_DIR") or lab.state_dir(LAB))
 # Simulated engine wheels (testbed/simwheels.py): the test hosts' wheel source for the runtime stage
 WHEELS_DIR = STATE_DIR / "wheels"
 STATE_FILE = STATE_DIR / "state.json"
@@ -50,7 +53,10 @@ BRIDGE = "br-hgx"
 BRIDGE_ADDRESS = "10.77.0.1"
 PREFIX_LEN = 24
 FIRST_HOST_OCTET = 11
-NETNS_PREFIX = "hgxtb-"
+# the hosts' network namespace, cgroup and nspawn machine names: global on the machine, so they
+# carry the lab's index (hgxtb-a in lab 0, hgxtb2-a in lab 2); the veths and the bridge live in
+# the lab's own namespace and keep their names
+NETNS_PREFIX = lab.host_prefix(LAB)
 VETH_PREFIX = "vhgx-"
 GPU_KINDS = ("h200", "h20")
 MAX_HOSTS = 26
@@ -277,9 +283,21 @@ def preflight(install: bool = True) -> None:
 # ---------------------------------------------------------------- network
 
 
-def _link_exists(name: str, netns: str | None = None) -> bool:
+def link_exists(name: str, netns: str | None = None) -> bool:
+    """True when the network interface exists in this process's namespace (or ``netns``).
+    Asked of ``ip``, not /sys/class/net: sysfs shows the namespace that mounted it, which in a
+    lab (testbed/lab.py) is not this process's."""
     cmd = ["ip", *(["-n", netns] if netns else []), "link", "show", name]
     return run(cmd, check=False).returncode == 0
+
+
+def links(master: str | None = None) -> list[str]:
+    """The names of this namespace's network interfaces (those on bridge ``master``)."""
+    cmd = ["ip", "-o", "link", "show", *(["master", master] if master else [])]
+    proc = run(cmd, check=False)
+    if proc.returncode != 0:
+        return []
+    return [line.split(":")[1].strip().split("@")[0] for line in proc.stdout.splitlines()]
 
 
 def _netns_exists(name: str) -> bool:
@@ -289,7 +307,7 @@ def _netns_exists(name: str) -> bool:
 def ensure_bridge() -> bool:
     """Create br-hgx with 10.77.0.1/24 unless it exists; return True when created here."""
     created = False
-    if not _link_exists(BRIDGE):
+    if not link_exists(BRIDGE):
         run(["ip", "link", "add", BRIDGE, "type", "bridge"])
         created = True
     addrs = run(["ip", "-o", "-4", "addr", "show", "dev", BRIDGE]).stdout
@@ -303,7 +321,7 @@ def setup_network(host: Host) -> None:
     """Create the host's netns and a veth pair: eth0 inside, the other end on br-hgx."""
     if _netns_exists(host.netns):
         run(["ip", "netns", "del", host.netns])
-    if _link_exists(host.veth):
+    if link_exists(host.veth):
         run(["ip", "link", "del", host.veth])
     run(["ip", "netns", "add", host.netns])
     run(
@@ -330,7 +348,7 @@ def setup_network(host: Host) -> None:
 
 
 def teardown_network(host: Host) -> None:
-    if _link_exists(host.veth):
+    if link_exists(host.veth):
         run(["ip", "link", "del", host.veth], check=False)
     if _netns_exists(host.netns):
         run(["ip", "netns", "del", host.netns])
@@ -559,6 +577,12 @@ def _cgroup2_mount() -> Path | None:
     return None
 
 
+def machine_name(host: Host) -> str:
+    """The host's nspawn machine name, unique on the machine: ``hgxtb-a``, ``hgxtb2-a``
+    (nspawn keeps per-machine state under /run/systemd/nspawn by this name)."""
+    return f"{NETNS_PREFIX}{host.name.removeprefix('hgx-')}"
+
+
 def host_cgroup(host: Host) -> Path | None:
     """The host's own cgroup: `<this process's cgroup>/hgxtb-<name>` in the v2 hierarchy.
 
@@ -580,7 +604,7 @@ def host_cgroup(host: Host) -> Path | None:
         ),
         "/",
     )
-    return mount / own.lstrip("/") / f"{NETNS_PREFIX}{host.name.removeprefix('hgx-')}"
+    return mount / own.lstrip("/") / machine_name(host)
 
 
 def _enter_cgroup(path: str) -> None:
@@ -619,7 +643,8 @@ def start_host(host: Host) -> None:
                 "-D",
                 str(host.merged),
                 "-M",
-                host.name,
+                machine_name(host),
+                f"--hostname={host.name}",
                 "--boot",
                 # without these two it needs a system bus on the controller, which has none
                 "--register=no",
@@ -894,7 +919,8 @@ def _up_locked(count: int, kinds: list[str], images: list[str]) -> Testbed:
     timings: dict[str, float] = {}
     started = time.monotonic()
     rootfs.ensure_cached()
-    lowers = {image: rootfs.ensure_rootfs(STATE_DIR, image) for image in dict.fromkeys(images)}
+    # the unpacked trees are shared by every lab: read-only lower layers under lab 0's directory
+    lowers = {image: rootfs.ensure_rootfs(lab.base_dir(), image) for image in dict.fromkeys(images)}
     timings["rootfs_s"] = time.monotonic() - started
     key = ssh_key()
     public_key = key.with_suffix(".pub").read_text()
@@ -958,10 +984,10 @@ def _down_locked(bed: Testbed) -> None:
             teardown_network(host)
         except TestbedError as exc:
             errors.append(str(exc))
-    if bed.bridge_created and _link_exists(BRIDGE):
-        ports = list(Path(f"/sys/class/net/{BRIDGE}/brif").glob("*"))
+    if bed.bridge_created and link_exists(BRIDGE):
+        ports = links(master=BRIDGE)
         if ports:
-            users = ", ".join(p.name for p in ports)
+            users = ", ".join(ports)
             say(f"leaving {BRIDGE} in place: other interfaces use it ({users})")
         else:
             run(["ip", "link", "del", BRIDGE], check=False)
@@ -989,9 +1015,9 @@ def _sweep_leftovers() -> None:
     ):
         say(f"removing a leftover netns {ns.name}")
         run(["ip", "netns", "del", ns.name], check=False)
-    for link in sorted(Path("/sys/class/net").glob(f"{VETH_PREFIX}*")):
-        say(f"removing a leftover veth {link.name}")
-        run(["ip", "link", "del", link.name], check=False)
+    for link in sorted(name for name in links() if name.startswith(VETH_PREFIX)):
+        say(f"removing a leftover veth {link}")
+        run(["ip", "link", "del", link], check=False)
 
 
 def down(force: bool = False) -> bool:

@@ -2,8 +2,8 @@
 
 An image is a Debian suite (``bookworm``: Python 3.11, ``trixie``: Python 3.13). Each tree is
 built once with debootstrap, packed as a zstd tarball under ``/var/cache/hgxserve-testbed/``
-(named by suite and recipe) and unpacked into the state directory as the read-only lower layer
-of the overlayfs of every host of that image.
+(named by suite and recipe) and unpacked into lab 0's state directory as the read-only lower
+layer of the overlayfs of every host of that image, in every lab (testbed/lab.py).
 
 Example::
 
@@ -12,12 +12,14 @@ Example::
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -321,11 +323,21 @@ def ensure_rootfs(work_dir: Path, suite: str = SUITE) -> Path:
     if marker.is_file() and marker.read_text().strip() == stamp(suite):
         return lower
     lower.parent.mkdir(parents=True, exist_ok=True)
+    # Several labs (testbed/lab.py) share the trees and the cache: one builds or unpacks while
+    # the others wait, then find it done.
+    with (lower.parent / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file() and marker.read_text().strip() == stamp(suite):
+            return lower
+        return _ensure_rootfs_locked(work_dir, suite, lower)
+
+
+def _ensure_rootfs_locked(work_dir: Path, suite: str, lower: Path) -> Path:
     # Older recipes' trees are never the lower layer of a running host (down removes hosts
     # first), so they can go; the current tree of every image stays.
     current = {stamp(name) for name in SUITES}
     for old in lower.parent.iterdir():
-        if old.name not in current and not old.name.endswith(".partial"):
+        if old.name not in current and not old.name.endswith(".partial") and old.name[0] != ".":
             say(f"removing rootfs of an older recipe: {old}")
             shutil.rmtree(old, ignore_errors=True)
     tarball = cache_path(suite)
@@ -345,3 +357,24 @@ def ensure_cached() -> None:
         CACHE_DIR.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise TestbedError(f"cannot create the rootfs cache {CACHE_DIR}: {exc}") from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 -m testbed.rootfs [SUITE...]``: build (or unpack) the test hosts' trees ahead
+    of ``up``, with the standard library only, so scripts/demo.sh runs it beside the venvs'
+    installs."""
+    from testbed import lab
+
+    suites = argv if argv is not None else sys.argv[1:]
+    try:
+        ensure_cached()
+        for suite in suites or [SUITE]:
+            ensure_rootfs(lab.base_dir(), suite)
+    except TestbedError as exc:
+        print(f"testbed: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

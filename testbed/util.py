@@ -7,6 +7,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -21,9 +22,12 @@ class TestbedError(RuntimeError):
 def say(message: str) -> None:
     """Print one progress line on stderr.
 
-    Example: ``say("booting hgx-a")`` prints ``testbed: booting hgx-a``
+    Example: ``say("booting hgx-a")`` prints ``testbed: booting hgx-a`` (in lab 2, set by
+    testbed/lab.py: ``testbed: lab 2: booting hgx-a``)
     """
-    print(f"testbed: {message}", file=sys.stderr, flush=True)
+    lab = os.environ.get("HGXSERVE_LAB", "0")
+    where = f"lab {lab}: " if lab not in ("", "0") else ""
+    print(f"testbed: {where}{message}", file=sys.stderr, flush=True)
 
 
 def run(

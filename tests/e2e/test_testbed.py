@@ -387,7 +387,7 @@ def test_each_host_has_its_own_cgroup_tree(testbed):
             if ln.startswith("0::")
         )
         trees[host.name] = line[3:]
-        assert f"/hgxtb-{host.name.removeprefix('hgx-')}/" in line, line
+        assert f"/{hosts.machine_name(host)}/" in line, line
     assert len(set(trees.values())) == len(trees), trees
     # inside, each host's systemd sees only its own units
     for name in bed.names:
@@ -411,14 +411,14 @@ def _leftovers(bed: hosts.Testbed) -> list[str]:
                 found.append(f"process {host.pid}")
         if Path("/run/netns", host.netns).exists():
             found.append(f"netns {host.netns}")
-        if Path("/sys/class/net", host.veth).exists():
+        if hosts.link_exists(host.veth):
             found.append(f"veth {host.veth}")
         if Path(host.dir).exists():
             found.append(f"dir {host.dir}")
     mounts = Path("/proc/self/mountinfo").read_text()
     if str(hosts.STATE_DIR / "hosts") in mounts:
         found.append("overlay mount")
-    if bed.bridge_created and Path("/sys/class/net", hosts.BRIDGE).exists():
+    if bed.bridge_created and hosts.link_exists(hosts.BRIDGE):
         found.append(f"bridge {hosts.BRIDGE}")
     if hosts.STATE_FILE.exists():
         found.append("state file")
