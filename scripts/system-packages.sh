@@ -2,9 +2,14 @@
 # Debian packages the tests and the demo need on the controller (root, apt): test hosts
 # (debootstrap, systemd-nspawn, ssh, ip, zstd), systemd-analyze for unit checks, graphviz for
 # `hgxserve plan --diagram`, promtool (Debian's prometheus package) for the monitoring rules
-# and their unit tests. Installs only what is missing; runs `apt-get update` only then.
+# and their unit tests, nftables for the labs' one NAT rule (testbed/lab.py). Installs only what
+# is missing; runs `apt-get update` only then. `--demo`: only what scripts/demo.sh needs (the
+# test hosts of lab 0).
 set -euo pipefail
-packages=(debootstrap systemd-container systemd openssh-client iproute2 zstd graphviz prometheus)
+packages=(debootstrap systemd-container systemd openssh-client iproute2 zstd)
+if [ "${1:-}" != "--demo" ]; then
+  packages+=(graphviz prometheus nftables)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

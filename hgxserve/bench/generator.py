@@ -53,7 +53,8 @@ class GeneratorError(HgxserveError):
 
 
 def aiperf_command() -> list[str]:
-    """How to start AIPerf: the `aiperf` beside this Python (the bench extra), else on PATH."""
+    """How to start AIPerf: the `aiperf` beside this Python (scripts/setup.sh links its own
+    venv's there), else on PATH."""
     beside = Path(sys.executable).with_name("aiperf")
     if beside.exists():
         return [str(beside)]
@@ -61,7 +62,9 @@ def aiperf_command() -> list[str]:
     if found:
         return [found]
     raise GeneratorError(
-        "AIPerf is not installed: pip install 'hgxserve[bench]' (pins aiperf; see docs/bench.md)"
+        "AIPerf is not installed: it has a venv of its own (pyproject.toml's dependency group "
+        "`aiperf`; bash scripts/setup.sh makes .venv-aiperf and links .venv/bin/aiperf; see "
+        "docs/bench.md)"
     )
 
 

@@ -447,7 +447,9 @@ def _run(run_id: str, per_user: list[float], per_gpu: list[float], invalid: int 
     return result
 
 
-def test_report_table_and_per_scenario_figures_with_their_data(tmp_path: Path) -> None:
+def test_report_table_and_per_scenario_figures_with_their_data(
+    tmp_path: Path, matplotlib_extra: None
+) -> None:
     # per user 40 / 25 / 10 tok/s, per GPU 5 / 12 / 20: all on the front; TPOT 25/40/100 ms
     run = _run("tp8", [40, 25, 10], [5, 12, 20])
     path = report.write_report(tmp_path, run)
@@ -467,7 +469,7 @@ def test_report_table_and_per_scenario_figures_with_their_data(tmp_path: Path) -
     assert latency["ttft_statistic"] == "mean" and latency["x_axis"] == "concurrency"
 
 
-def test_compare_draws_every_run_and_one_front(tmp_path: Path) -> None:
+def test_compare_draws_every_run_and_one_front(tmp_path: Path, matplotlib_extra: None) -> None:
     a = _run("tp8", [40, 25, 10], [5, 12, 20])
     b = _run("1p1d", [45, 30, 12], [4, 14, 30], invalid=2)  # its best point is INVALID
     for run in (a, b):
@@ -543,7 +545,9 @@ def test_the_seeds_scenarios_ship_with_their_topologies() -> None:
 # ------------------------------------------------------------------ the library API
 
 
-def test_bench_deployed_reports_a_run_that_could_not_run_as_invalid(tmp_path: Path) -> None:
+def test_bench_deployed_reports_a_run_that_could_not_run_as_invalid(
+    tmp_path: Path, aiperf_installed: None
+) -> None:
     import socket
 
     from hgxserve.bench.api import BenchRequest, bench_deployed

@@ -228,7 +228,7 @@ def test_point_is_the_median_over_seeds() -> None:
     assert [v["figure"] for v in first["verdicts"]] == ["TTFT p90"]
 
 
-def test_report_writes_plots_and_the_misses(tmp_path: Path) -> None:
+def test_report_writes_plots_and_the_misses(tmp_path: Path, matplotlib_extra: None) -> None:
     run = _fake_run("a", ttft=40.0, tput=2.0)
     run["passed"] = False
     run["verdicts"] = [

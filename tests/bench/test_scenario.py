@@ -121,7 +121,9 @@ def test_control_characters_and_unbounded_numbers_are_refused(tmp_path: Path) ->
     assert "$.bench.scenarios[0].concurrency[0]" in text
 
 
-def test_shared_prefix_and_conversations_reach_the_generator(tmp_path: Path) -> None:
+def test_shared_prefix_and_conversations_reach_the_generator(
+    tmp_path: Path, aiperf_installed: None
+) -> None:
     from hgxserve.bench.generator import RoundArgs, argv
 
     path = _copy_topology(

@@ -130,7 +130,9 @@ def test_the_estimate_uses_a_measured_start_when_the_lab_has_one() -> None:
     assert total == 2 * 700.5 + bench and "measured" in lines[1]
 
 
-def test_the_report_lists_candidates_and_the_pruned_with_reasons(tmp_path: Path) -> None:
+def test_the_report_lists_candidates_and_the_pruned_with_reasons(
+    tmp_path: Path, matplotlib_extra: None
+) -> None:
     tune = state.new_state("t.tune.yaml", "d" * 64)
     ran = state.add_candidate(tune, "a", "/x/a.yml", gpus=8)
     figures = choose.point_figures(run([point("a", "c4", 42.0)]))
@@ -141,7 +143,7 @@ def test_the_report_lists_candidates_and_the_pruned_with_reasons(tmp_path: Path)
     tune["scenarios"] = [Scenario("a", 128, 64, concurrency=(4,), sla=Sla(tpot_ms=20)).to_dict()]
     path = report.write(tmp_path, tune)
     assert "- scenarios: a 128/64 SLA TPOT p90 <= 20 ms" in path.read_text()
-    assert (tmp_path / "tune.png").stat().st_size > 0  # matplotlib is in the dev venv
+    assert (tmp_path / "tune.png").stat().st_size > 0  # matplotlib_extra: the [bench] extra
     text = path.read_text()
     assert "| a | 8 | a | c4 | 42.0 | 100.0 | 200.0 | 10.0 | p90 | met | PASS |" in text
     assert "  - b.yml:3:1: $.engines: too big" in text and "  - fit estimate: x" in text
