@@ -112,10 +112,10 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str])
         span[1] = time.time()
 
 
-def _write_timeline() -> None:
+def _write_timeline(config: pytest.Config) -> None:
     path = os.environ.get("HGXSERVE_TEST_TIMELINE")
-    if not path or not _TIMELINE:
-        return
+    if not path or not _TIMELINE or config.getoption("dist", "no") != "no":
+        return  # xdist's controller sees every worker's reports: only the workers write
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(path, "a", encoding="utf-8") as fh:
         for module, (start, end) in _TIMELINE.items():
@@ -131,7 +131,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """A lab whose hosts are gone (torn down by the e2e session fixture) goes too."""
-    _write_timeline()
+    _write_timeline(config)
     if LAB is None or LAB == 0:
         return
     if (lab.state_dir(LAB) / "state.json").exists():
