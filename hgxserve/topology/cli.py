@@ -107,7 +107,6 @@ def _print_problems(results: Sequence[CheckResult], strict: bool) -> None:
 
 
 def _list_rules(fmt: str) -> None:
-    from hgxserve.topology import checks  # noqa: F401  (registers the rules)
     from hgxserve.topology.rules import RULES
 
     rules = sorted(RULES.values(), key=lambda r: r.id)
@@ -271,7 +270,7 @@ def build_plan(topo: Topology) -> dict[str, Any]:
         "wiring": _wiring(topo),
         "firewall": firewall_plan(topo),
         "fit": _fit(topo),
-        # what the topology makes the hosts load on purpose (hgxserve.topology.load_rules)
+        # what the topology makes the hosts load on purpose (hgxserve.topology.rules.common)
         "accepted": {
             key: " ".join(str(why).split())
             for key, why in sorted((topo.raw.get("accept") or {}).items())
