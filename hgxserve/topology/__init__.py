@@ -82,10 +82,10 @@ def check_topology(path: str | Path) -> CheckResult:
 def _accepted(problems: list[Problem], doc: Document) -> list[Problem]:
     """Drop the warnings of rules the topology accepts (`accept: {rule: why}`) and the
     findings of code-loading rules it accepts one by one (`accept: {"$.path": why}`,
-    hgxserve.topology.load_rules); an accepted id that is no warning rule, or a path that no
+    hgxserve.topology.rules.common); an accepted id that is no warning rule, or a path that no
     such finding has, is an error itself."""
-    from hgxserve.topology.load_rules import ITEM_ACCEPTABLE
     from hgxserve.topology.rules import RULES
+    from hgxserve.topology.rules.common import ITEM_ACCEPTABLE
 
     accept = doc.data.get("accept") or {}
     items = {key for key in accept if key.startswith("$")}

@@ -30,6 +30,7 @@ from hgxserve.topology.ports import (
     side_channel_ports,
 )
 from hgxserve.topology.problems import Problem, sort_problems
+from hgxserve.topology.registry import Rule
 
 EXIT_OK, EXIT_ERRORS, EXIT_UNREADABLE = ExitCode.OK, ExitCode.FOUND, ExitCode.USAGE
 UNPINNED = (
@@ -106,14 +107,31 @@ def _print_problems(results: Sequence[CheckResult], strict: bool) -> None:
     click.echo(_summary(results, strict))
 
 
+def _markdown_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def rules_markdown(rules: Sequence[Rule]) -> str:
+    """The rule table of docs/topology.md: id, severity, what it checks, why."""
+    lines = ["| id | severity | checks | why |", "|---|---|---|---|"]
+    for r in rules:
+        cells = (f"`{r.id}`", r.severity, r.summary, r.why)
+        lines.append("| " + " | ".join(_markdown_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def _list_rules(fmt: str) -> None:
-    from hgxserve.topology import checks  # noqa: F401  (registers the rules)
     from hgxserve.topology.rules import RULES
 
     rules = sorted(RULES.values(), key=lambda r: r.id)
     if fmt == "json":
-        data = [{"id": r.id, "severity": r.severity, "summary": r.summary} for r in rules]
+        data = [
+            {"id": r.id, "severity": r.severity, "summary": r.summary, "why": r.why} for r in rules
+        ]
         click.echo(json.dumps(data, indent=2))
+        return
+    if fmt == "markdown":
+        click.echo(rules_markdown(rules))
         return
     width = max(len(r.id) for r in rules)
     for r in rules:
@@ -132,7 +150,14 @@ FORMAT = click.option(
 
 @click.command("validate")
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
-@FORMAT
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json", "markdown"]),
+    default="text",
+    show_default=True,
+    help="Output format (markdown: with --list-rules, the rule table of docs/topology.md).",
+)
 @click.option("--strict", is_flag=True, help="Warnings fail too (exit 1).")
 @click.option("--list-rules", is_flag=True, help="List rule ids, severities and summaries.")
 def validate(files: tuple[str, ...], fmt: str, strict: bool, list_rules: bool) -> None:
@@ -142,12 +167,15 @@ def validate(files: tuple[str, ...], fmt: str, strict: bool, list_rules: bool) -
     hgxserve validate topologies/h20-v4flash-tp8.yml
     hgxserve validate --strict --format json topologies/*.yml
     hgxserve validate --list-rules
+    hgxserve validate --list-rules --format markdown   # the table of docs/topology.md
 
     Exit 0 valid, 1 errors (or warnings with --strict), 2 unreadable or unparseable.
     """
     if list_rules:
         _list_rules(fmt)
         return
+    if fmt == "markdown":
+        raise click.UsageError("--format markdown lists the rules: use it with --list-rules")
     if not files:
         raise click.UsageError("give at least one topology file (or --list-rules)")
     results = [_safe_check(f) for f in files]
@@ -271,7 +299,7 @@ def build_plan(topo: Topology) -> dict[str, Any]:
         "wiring": _wiring(topo),
         "firewall": firewall_plan(topo),
         "fit": _fit(topo),
-        # what the topology makes the hosts load on purpose (hgxserve.topology.load_rules)
+        # what the topology makes the hosts load on purpose (hgxserve.topology.rules.common)
         "accepted": {
             key: " ".join(str(why).split())
             for key, why in sorted((topo.raw.get("accept") or {}).items())

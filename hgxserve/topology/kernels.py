@@ -3,10 +3,10 @@
 A row of `KERNEL_RULES` names a kernel of `KERNELS`, the engines it applies to, what in the
 topology selects it (a `when` function that returns the reason, or None), and how bad its
 absence from the engine's venv runtime (`runtime.packages` / `runtime.wheels`) is. Two
-rules registered below read the table: `kernel-required` (the engine fails without it) and
-`kernel-advised` (a slower or fragile path). A kernel the engine's own wheel carries
-(`bundled`) is never asked for, but preflight still imports its module (hgxserve.runtime.spec
-adds every needed kernel's module to the venv's imports).
+rules read the table (hgxserve.topology.rules.kernels): `kernel-required` (the engine fails
+without it) and `kernel-advised` (a slower or fragile path). A kernel the engine's own wheel
+carries (`bundled`) is never asked for, but preflight still imports its module
+(hgxserve.runtime.spec adds every needed kernel's module to the venv's imports).
 
     >>> KERNELS["deepep"].module
     'deep_ep'
@@ -14,15 +14,12 @@ adds every needed kernel's module to the venv's imports).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hgxserve.topology import fit
-from hgxserve.topology.checks import _override
 from hgxserve.topology.model import Engine, Topology
-from hgxserve.topology.ports import setting_path
 from hgxserve.topology.problems import Severity
-from hgxserve.topology.registry import Finding, rule
 
 
 @dataclass(frozen=True)
@@ -108,7 +105,7 @@ _FLASHMLA_FLAGS = (
 
 def _backend_selects(engine: Engine, word: str, flags: tuple[str, ...]) -> str | None:
     chosen = [("args.attention_backend", engine.args.get("attention_backend"))]
-    chosen += [(f"extra_args {f}", _override(engine, f)) for f in flags]
+    chosen += [(f"extra_args {f}", engine.extra_arg(f)) for f in flags]
     for where, value in chosen:
         if value and word in str(value).lower():
             return f"{where} {value}"
@@ -202,41 +199,3 @@ def kernel_imports(topo: Topology, engine: Engine) -> list[tuple[str, str]]:
         for need in kernel_needs(topo, engine)
         if need.declared
     ]
-
-
-def _missing(topo: Topology, severity: Severity) -> Iterator[Finding]:
-    for engine in topo.engines.values():
-        runtime = engine.runtime
-        if runtime is None or runtime.venv is None:
-            continue  # an image (or the host's PATH) holds what it holds: preflight looks
-        for need in kernel_needs(topo, engine):
-            if need.declared or need.rule.severity != severity:
-                continue
-            kernel = need.kernel
-            yield (
-                setting_path(topo, engine.name, "runtime", "packages"),
-                f"{engine.name} needs {kernel.name} ({' or '.join(kernel.dists)}) for "
-                f"{need.reason}, and its runtime {runtime.venv} neither pins it in "
-                "runtime.packages nor lists a wheel of it in runtime.wheels "
-                f"({need.rule.evidence}); "
-                f"add e.g. {kernel.example} to runtime.packages, or the in-house wheel to "
-                "runtime.wheels with its sha256",
-            )
-
-
-@rule(
-    "kernel-required",
-    "error",
-    "A venv runtime holds the kernels its model and args cannot start without (DeepEP, DeepGEMM).",
-)
-def kernel_required(topo: Topology) -> Iterator[Finding]:
-    yield from _missing(topo, "error")
-
-
-@rule(
-    "kernel-advised",
-    "warning",
-    "A venv runtime holds the kernels its model and args run best on (NVSHMEM, DeepGEMM).",
-)
-def kernel_advised(topo: Topology) -> Iterator[Finding]:
-    yield from _missing(topo, "warning")

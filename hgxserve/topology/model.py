@@ -306,6 +306,17 @@ class Engine:
         """GPUs the engine needs: tp x dp x pp (tp x pp with SGLang DP attention)."""
         return self.gpus_per_dp_rank * self.dp
 
+    def extra_arg(self, *flags: str) -> str | None:
+        """The value one of `flags` sets in extra_args (`--flag v` or `--flag=v`), if any."""
+        args = self.extra_args
+        for i, arg in enumerate(args):
+            for flag in flags:
+                if arg == flag and i + 1 < len(args):
+                    return args[i + 1]
+                if arg.startswith(flag + "="):
+                    return arg.split("=", 1)[1]
+        return None
+
     def host_paths(self) -> list[tuple[tuple[str, ...], str, str]]:
         """(setting keys, flag, path) of every absolute host path the engine's args name."""
         found: list[tuple[tuple[str, ...], str, str]] = []

@@ -1,5 +1,6 @@
-"""The rule registry: a rule is a small function registered with an id and a severity; it yields
-findings as (json path, message) pairs. hgxserve.topology.checks registers the rules;
+"""The rule registry: a rule is a small function registered with an id, a severity, a summary
+(what it checks) and why it exists; it yields findings as (json path, message) pairs. The
+modules of hgxserve.topology.rules register the rules, one module per rule family, and
 hgxserve.topology.rules runs them.
 
 Most rules look at one engine, or at the proxy, at a time: `engine_rule` and `proxy_rule`
@@ -29,34 +30,41 @@ ROUTERS = ("vllm-router", "sglang-router")
 class Rule:
     id: str
     severity: Severity
-    summary: str
+    summary: str  # what the rule checks (`validate --list-rules`)
+    why: str  # what goes wrong without it (the rule table of docs/topology.md)
     check: RuleFunc
 
 
 RULES: dict[str, Rule] = {}
 
 
-def rule(rule_id: str, severity: Severity, summary: str) -> Callable[[RuleFunc], RuleFunc]:
+def rule(
+    rule_id: str, severity: Severity, summary: str, *, why: str
+) -> Callable[[RuleFunc], RuleFunc]:
     """Register a rule.
 
-    >>> @rule("gpu-overlap", "error", "No GPU is used by two engines on one host.")
+    >>> @rule(
+    ...     "gpu-overlap", "error", "No GPU is used by two engines on one host.",
+    ...     why="two engines on one GPU OOM 10-20 minutes into start-up",
+    ... )
     ... def gpu_overlap(topo): ...  # doctest: +SKIP
     """
 
     def register(func: RuleFunc) -> RuleFunc:
         if rule_id in RULES:
             raise ValueError(f"rule {rule_id} registered twice")
-        RULES[rule_id] = Rule(rule_id, severity, summary, func)
+        RULES[rule_id] = Rule(rule_id, severity, summary, why, func)
         return func
 
     return register
 
 
-def engine_rule(
+def engine_rule(  # noqa: PLR0913 - id, severity, summary, then why and the engine filters
     rule_id: str,
     severity: Severity,
     summary: str,
     *,
+    why: str,
     engine: str | None = None,
     when: Callable[[Topology, Engine], bool] | None = None,
 ) -> Callable[[EngineCheck], RuleFunc]:
@@ -70,13 +78,18 @@ def engine_rule(
                 if (engine is None or each.engine == engine) and (when is None or when(topo, each)):
                     yield from func(topo, each)
 
-        return rule(rule_id, severity, summary)(check)
+        return rule(rule_id, severity, summary, why=why)(check)
 
     return register
 
 
 def proxy_rule(
-    rule_id: str, severity: Severity, summary: str, *, kinds: Collection[str] | None = None
+    rule_id: str,
+    severity: Severity,
+    summary: str,
+    *,
+    why: str,
+    kinds: Collection[str] | None = None,
 ) -> Callable[[ProxyCheck], RuleFunc]:
     """Register a rule on the proxy: it runs where the topology has one (of `kinds`, if given)."""
 
@@ -87,7 +100,7 @@ def proxy_rule(
             if proxy is not None and (kinds is None or proxy.kind in kinds):
                 yield from func(topo, proxy)
 
-        return rule(rule_id, severity, summary)(check)
+        return rule(rule_id, severity, summary, why=why)(check)
 
     return register
 

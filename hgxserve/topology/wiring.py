@@ -1,8 +1,8 @@
 """What the units of a topology load and speak, as the topology means it: the proxy's P/D
 protocol, each unit's secrets and the credential name each is loaded under.
 
-The renderer writes these (hgxserve.render); the rules (hgxserve.topology.render_rules) refuse
-a topology for which they cannot be written, so whatever `validate` accepts renders.
+The renderer writes these (hgxserve.render); the rules (hgxserve.topology.rules) refuse a
+topology for which they cannot be written, so whatever `validate` accepts renders.
 
 >>> credential_for("HF_TOKEN", SecretRef("env", "HF_TOKEN"))
 ('hf-token', 'hf-token:/etc/hgxserve/credentials/hf-token', '/etc/hgxserve/credentials/hf-token')

@@ -11,8 +11,8 @@ from conftest import topology
 
 from hgxserve.base.defaults import topology_schema
 from hgxserve.render.engines import engine_args, node_plan
-from hgxserve.topology.checks import _TYPED_FLAGS
 from hgxserve.topology.engine_args import ARG_FLAGS, not_rendered
+from hgxserve.topology.rules.engine import TYPED_FLAGS
 
 VALUES: dict[str, Any] = {
     "dtype": "bfloat16",
@@ -78,4 +78,4 @@ def test_extra_args_rule_refuses_every_flag_of_the_table():
     for key, f in ARG_FLAGS.items():
         for name in (f.vllm, f.sglang, *f.also):
             if name is not None:
-                assert _TYPED_FLAGS[name] == f"args.{key}", name
+                assert TYPED_FLAGS[name] == f"args.{key}", name

@@ -22,7 +22,7 @@ from hgxserve.topology.addresses import (
 )
 from hgxserve.topology.cli import plan, validate
 from hgxserve.topology.ports import proxy_url, reach_address
-from hgxserve.topology.render_rules import PROXY_MAX_BODY, PROXY_MIN_BODY, PROXY_MIN_TIMEOUT_S
+from hgxserve.topology.rules.proxy import PROXY_MAX_BODY, PROXY_MIN_BODY, PROXY_MIN_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_PD = "topologies/demo/demo-pd.yml"  # proxy on hgx-c, listen 0.0.0.0:8000

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hgxserve.topology import check_topology, load_topology
-from hgxserve.topology.engine_rules import deepseek_tokenizer_mode
+from hgxserve.topology.rules.vllm import deepseek_tokenizer_mode
 
 REPO = Path(__file__).resolve().parents[2]
 

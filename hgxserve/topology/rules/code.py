@@ -1,0 +1,151 @@
+"""Rules on code a topology makes the engines run: remote-code-*, args-load-code, package-known.
+
+trust_remote_code only with verified, pinned weights; engine flags that import code the
+topology names, and runtime packages other than the kernels and transfer extras hgxserve knows,
+only where `accept:` names the finding by its path (hgxserve.topology.rules.common).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from hgxserve.topology.kernels import KERNELS
+from hgxserve.topology.model import Engine, Topology, normalize_dist
+from hgxserve.topology.ports import setting_path
+from hgxserve.topology.problems import JsonPath
+from hgxserve.topology.registry import Finding, engine_rule
+from hgxserve.topology.rules.common import accept_hint
+
+FAMILY = ("remote-code-", "args-load-code", "package-known")
+
+
+@engine_rule(
+    "remote-code-integrity",
+    "error",
+    "trust_remote_code runs Python from the model tree: only with sha256-verified weights.",
+    why=(
+        "with `model.integrity: size-etag` nothing proves the code is the published one "
+        "(docs/security.md)"
+    ),
+)
+def remote_code_integrity(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    if topo.model.integrity == "sha256":
+        return
+    if engine.args.get("trust_remote_code"):
+        yield (
+            setting_path(topo, engine.name, "args", "trust_remote_code"),
+            "trust_remote_code runs Python from the model tree inside the engine; "
+            "with model.integrity: size-etag nothing proves those files are the published "
+            "ones: publish a manifest and drop the opt-out, or turn trust_remote_code off",
+        )
+
+
+@engine_rule(
+    "remote-code-pin",
+    "error",
+    "trust_remote_code needs pinned weights: model.digest, or digest_from: inventory.",
+    why=(
+        "unpinned, the bucket's own manifest is the trust root: bucket write access would be "
+        'code execution on every host (docs/weights.md "Trust root")'
+    ),
+)
+def remote_code_pin(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    model = topo.model
+    if model.integrity != "sha256" or model.digest or model.digest_from == "inventory":
+        return  # the opt-out is rule remote-code-integrity's
+    if engine.args.get("trust_remote_code"):
+        yield (
+            setting_path(topo, engine.name, "args", "trust_remote_code"),
+            "trust_remote_code runs Python from the model tree, and without a pin the weights "
+            "are verified only against the bucket's own manifest: whoever can write the bucket "
+            "runs code on every host; pin the manifest digest (model.digest: sha256:..., from "
+            "`hgxserve weights manifest SRC`) or keep the pin in the inventory's pins file "
+            "(model.digest_from: inventory)",
+        )
+
+
+# Engine flags whose value is code to import (a class or module path) or that let requests
+# carry code (SGLang's custom logit processors arrive serialized in the request).
+CODE_FLAGS = {
+    "--worker-extension-cls": "imports the named class into every worker",
+    "--worker-cls": "imports the named worker class",
+    "--scheduler-cls": "imports the named scheduler class",
+    "--logits-processors": "imports the named logits processor classes",
+    "--middleware": "imports the named ASGI middleware into the API server",
+    "--tool-parser-plugin": "executes the named Python file",
+    "--reasoning-parser-plugin": "executes the named Python file",
+    "--enable-custom-logit-processor": "runs logit processors that requests send serialized",
+    "--custom-weight-loader": "imports the named weight loader functions",
+}
+# Packages a runtime may add without an accept: the kernels hgxserve knows (their preflight
+# imports them) and the P/D transfer extras (hgxserve.runtime.spec.KV_EXTRAS).
+KV_EXTRA_DISTS = ("nixl", "mooncake-transfer-engine")
+
+
+def _flag_paths(topo: Topology, engine: Engine) -> Iterator[tuple[JsonPath, str, str]]:
+    """(path, flag, value) of each extra arg that names code, where the user wrote it."""
+    args = list(engine.extra_args)
+    inherited = len(topo.raw.get("defaults", {}).get("extra_args", []))
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in CODE_FLAGS:
+            continue
+        if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+        path: JsonPath = (
+            ("defaults", "extra_args", i)
+            if i < inherited
+            else ("engines", engine.name, "extra_args", i - inherited)
+        )
+        yield path, flag, value
+
+
+@engine_rule(
+    "args-load-code",
+    "error",
+    "No engine flag that imports code the topology names (--worker-extension-cls, "
+    "--middleware, ...), unless accepted by its path.",
+    why=(
+        "--worker-extension-cls, --middleware, --tool-parser-plugin and the like import code "
+        "by name; SGLang's --enable-custom-logit-processor runs code that requests carry"
+    ),
+)
+def args_load_code(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    for path, flag, value in _flag_paths(topo, engine):
+        what = f"{flag} {value}".strip()
+        yield path, f"{what} {CODE_FLAGS[flag]}; {accept_hint(path)}"
+
+
+def _known_dists() -> set[str]:
+    return {d for k in KERNELS.values() for d in k.dists} | set(KV_EXTRA_DISTS)
+
+
+@engine_rule(
+    "package-known",
+    "error",
+    "runtime.packages holds the kernels and transfer extras hgxserve knows; any other "
+    "package is accepted by its path.",
+    why=(
+        "a package's code runs in every engine process; the kernels and transfer extras are "
+        "the ones preflight checks and the docs describe"
+    ),
+)
+def package_known(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    runtime = engine.runtime
+    if runtime is None or not runtime.packages:
+        return
+    known = _known_dists()
+    for i, pin in enumerate(runtime.packages):
+        if normalize_dist(pin.split("==", 1)[0]) in known:
+            continue
+        path = _package_path(topo, engine, i)
+        yield (
+            path,
+            f"{pin} is not a kernel or transfer package hgxserve knows ({', '.join(sorted(known))}"
+            f"): its code runs in every engine process; {accept_hint(path)}",
+        )
+
+
+def _package_path(topo: Topology, engine: Engine, index: int) -> JsonPath:
+    base = setting_path(topo, engine.name, "runtime", "packages")
+    return (*base, index) if base[-1] == "packages" else base
