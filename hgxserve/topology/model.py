@@ -36,7 +36,6 @@ KvConnector = Literal["nixl", "mooncake"]
 KvFailurePolicy = Literal["fail", "recompute"]
 KvBufferDevice = Literal["cuda", "cpu"]
 ProxyKind = Literal["hgxserve", "vllm-router", "sglang-router"]
-RoutingPolicy = Literal["least-outstanding", "approximate", "kv-events"]
 TokenizerSource = Literal["weights", "none"]
 Addressing = Literal["virtual", "path", "auto"]
 CacheMode = Literal["off", "restore", "bake", "auto"]
@@ -45,6 +44,9 @@ WarmupApi = Literal["completions", "chat"]
 SecretKind = Literal["env", "file", "credential"]
 ContainerTool = Literal["podman", "docker"]
 DcgmSource = Literal["package", "container"]
+# A routing policy's name: one of hgxserve.base.routing.POLICY_NAMES, where the names are
+# written (test_vocabularies.py keeps them equal to the schema's $defs.routingPolicy enum).
+RoutingPolicy = str
 # Top-level keys that change nothing the hosts serve: not part of the topology digest.
 UNSERVED_KEYS = ("monitoring",)
 

@@ -7,6 +7,7 @@ from typing import get_args
 import pytest
 
 from hgxserve.base.defaults import topology_schema
+from hgxserve.base.routing import POLICY_NAMES
 from hgxserve.topology import model
 
 
@@ -35,3 +36,9 @@ def test_secret_kinds_are_the_schema_alternatives():
     alternatives = topology_schema()["$defs"]["secretRef"]["oneOf"]
     kinds = sorted(k for alt in alternatives for k in alt.get("required", []))
     assert sorted(get_args(model.SecretKind)) == kinds
+
+
+def test_routing_policies_are_the_schema_enum():
+    """The routing policies' names are written in hgxserve/base/routing.py alone; the schema's
+    enum names the same, in its order."""
+    assert list(POLICY_NAMES) == topology_schema()["$defs"]["routingPolicy"]["enum"]
