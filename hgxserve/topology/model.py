@@ -15,6 +15,7 @@ from typing import Any, Literal, cast
 
 from hgxserve.base.defaults import schema_default
 from hgxserve.base.paths import TOPOLOGY_FILES_DIR
+from hgxserve.base.routing import is_kv_aware
 from hgxserve.base.sizes import parse_size
 
 LOOPBACK = ("127.", "localhost", "::1")
@@ -399,6 +400,11 @@ class Proxy:
     def combined_route_policy(self) -> RoutingPolicy:
         """The policy of the combined engines: `combined_policy`, else `routing.policy`."""
         return self.combined_policy or self.routing.policy
+
+    def kv_aware(self, route: Route) -> bool:
+        """True when one P/D route's policy routes by the prompt prefixes its engines hold
+        cached (a vLLM decode then prefills a prompt few of whose tokens it lacks: `pd-local`)."""
+        return is_kv_aware(self.route_policy(route))
 
 
 @dataclass(frozen=True)
