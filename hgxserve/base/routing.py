@@ -1,8 +1,8 @@
 """The hgxserve proxy's routing policies by name (docs/proxy.md "KV-aware routing"): the one
 place in Python their names are written, with what the topology needs to know of each without
-the proxy's code. What each does is the proxy's (`hgxserve/proxy/kvroute.py`);
-tests/structure/test_vocabularies.py keeps the names, in order, equal to the schema's
-`$defs.routingPolicy` enum.
+the proxy's code. What each does is the proxy's (`hgxserve/proxy/policies/`, one module each,
+registered under these names); tests/structure/test_vocabularies.py keeps the names, in order,
+equal to the schema's `$defs.routingPolicy` enum and to the proxy's registry.
 
 >>> POLICY_NAMES
 ('least-outstanding', 'approximate', 'kv-events')
