@@ -31,7 +31,14 @@ LEAST_OUTSTANDING = PolicyName("least-outstanding", kv_aware=False)
 APPROXIMATE = PolicyName("approximate", kv_aware=True)
 KV_EVENTS = PolicyName("kv-events", kv_aware=True, kv_events=True)
 # every policy, by name, in the schema's enum order
-VOCABULARY: dict[str, PolicyName] = {p.name: p for p in (LEAST_OUTSTANDING, APPROXIMATE, KV_EVENTS)}
+VOCABULARY: dict[str, PolicyName] = {
+    policy.name: policy
+    for policy in (
+        LEAST_OUTSTANDING,
+        APPROXIMATE,
+        KV_EVENTS,
+    )
+}
 POLICY_NAMES = tuple(VOCABULARY)
 
 
