@@ -42,6 +42,7 @@ from typing import Any
 
 from benchlib import free_port, wait_http
 
+from hgxserve.base.routing import POLICY_NAMES
 from hgxserve.bench.generator import find_export, parse_export
 from testbed import demo
 
@@ -49,7 +50,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SIMENGINE = ROOT / "testbed" / "simengine.py"
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
 AIPERF = Path(os.environ.get("HGXSERVE_AIPERF", str(ROOT / ".venv-aiperf" / "bin" / "aiperf")))
-POLICIES = ("least-outstanding", "approximate", "kv-events")
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -274,7 +274,7 @@ def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--vllm-router", help="path to the vllm-router executable (PyPI vllm-router)")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICY_NAMES))
     ap.add_argument("--conversations", type=int, default=48)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prefixes", type=int, default=8, help="distinct prefix prompts (pool)")

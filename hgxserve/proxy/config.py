@@ -36,13 +36,10 @@ from hgxserve.base.defaults import (
     schema_default,
 )
 from hgxserve.base.errors import Found
+from hgxserve.base.routing import LEAST_OUTSTANDING, POLICY_NAMES
 from hgxserve.base.sizes import parse_size
 
 PROTOCOLS = ("vllm-nixl", "sglang")
-# routing policies per route (docs/proxy.md "KV-aware routing"): today's least outstanding
-# requests, an index of the proxy's own decisions over prompt characters, or the engines' KV
-# events scored against the model's own tokens
-POLICIES = ("least-outstanding", "approximate", "kv-events")
 T = TypeVar("T")
 
 # What the topology schema states for the proxy ($defs.proxy), so a proxy.json that leaves them
@@ -161,7 +158,7 @@ class Routing:
     max_retries: int = at_least(0, 1)
     # KV-aware routing (docs/proxy.md "KV-aware routing" gives each default's source).
     # least-outstanding keeps the proxy's routing as it was before KV-aware routing existed
-    policy: str = one_of(POLICIES, "least-outstanding")
+    policy: str = one_of(POLICY_NAMES, LEAST_OUTSTANDING.name)
     # a directory with the model's tokenizer.json (and tokenizer_config.json's chat_template);
     # None: requests are matched over characters (the approximate index)
     tokenizer_dir: str | None = None
@@ -405,7 +402,7 @@ def _listen(chk: _Checker, top: dict[str, Any]) -> tuple[Any, Any]:
 def _group(chk: _Checker, raw: Any, i: int, protocol: Any, seen: set[str]) -> PDGroup:
     path = f"$.pd_groups[{i}]"
     g = chk.obj(raw, path, {"name", "prefill", "decode", "policy"})
-    policy = chk.choice(g["policy"], f"{path}.policy", POLICIES) if "policy" in g else None
+    policy = chk.choice(g["policy"], f"{path}.policy", POLICY_NAMES) if "policy" in g else None
     name = g.get("name", f"pd-{i}")
     if not isinstance(name, str) or name in seen:
         chk.fail(f"{path}.name", f"must be a unique string, not {name!r}")
@@ -481,7 +478,7 @@ def parse_proxy_config(raw: Any) -> ProxyConfig:
     routing, limits, health = (_section(chk, top, key) for key in SECTIONS)
     combined_policy = top.get("combined_policy")
     if combined_policy is not None:
-        combined_policy = chk.choice(combined_policy, "$.combined_policy", POLICIES)
+        combined_policy = chk.choice(combined_policy, "$.combined_policy", POLICY_NAMES)
     auth = _auth(chk, top)
     _check_together(chk, routing, limits, groups, combined)
     if chk.errors:

@@ -1,10 +1,11 @@
 """KV-aware routing (docs/proxy.md "KV-aware routing"): each route's policy, the request's
 prompt as the router sees it, and the decision with its reason.
 
-Policies per route: `least-outstanding` (the balancer's own decision, unchanged),
-`approximate` (an index of prompt-text prefixes the proxy itself routed, with a TTL) and
-`kv-events` (the engines' KV events, matched against the model's own token ids; without a
-usable tokenizer, approximate).
+Each route has its policy (hgxserve/proxy/policies/, one module each behind `Policy`): it
+says what the router keeps for its engines (an index of the prompt text sent there, the engines'
+KV events) and how many of a request's prompt tokens an engine holds cached. The router keeps
+the indexes, the score, stickiness, P/D and overflow, the same for every policy; with a policy
+whose decision is the balancer's own (`least-outstanding`) on every route, the balancer decides.
 
 Score of a candidate = uncached prompt tokens + inflight_token_weight x its tokens in flight
 (an estimate of the wait before this request's first token, in tokens of work). The candidate
@@ -35,12 +36,13 @@ from hgxserve.proxy.balancer import Decision, Instance, Pool
 from hgxserve.proxy.body import estimate_prompt_tokens
 from hgxserve.proxy.config import ProxyConfig
 from hgxserve.proxy.kvevents import Subscriber
-from hgxserve.proxy.kvindex import APPROX_CHUNK_CHARS, ApproxIndex, BlockIndex, Chain, text_chain
+from hgxserve.proxy.kvindex import ApproxIndex, BlockIndex, text_chain
+from hgxserve.proxy.policies import POLICIES
+from hgxserve.proxy.policies.base import Plan, Policy
 from hgxserve.proxy.tokens import PromptTokenizer, TokenizerError
 
 log = logging.getLogger("hgxserve.proxy")
 
-LEAST, APPROX, EVENTS = "least-outstanding", "approximate", "kv-events"
 # A request without max_tokens holds its engine for an answer of this many tokens in the
 # in-flight count (the seeds' chat answers are 200-1,000 tokens; vLLM would allow up to the
 # context length, which would make every such request look like the longest possible one)
@@ -92,24 +94,6 @@ def output_bound(body: dict[str, Any]) -> int:
 
 
 @dataclass
-class Plan:
-    """One request as the router sees it: its prompt tokens (exact or estimated), the tokens
-    it holds on its engine while in flight, and what its prefix is matched by."""
-
-    tokens: int
-    cost: int = 0
-    ids: list[int] | None = None
-    chunks: list[int] | None = None
-    chains: dict[int, Chain] = field(default_factory=dict)
-
-    def chain(self, size: int) -> Chain:
-        found = self.chains.get(size)
-        if found is None:
-            found = self.chains[size] = Chain(self.ids or [], size)
-        return found
-
-
-@dataclass
 class RouteStats:
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
     paths: dict[str, int] = field(default_factory=dict)
@@ -141,27 +125,28 @@ class Router:
         self.pool = pool
         self.routing = routing = config.routing
         self.stats = RouteStats()
-        self.policy_of: dict[Instance, str] = {}
+        self.policy_of: dict[Instance, Policy] = {}
         self.group_of: dict[Instance, int] = {}
+        policies = {name: policy(routing) for name, policy in POLICIES.items()}
         for inst in pool.combined:
-            self.policy_of[inst] = config.combined_policy or routing.policy
+            self.policy_of[inst] = policies[config.combined_policy or routing.policy]
         for gi, (group, (prefills, decodes)) in enumerate(
             zip(config.pd_groups, pool.groups, strict=True)
         ):
             for inst in prefills + decodes:
-                self.policy_of[inst] = group.policy or routing.policy
+                self.policy_of[inst] = policies[group.policy or routing.policy]
                 self.group_of[inst] = gi
         # the pool's instances are fixed for this router's life (a reload builds both anew)
         self.decodes = [d for _, ds in pool.groups for d in ds]
         used = set(self.policy_of.values())
-        self.simple = used <= {LEAST}
+        self.simple = all(p.balancer_decides for p in used)
         self.tokenizer = (
             load_tokenizer(routing.tokenizer_dir)
-            if EVENTS in used and routing.tokenizer_dir
+            if any(p.kv_events for p in used) and routing.tokenizer_dir
             else None
         )
         self.approx = {
-            i: ApproxIndex(routing.approx_ttl_s) for i, p in self.policy_of.items() if p != LEAST
+            i: ApproxIndex(routing.approx_ttl_s) for i, p in self.policy_of.items() if p.text_index
         }
         self.indexes: dict[Instance, list[BlockIndex]] = {}
         self.subscribers: list[tuple[Instance, int, Subscriber]] = []
@@ -174,7 +159,7 @@ class Router:
     def _subscribe(self) -> None:
         for inst, policy in self.policy_of.items():
             events = inst.endpoint.kv_events
-            if policy != EVENTS or events is None:
+            if not policy.kv_events or events is None:
                 continue
             ranks = self.indexes[inst] = []
             for rank, publisher in enumerate(events.publishers):
@@ -230,20 +215,10 @@ class Router:
 
     def cached(self, inst: Instance, plan: Plan) -> int:
         """Prompt tokens of this request `inst` holds by its route's policy."""
-        policy = self.policy_of.get(inst, LEAST)
-        if policy == LEAST:
+        policy = self.policy_of.get(inst)
+        if policy is None:
             return 0
-        if plan.ids is not None:
-            best = 0
-            for idx in self.indexes.get(inst, ()):
-                if idx.block_size and len(idx):
-                    best = max(best, idx.prefix_blocks(plan.chain(idx.block_size)) * idx.block_size)
-            return best
-        approx = self.approx.get(inst)
-        if approx is None or not plan.chunks:
-            return 0
-        chars = approx.prefix_chunks(plan.chunks) * APPROX_CHUNK_CHARS
-        return min(plan.tokens, int(chars / self.routing.bytes_per_token))
+        return policy.cached(plan, self.indexes.get(inst, ()), self.approx.get(inst))
 
     def wait(self, inst: Instance, plan: Plan, cached: int) -> float:
         uncached = max(plan.tokens - cached, 0)

@@ -79,7 +79,7 @@ def _remote_prefill_words(topo: Topology, proxy: Proxy) -> int:
     Rule pd-remote-prefill-threshold keeps the threshold below the decodes' max_model_len."""
     if proxy.kind != "hgxserve" or proxy_protocol(topo) != "vllm-nixl":
         return 0
-    kv_aware = any(proxy.route_policy(r) != "least-outstanding" for r in proxy.routes)
+    kv_aware = any(proxy.kv_aware(r) for r in proxy.routes)
     return proxy.routing.pd_remote_prefill_min_uncached_tokens + 1 if kv_aware else 0
 
 

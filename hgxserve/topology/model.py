@@ -15,6 +15,7 @@ from typing import Any, Literal, cast
 
 from hgxserve.base.defaults import schema_default
 from hgxserve.base.paths import TOPOLOGY_FILES_DIR
+from hgxserve.base.routing import is_kv_aware
 from hgxserve.base.sizes import parse_size
 
 LOOPBACK = ("127.", "localhost", "::1")
@@ -36,7 +37,6 @@ KvConnector = Literal["nixl", "mooncake"]
 KvFailurePolicy = Literal["fail", "recompute"]
 KvBufferDevice = Literal["cuda", "cpu"]
 ProxyKind = Literal["hgxserve", "vllm-router", "sglang-router"]
-RoutingPolicy = Literal["least-outstanding", "approximate", "kv-events"]
 TokenizerSource = Literal["weights", "none"]
 Addressing = Literal["virtual", "path", "auto"]
 CacheMode = Literal["off", "restore", "bake", "auto"]
@@ -45,6 +45,9 @@ WarmupApi = Literal["completions", "chat"]
 SecretKind = Literal["env", "file", "credential"]
 ContainerTool = Literal["podman", "docker"]
 DcgmSource = Literal["package", "container"]
+# A routing policy's name: one of hgxserve.base.routing.POLICY_NAMES, where the names are
+# written (test_vocabularies.py keeps them equal to the schema's $defs.routingPolicy enum).
+RoutingPolicy = str
 # Top-level keys that change nothing the hosts serve: not part of the topology digest.
 UNSERVED_KEYS = ("monitoring",)
 
@@ -408,6 +411,11 @@ class Proxy:
     def combined_route_policy(self) -> RoutingPolicy:
         """The policy of the combined engines: `combined_policy`, else `routing.policy`."""
         return self.combined_policy or self.routing.policy
+
+    def kv_aware(self, route: Route) -> bool:
+        """True when one P/D route's policy routes by the prompt prefixes its engines hold
+        cached (a vLLM decode then prefills a prompt few of whose tokens it lacks: `pd-local`)."""
+        return is_kv_aware(self.route_policy(route))
 
 
 @dataclass(frozen=True)

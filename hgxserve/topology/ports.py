@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hgxserve.base.routing import reads_kv_events
 from hgxserve.topology.model import Engine, RoutingPolicy, Topology, Warmup, is_loopback
 from hgxserve.topology.problems import JsonPath
 
@@ -286,14 +287,14 @@ def engine_policies(topo: Topology, engine: Engine) -> set[RoutingPolicy]:
 
 
 def publishes_kv_events(topo: Topology, engine: Engine) -> bool:
-    """True when `engine` publishes KV events: hgxserve's own proxy routes to it with policy
-    kv-events (vllm-router and sglang-router never read them)."""
+    """True when `engine` publishes KV events: hgxserve's own proxy routes to it with a policy
+    that reads them, kv-events (vllm-router and sglang-router never read them)."""
     proxy = topo.proxy
     return (
         proxy is not None
         and proxy.kind == "hgxserve"
         and engine.engine in ("vllm", "sglang")
-        and "kv-events" in engine_policies(topo, engine)
+        and any(reads_kv_events(policy) for policy in engine_policies(topo, engine))
     )
 
 

@@ -7,6 +7,8 @@ from typing import get_args
 import pytest
 
 from hgxserve.base.defaults import topology_schema
+from hgxserve.base.routing import POLICY_NAMES, VOCABULARY
+from hgxserve.proxy.policies import POLICIES
 from hgxserve.topology import model
 
 
@@ -35,3 +37,12 @@ def test_secret_kinds_are_the_schema_alternatives():
     alternatives = topology_schema()["$defs"]["secretRef"]["oneOf"]
     kinds = sorted(k for alt in alternatives for k in alt.get("required", []))
     assert sorted(get_args(model.SecretKind)) == kinds
+
+
+def test_routing_policies_are_named_once_for_the_schema_and_the_proxy():
+    """The routing policies' names are written in hgxserve/base/routing.py alone: the schema's
+    enum names the same, in its order, and the proxy's registry holds one policy under each,
+    the one that says it is that name's."""
+    assert list(POLICY_NAMES) == topology_schema()["$defs"]["routingPolicy"]["enum"]
+    assert sorted(POLICIES) == sorted(POLICY_NAMES)
+    assert all(policy.vocab is VOCABULARY[name] for name, policy in POLICIES.items())

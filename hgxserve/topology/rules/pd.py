@@ -376,7 +376,7 @@ def pd_remote_prefill_threshold(topo: Topology, proxy: Proxy) -> Iterator[Findin
         return  # SGLang routes always prefill on the prefill engine
     threshold = proxy.routing.pd_remote_prefill_min_uncached_tokens
     for index, route in enumerate(proxy.routes):
-        if proxy.route_policy(route) == "least-outstanding":
+        if not proxy.kv_aware(route):
             continue
         lengths = [
             int(topo.engines[n].args["max_model_len"])
