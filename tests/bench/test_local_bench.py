@@ -7,6 +7,7 @@ local processes. The same flow runs on the test hosts in tests/e2e/test_bench.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -73,28 +74,34 @@ class Lab:
                 proc.kill()
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    work = tmp_path_factory.mktemp("bench-lab")
+@contextlib.contextmanager
+def local_lab(
+    work: Path, env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None
+) -> Iterator[Lab]:
+    """Simulated prefill, decode and combined engines on 127.0.0.1 (10 ms per output token)
+    behind a real `hgxserve proxy serve`, and the tiny model's tokenizer for AIPerf; `env` goes
+    to every process, `decode_env` to the decode alone."""
     lab = Lab(work)
     env = {
         **os.environ,
         "HGXSERVE_SIM_START_SECONDS": "0",
         "HGXSERVE_SIM_TOKEN_SECONDS": "0.01",
         "HGXSERVE_SIM_GPU_DIR": str(work / "gpus"),
+        **(env or {}),
     }
+    producer = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
+    consumer = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
     engines = {
-        "prefill-0": ["--kv-transfer-config",
-                      json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})],
-        "decode-0": ["--kv-transfer-config",
-                     json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})],
-        "combined-0": [],
+        "prefill-0": ({}, ["--kv-transfer-config", producer]),
+        "decode-0": (decode_env or {}, ["--kv-transfer-config", consumer]),
+        "combined-0": ({}, []),
     }  # fmt: skip
     try:
-        for name, extra in engines.items():
+        for name, (extra_env, extra) in engines.items():
             port = free_port()
             eng_env = {
                 **env,
+                **extra_env,
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
             }
@@ -130,6 +137,12 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         yield lab
     finally:
         lab.stop()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    with local_lab(tmp_path_factory.mktemp("bench-lab")) as the_lab:
+        yield the_lab
 
 
 def bench(lab: Lab, topology: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -9,24 +9,17 @@ simulated engine's own way of putting two engines on different hosts on one mach
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_local_bench import (  # the same local lab as the bench's own tests
     AIPERF_PYTHON,
-    HGXSERVE,
-    REPO,
-    SIMENGINE,
     Lab,
     bench,
-    free_port,
+    local_lab,
     only_run,
     topology_with,
-    wait_http,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -36,63 +29,12 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def broken_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    work = tmp_path_factory.mktemp("bench-fidelity-lab")
-    lab = Lab(work)
-    env = {
-        **os.environ,
-        "HGXSERVE_SIM_START_SECONDS": "0",
-        "HGXSERVE_SIM_TOKEN_SECONDS": "0.01",
-        "HGXSERVE_SIM_GPU_DIR": str(work / "gpus"),
-        "HGXSERVE_SIM_HANDSHAKE_TIMEOUT": "1",
-    }
-    producer = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
-    consumer = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
-    engines = {
-        "prefill-0": ({}, ["--kv-transfer-config", producer]),
-        "decode-0": ({"HGXSERVE_SIM_LOOPBACK": "127.0.0.9"}, ["--kv-transfer-config", consumer]),
-        "combined-0": ({}, []),
-    }  # fmt: skip
-    try:
-        for name, (extra_env, extra) in engines.items():
-            port = free_port()
-            eng_env = {
-                **env,
-                **extra_env,
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-            }
-            lab.start(
-                [sys.executable, str(SIMENGINE), "--engine", "vllm", "serve", "/models/tiny",
-                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-                 "--max-model-len", "256", "--max-num-seqs", "8", *extra],
-                eng_env, f"{name}.log",
-            )  # fmt: skip
-            lab.urls[name] = f"http://127.0.0.1:{port}"
-        for url in lab.urls.values():
-            wait_http(url + "/health")
-        port = free_port()
-        config = {
-            "listen": {"host": "127.0.0.1", "port": port},
-            "protocol": "vllm-nixl",
-            "served_model_name": "tiny",
-            "pd_groups": [{"prefill": [lab.urls["prefill-0"]], "decode": [lab.urls["decode-0"]]}],
-            "combined": [lab.urls["combined-0"]],
-            "routing": {"pd_min_prompt_tokens": 64},
-            "health": {"interval_s": 1},
-        }
-        (work / "proxy.json").write_text(json.dumps(config))
-        lab.start([str(HGXSERVE), "proxy", "serve", "--config", str(work / "proxy.json")],
-                  env, "proxy.log")  # fmt: skip
-        lab.proxy = f"http://127.0.0.1:{port}"
-        wait_http(lab.proxy + "/health")
-        tok = work / "tokenizer"
-        subprocess.run(
-            [str(AIPERF_PYTHON), str(REPO / "testbed/tiny_llama.py"), "--tokenizer-only",
-             str(tok)], check=True, capture_output=True,
-        )  # fmt: skip
+    with local_lab(
+        tmp_path_factory.mktemp("bench-fidelity-lab"),
+        env={"HGXSERVE_SIM_HANDSHAKE_TIMEOUT": "1"},
+        decode_env={"HGXSERVE_SIM_LOOPBACK": "127.0.0.9"},
+    ) as lab:
         yield lab
-    finally:
-        lab.stop()
 
 
 def test_failed_kv_transfers_make_the_pd_round_invalid_never_pass(

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab, site
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -36,18 +37,10 @@ PROXY = "10.77.0.13"
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     if not AIPERF_PYTHON.exists():
         pytest.skip("the bench load generator (AIPerf, .venv-aiperf) is missing: scripts/setup.sh")
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
-    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
-    proc = testbed.pyinfra(
-        "deploys/site.py", "--data", f"topology={PD}", "--data", "stages=runtime,weights,engines",
-        "--data", "health_timeout=75", "--data", "confirm_within=120",
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    yield testbed
-    demo.stop_s3()
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES)
+    with demo_lab(testbed, tmp_path_factory.mktemp("demo")) as bed:
+        proc = site(bed, PD)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        yield bed
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -54,13 +55,8 @@ def variant(tmp: Path, name: str, token_s: str, proxy_extra: str = "") -> Path:
 
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
-    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
-    yield testbed
-    demo.stop_s3()
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES)
+    with demo_lab(testbed, tmp_path_factory.mktemp("demo")) as bed:
+        yield bed
 
 
 def deploy(lab: testbed_hosts.Testbed, topology: Path, stages: str = "engines") -> str:

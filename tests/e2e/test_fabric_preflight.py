@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab, links, output
 
-from testbed import demo
 from testbed import hosts as testbed_hosts
 
 pytestmark = pytest.mark.e2e
@@ -56,17 +56,10 @@ def clear_faults(lab: testbed_hosts.Testbed) -> None:
 
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
     clear_faults(testbed)
-    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
-    runtime = testbed.pyinfra("deploys/runtime.py", "--data", f"topology={PD}")
-    assert runtime.returncode == 0, (runtime.stdout + runtime.stderr)[-3000:]
-    yield testbed
-    clear_faults(testbed)
-    demo.stop_s3()
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES)
+    with demo_lab(testbed, tmp_path_factory.mktemp("demo"), runtime=PD) as bed:
+        yield bed
+        clear_faults(bed)
 
 
 def deploy(
@@ -85,15 +78,6 @@ def deploy(
         "--data",
         "confirm_within=120",
     )
-
-
-def output(proc: subprocess.CompletedProcess) -> str:
-    return proc.stdout + proc.stderr
-
-
-def release_state(lab: testbed_hosts.Testbed, host: str) -> dict:
-    proc = lab.ssh(host, "/opt/hgxserve/bin/hgxserve release status", check=True)
-    return json.loads(proc.stdout)
 
 
 def unit_pids(lab: testbed_hosts.Testbed, host: str) -> dict[str, str]:
@@ -116,7 +100,7 @@ def snapshot(lab: testbed_hosts.Testbed) -> dict[str, tuple]:
     """Each host's current release, pending switch and running units with their PIDs."""
     out = {}
     for host in lab.names:
-        state = release_state(lab, host)
+        state = links(lab, host)
         out[host] = (state["current"], state["pending"], unit_pids(lab, host))
     return out
 
@@ -128,7 +112,7 @@ def test_a_healthy_fabric_passes_and_its_figures_are_in_the_release_record(
     assert proc.returncode == 0, output(proc)[-5000:]
     assert "fabric preflight passed: hgx-a->hgx-b mlx5_0" in output(proc)
     for host in ("hgx-a", "hgx-b"):
-        state = release_state(lab, host)
+        state = links(lab, host)
         assert state["pending"] is None
         record = fabric_record(lab, host, state["current"])
         assert record["verdict"] == "pass" and record["shortfalls"] == []
@@ -141,7 +125,7 @@ def test_a_healthy_fabric_passes_and_its_figures_are_in_the_release_record(
         # 97% of the simulated ports' 400 Gb/s, above the 0.8 x 400 floor
         assert all(380 < gbps < 400 for gbps in figures.values()), figures
         assert all(m["floor_gbps"] == 320 for m in record["bandwidth"])
-    assert release_state(lab, "hgx-c")["pending"] is None  # no rails: nothing kept, still switched
+    assert links(lab, "hgx-c")["pending"] is None  # no rails: nothing kept, still switched
     print("\n".join(line for line in output(proc).splitlines() if "fabric" in line.lower()))
     # nothing changed: no host switches, so nothing is measured again
     again = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric"), "engines")
@@ -204,7 +188,7 @@ def test_half_bandwidth_on_one_host_stops_the_release_naming_the_figure(
     assert proc.returncode == 0, output(proc)[-5000:]
     assert "FABRIC SHORT: ib_write_bw hgx-a -> hgx-b rail mlx5_0" in output(proc)
     assert "going on (gate.fabric: warn)" in output(proc)
-    state = release_state(lab, "hgx-a")
+    state = links(lab, "hgx-a")
     assert state["current"] != before["hgx-a"][0] and state["pending"] is None
     record = fabric_record(lab, "hgx-a", state["current"])
     assert record["verdict"] == "short" and record["policy"] == "warn"
@@ -268,7 +252,7 @@ def test_a_multi_host_engine_gets_an_nccl_all_reduce_and_a_slow_host_stops_it(
     proc = deploy(lab, multi_host_topology(tmp_path, "demo-mh-fabric"), "weights,engines", MPIRUN)
     assert proc.returncode == 0, output(proc)[-5000:]
     print("\n".join(line for line in output(proc).splitlines() if "fabric" in line.lower()))
-    state = release_state(lab, "hgx-b")
+    state = links(lab, "hgx-b")
     (allreduce,) = fabric_record(lab, "hgx-b", state["current"])["allreduce"]
     assert allreduce["hosts"] == ["hgx-b", "hgx-c"] and allreduce["gpus_per_host"] == 4
     # 2 rails x 400 Gb/s at the simulation's 92%: 92 GB/s, above 0.7 x 100 GB/s

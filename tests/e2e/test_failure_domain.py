@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab
 
-from testbed import demo
 from testbed import hosts as testbed_hosts
 
 pytestmark = pytest.mark.e2e
@@ -54,15 +54,10 @@ def _deploy(lab: testbed_hosts.Testbed) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
-    demo.prepare(testbed.names, tmp_path_factory.mktemp("failure-domain"))
-    proc = _deploy(testbed)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    yield testbed
-    demo.stop_s3()
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES)
+    with demo_lab(testbed, tmp_path_factory.mktemp("failure-domain")) as bed:
+        proc = _deploy(bed)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        yield bed
 
 
 def _show(lab: testbed_hosts.Testbed, host: str, unit: str) -> dict[str, str]:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab, deploy, output
 
-from testbed import demo
 from testbed import hosts as testbed_hosts
 
 pytestmark = pytest.mark.e2e
@@ -48,26 +47,9 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    for name in testbed.names:  # a fresh start: no release, no firewall table
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
-    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
-    runtime = testbed.pyinfra("deploys/runtime.py", "--data", f"topology={PD}")
-    assert runtime.returncode == 0, (runtime.stdout + runtime.stderr)[-3000:]
-    yield testbed
-    demo.stop_s3()
-    for name in testbed.names:  # leave the hosts as other tests expect them
-        testbed.ssh(name, demo.FORGET_RELEASES)
-
-
-def deploy(lab: testbed_hosts.Testbed, script: str, *data: str) -> subprocess.CompletedProcess:
-    args = [script]
-    for item in (*data, "health_timeout=75", "confirm_within=120"):
-        args += ["--data", item]
-    return lab.pyinfra(*args)
-
-
-def output(proc: subprocess.CompletedProcess) -> str:
-    return proc.stdout + proc.stderr
+    # a fresh start: no release, no firewall table
+    with demo_lab(testbed, tmp_path_factory.mktemp("demo"), runtime=PD) as bed:
+        yield bed
 
 
 def tables(lab: testbed_hosts.Testbed, host: str) -> str:

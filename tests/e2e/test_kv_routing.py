@@ -18,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab, output, site, units
 
 from testbed import demo, simengine
 from testbed import hosts as testbed_hosts
@@ -121,34 +121,15 @@ def lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                 f"{name} lacks python3-zmq/python3-msgpack, which the simulated engine publishes "
                 "KV events with: the test hosts' image predates them (testbed/rootfs.py)"
             )
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
     work = tmp_path_factory.mktemp("kv")
-    demo.prepare(testbed.names, work)
-    yield testbed, _topology(work)
-    demo.stop_s3()
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES)
+    with demo_lab(testbed, work) as bed:
+        yield bed, _topology(work)
 
 
 def _topology(work: Path) -> Path:
     path = work / "demo-kv-routing.yml"
     path.write_text(TOPOLOGY)
     return path
-
-
-def deploy(lab: testbed_hosts.Testbed, topology: Path) -> subprocess.CompletedProcess:
-    return lab.pyinfra(
-        "deploys/site.py",
-        "--data", f"topology={topology}",
-        "--data", "stages=runtime,weights,engines",
-        "--data", "health_timeout=75",
-        "--data", "confirm_within=120",
-    )  # fmt: skip
-
-
-def output(proc: subprocess.CompletedProcess) -> str:
-    return proc.stdout + proc.stderr
 
 
 def samples(text: str, name: str, **labels: str) -> list[float]:
@@ -218,19 +199,9 @@ def wait_for(check, what: str, timeout: float = 30.0) -> str:  # type: ignore[no
     raise AssertionError(f"{what} within {timeout:.0f} s; /metrics:\n{text[-3000:]}")
 
 
-def units(lab: testbed_hosts.Testbed, host: str) -> dict[str, str]:
-    out = lab.ssh(
-        host,
-        "for u in $(systemctl list-units 'hgxserve-*' --state=active --no-legend --plain "
-        "| awk '{print $1}' | grep -v reconcile); do "
-        'echo "$u $(systemctl show -p MainPID --value $u)"; done',
-    ).stdout
-    return dict(line.split() for line in out.splitlines() if line.strip())
-
-
 def test_shared_prefix_requests_go_where_the_engines_report_it_cached(lab: Lab) -> None:
     bed, topology = lab
-    proc = deploy(bed, topology)
+    proc = site(bed, topology)
     assert proc.returncode == 0, output(proc)[-4000:]
     # both engines' publishers reached: the one beside the proxy on loopback, hgx-b's through
     # its firewall (the warm-up's blocks come by replay or live)
@@ -268,7 +239,7 @@ def test_shared_prefix_requests_go_where_the_engines_report_it_cached(lab: Lab) 
 def test_second_deploy_changes_nothing(lab: Lab) -> None:
     bed, topology = lab
     before = {h: units(bed, h) for h in ("hgx-a", "hgx-b")}
-    proc = deploy(bed, topology)
+    proc = site(bed, topology)
     assert proc.returncode == 0, output(proc)[-4000:]
     match = re.search(r"Grand total\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", output(proc))
     assert match, output(proc)[-3000:]

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab, deploy, links, output
 
-from testbed import demo
 from testbed import hosts as testbed_hosts
 from testbed.simaccept import accept_simulation_env
 
@@ -29,32 +28,12 @@ OTHER_TRAFFIC = "HGXSERVE_SIM_OTHER_RDMA_BYTES: 1048576"
 
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    for name in testbed.names:  # a fresh start: hosts that never ran an hgxserve release
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
-    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
-    yield testbed
-    demo.stop_s3()
-    for name in testbed.names:  # leave the hosts as other tests expect them: no engines
-        testbed.ssh(name, demo.FORGET_RELEASES)
-
-
-def deploy(lab: testbed_hosts.Testbed, script: str, *data: str) -> subprocess.CompletedProcess:
-    args = [script]
-    for item in (*data, "health_timeout=75", "confirm_within=120"):
-        args += ["--data", item]
-    return lab.pyinfra(*args)
-
-
-def output(proc: subprocess.CompletedProcess) -> str:
-    return proc.stdout + proc.stderr
+    with demo_lab(testbed, tmp_path_factory.mktemp("demo")) as bed:
+        yield bed
 
 
 def current(lab: testbed_hosts.Testbed) -> dict[str, str]:
-    out = {}
-    for host in lab.names:
-        proc = lab.ssh(host, "/opt/hgxserve/bin/hgxserve release status", check=True)
-        out[host] = json.loads(proc.stdout)["current"]
-    return out
+    return {host: links(lab, host)["current"] for host in lab.names}
 
 
 def variant(tmp_path: Path, name: str, env: str) -> Path:

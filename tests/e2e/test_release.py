@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab, deploy, grand_total, links, output, units
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -35,65 +36,9 @@ LONG_PROMPT = " ".join(f"the release gate checks word {i}." for i in range(20)) 
 
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    for name in testbed.names:  # a fresh start: hosts that never ran an hgxserve release
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
-    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
     # the engine itself, on every host the P/D topology uses (the baseline's venv is a subset)
-    runtime = testbed.pyinfra("deploys/runtime.py", "--data", f"topology={PD}")
-    assert runtime.returncode == 0, (runtime.stdout + runtime.stderr)[-3000:]
-    yield testbed
-    demo.stop_s3()
-    for name in testbed.names:  # leave the hosts as other tests expect them: no engines
-        testbed.ssh(name, demo.FORGET_RELEASES)
-
-
-def deploy(
-    lab: testbed_hosts.Testbed,
-    script: str,
-    *data: str,
-    health_timeout: int = 75,
-    confirm_within: int = 120,
-) -> subprocess.CompletedProcess:
-    # 75 s caps each engine's start wait (the topologies' start_timeout_s is 30 min). Starts do
-    # not fail at random on the test hosts: each host has its own cgroup tree (hosts.host_cgroup;
-    # a shared one gave status=219/CGROUP), so no retry is needed to pass.
-    args = [script]
-    for item in data:
-        args += ["--data", item]
-    return lab.pyinfra(
-        *args,
-        "--data",
-        f"health_timeout={health_timeout}",
-        "--data",
-        f"confirm_within={confirm_within}",
-    )
-
-
-def output(proc: subprocess.CompletedProcess) -> str:
-    return proc.stdout + proc.stderr
-
-
-def grand_total(proc: subprocess.CompletedProcess) -> tuple[str, str, str, str]:
-    """(operations, success, error, no change) from pyinfra's results table."""
-    match = re.search(r"Grand total\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", output(proc))
-    assert match, output(proc)[-3000:]
-    return match.groups()  # type: ignore[return-value]
-
-
-def links(lab: testbed_hosts.Testbed, host: str) -> dict:
-    proc = lab.ssh(host, "/opt/hgxserve/bin/hgxserve release status", check=True)
-    return json.loads(proc.stdout)
-
-
-def units(lab: testbed_hosts.Testbed, host: str) -> dict[str, str]:
-    """Active hgxserve engine/proxy units -> MainPID."""
-    out = lab.ssh(
-        host,
-        "for u in $(systemctl list-units 'hgxserve-*' --state=active --no-legend --plain "
-        "| awk '{print $1}' | grep -v reconcile); do "
-        'echo "$u $(systemctl show -p MainPID --value $u)"; done',
-    ).stdout
-    return dict(line.split() for line in out.splitlines() if line.strip())
+    with demo_lab(testbed, tmp_path_factory.mktemp("demo"), runtime=PD) as bed:
+        yield bed
 
 
 def gpu_memory(lab: testbed_hosts.Testbed, host: str) -> list[int]:
@@ -135,6 +80,27 @@ def variant(tmp_path: Path, source: Path, name: str, replace: dict[str, str]) ->
     path = tmp_path / f"{name}.yml"
     path.write_text(accept_simulation_env(text))
     return path
+
+
+def sim_env(port: int, env: str) -> dict[str, str]:
+    """The replacement that gives the engine on `port` an `env:` (the simulated engine's knobs)."""
+    return {f"    port: {port}\n": f"    port: {port}\n    env: {{{env}}}\n"}
+
+
+def pd_variant(tmp_path: Path, name: str, replace: dict[str, str]) -> Path:
+    """demo-pd with `replace` applied, renamed demo-`name`."""
+    return variant(tmp_path, PD, name, {**replace, "name: demo-pd\n": f"name: demo-{name}\n"})
+
+
+def refused(lab: testbed_hosts.Testbed, topology: Path, **limits: int) -> str:
+    """Deploy a release that must fail; every host is still on the release it was on. Returns
+    pyinfra's output."""
+    current = {h: links(lab, h)["current"] for h in lab.names}
+    proc = deploy(lab, "deploys/engines.py", f"topology={topology}", **limits)
+    text = output(proc)
+    assert proc.returncode != 0, text[-3000:]
+    assert {h: links(lab, h)["current"] for h in lab.names} == current, text[-3000:]
+    return text
 
 
 def test_fresh_apply_of_the_baseline(lab: testbed_hosts.Testbed) -> None:
@@ -373,22 +339,10 @@ def test_changing_only_the_proxy_routing_reloads_only_the_proxy(
 def test_decode_that_never_gets_healthy_rolls_everything_back(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
-    current = {h: links(lab, h)["current"] for h in lab.names}
-    bad = variant(
-        tmp_path,
-        PD,
-        "pd-bad-decode",
-        {
-            "    port: 8200\n": "    port: 8200\n    env: {HGXSERVE_SIM_FAIL: never_healthy}\n",
-            "name: demo-pd\n": "name: demo-pd-bad-decode\n",
-        },
-    )
-    proc = deploy(lab, "deploys/engines.py", f"topology={bad}")
-    assert proc.returncode != 0
-    text = output(proc)
+    bad = pd_variant(tmp_path, "pd-bad-decode", sim_env(8200, "HGXSERVE_SIM_FAIL: never_healthy"))
+    text = refused(lab, bad)
     assert "hgxserve-decode-0.service did not become healthy in time" in text
     assert "rolled back to the previous release: host(s) hgx-b failed to switch" in text
-    assert {h: links(lab, h)["current"] for h in lab.names} == current
     assert all(links(lab, h)["pending"] is None for h in lab.names)
     before = nixl_transfers("10.77.0.12")
     assert complete("10.77.0.13", LONG_PROMPT)["choices"][0]["text"]
@@ -398,70 +352,40 @@ def test_decode_that_never_gets_healthy_rolls_everything_back(
 def test_gate_catches_decode_recomputing_instead_of_pulling_kv(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
-    current = {h: links(lab, h)["current"] for h in lab.names}
     # The footgun of seed 003 §11.3: the prefill advertises a loopback side channel, the decode
     # on another host cannot reach it and, with kv_load_failure_policy=recompute, silently
     # recomputes every prompt. The validator refuses it in `kv:` and in `env:`, so the simulated
     # prefill is told to do it itself (as a real engine on a host with a wrong bind would).
-    bad = variant(
+    bad = pd_variant(
         tmp_path,
-        PD,
         "pd-loopback",
         {
-            "    port: 8100\n": (
-                "    port: 8100\n    env: {HGXSERVE_SIM_FAIL: loopback_side_channel}\n"
-            ),
+            **sim_env(8100, "HGXSERVE_SIM_FAIL: loopback_side_channel"),
             "side_channel: {host: auto, port: 5600}}\n  combined-0": (
                 "side_channel: {host: auto, port: 5600}, failure_policy: recompute}\n  combined-0"
             ),
-            "name: demo-pd\n": "name: demo-pd-loopback\n",
         },
     )
-    proc = deploy(lab, "deploys/engines.py", f"topology={bad}")
-    assert proc.returncode != 0
-    assert "failed KV transfers: it recomputed the prompt" in output(proc)
-    assert {h: links(lab, h)["current"] for h in lab.names} == current
+    assert "failed KV transfers: it recomputed the prompt" in refused(lab, bad)
 
 
 def test_a_model_answering_the_probe_wrongly_is_rolled_back(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
     # seed 003 §11.3: the Ray executor answered HTTP 200, deterministically, with garbage
-    current = {h: links(lab, h)["current"] for h in lab.names}
-    bad = variant(
-        tmp_path,
-        PD,
-        "pd-garbage",
-        {
-            "    port: 8300\n": "    port: 8300\n    env: {HGXSERVE_SIM_FAIL: garbage}\n",
-            "name: demo-pd\n": "name: demo-pd-garbage\n",
-        },
-    )
-    proc = deploy(lab, "deploys/engines.py", f"topology={bad}")
-    assert proc.returncode != 0
-    text = output(proc)
+    bad = pd_variant(tmp_path, "pd-garbage", sim_env(8300, "HGXSERVE_SIM_FAIL: garbage"))
+    text = refused(lab, bad)
     assert "the chat probe (on the combined path) answered" in text and "expected 'PD_OK'" in text
     assert "rolled back to the previous release" in text
-    assert {h: links(lab, h)["current"] for h in lab.names} == current
 
 
 def test_an_engine_whose_kv_cannot_hold_the_shapes_is_rolled_back(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
     # the simulated decode reports 128 KV tokens; the warm-up's 128x16x2 needs 2 x (128+16)
-    current = {h: links(lab, h)["current"] for h in lab.names}
-    small = variant(
-        tmp_path,
-        PD,
-        "pd-small-kv",  # written beside no bench file: the warm-up shapes alone
-        {
-            "    port: 8200\n": "    port: 8200\n    env: {HGXSERVE_SIM_KV_TOKENS: 128}\n",
-            "name: demo-pd\n": "name: demo-pd-small-kv\n",
-        },
-    )
-    proc = deploy(lab, "deploys/engines.py", f"topology={small}")
-    assert proc.returncode != 0
-    text = output(proc)
+    # written beside no bench file: the warm-up shapes alone
+    small = pd_variant(tmp_path, "pd-small-kv", sim_env(8200, "HGXSERVE_SIM_KV_TOKENS: 128"))
+    text = refused(lab, small)
     assert "hgxserve-decode-0.service: served after" in text
     assert "KV capacity 128 tokens per DP rank (metrics)" in text
     short = (
@@ -472,32 +396,19 @@ def test_an_engine_whose_kv_cannot_hold_the_shapes_is_rolled_back(
     assert "gate not run: hgx-b: KV capacity below the topology's shapes: " in text
     verdict = "rolled back to the previous release: hgx-b: KV capacity below the topology's "
     assert f"{verdict}shapes: {short}" in text, text[-4000:]
-    assert {h: links(lab, h)["current"] for h in lab.names} == current
 
 
 def test_a_failed_switch_prints_the_diagnosed_cause_first(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
-    current = {h: links(lab, h)["current"] for h in lab.names}
     # the decode prints the real CUDA error 802 capture (fixtures/real) and exits
-    failing = variant(
-        tmp_path,
-        PD,
-        "pd-802",
-        {
-            "    port: 8200\n": (
-                "    port: 8200\n    env: {HGXSERVE_SIM_FAIL: 'error:h200_error-802_hf-jobs'}\n"
-            ),
-            "name: demo-pd\n": "name: demo-pd-802\n",
-        },
+    failing = pd_variant(
+        tmp_path, "pd-802", sim_env(8200, "HGXSERVE_SIM_FAIL: 'error:h200_error-802_hf-jobs'")
     )
-    proc = deploy(lab, "deploys/engines.py", f"topology={failing}")
-    assert proc.returncode != 0
-    text = output(proc)
+    text = refused(lab, failing)
     cause = text.index("CAUSE hgxserve-decode-0.service [cuda-802]: CUDA error 802")
     assert cause < text.index("last log lines")  # the named cause first, then the journal
     assert "rolled back to the previous release: host(s) hgx-b failed to switch" in text
-    assert {h: links(lab, h)["current"] for h in lab.names} == current
     assert "did not become healthy in time" not in text  # a known failure is not waited out
 
 
@@ -506,27 +417,21 @@ def test_pd_whose_rdma_counters_do_not_move_is_rolled_back(
 ) -> None:
     # UCX limited to TCP: NIXL still moves the KV and the answers are right, but not over RDMA.
     # The gate runs from hgx-a (a client host) through the proxy's address on hgx-c.
-    current = {h: links(lab, h)["current"] for h in lab.names}
-    tcp = variant(
+    tcp = pd_variant(
         tmp_path,
-        PD,
         "pd-tcp",
         {
             "side_channel: {host: auto, port: 5600}}": (
                 "side_channel: {host: auto, port: 5600}, ucx_tls: [tcp]}"
             ),
             "\nwarmup:": "\ngate: {from: hgx-a}\nwarmup:",
-            "name: demo-pd\n": "name: demo-pd-tcp\n",
         },
     )
-    proc = deploy(lab, "deploys/engines.py", f"topology={tcp}")
-    assert proc.returncode != 0
-    text = output(proc)
+    text = refused(lab, tcp)
     assert "gate: proxy /health ok (http://10.77.0.13:8000)" in text  # from hgx-a
     assert "decode pulled KV over NIXL" in text  # NIXL itself was fine
     assert "RDMA port counters did not move" in text and "TCP fallback" in text
     assert "rolled back to the previous release" in text
-    assert {h: links(lab, h)["current"] for h in lab.names} == current
 
 
 def test_unreachable_host_stops_the_run_before_any_change(lab: testbed_hosts.Testbed) -> None:
@@ -549,10 +454,7 @@ def test_host_dying_mid_switch_leaves_no_host_half_switched(
 ) -> None:
     before = {h: links(lab, h)["current"] for h in lab.names}
     slow = variant(
-        tmp_path,
-        BASELINE,
-        "baseline-slow",
-        {"    port: 8100\n": "    port: 8100\n    env: {HGXSERVE_SIM_START_SECONDS: 8}\n"},
+        tmp_path, BASELINE, "baseline-slow", sim_env(8100, "HGXSERVE_SIM_START_SECONDS: 8")
     )
     result: dict[str, subprocess.CompletedProcess] = {}
     run = threading.Thread(
@@ -611,20 +513,10 @@ def test_a_host_that_reverts_on_its_own_is_named(
     # The gate needs ~10 s (the prefill takes ~5 s per P/D prompt); every host's dead-man timer
     # gets 3 s once all hosts switched: they revert on their own in the middle of the gate.
     current = {h: links(lab, h)["current"] for h in lab.names}
-    slow_gate = variant(
-        tmp_path,
-        PD,
-        "pd-slow-gate",
-        {
-            "    port: 8100\n": (
-                "    port: 8100\n    env: {HGXSERVE_SIM_PREFILL_SECONDS_PER_1K: 25}\n"
-            ),
-            "name: demo-pd\n": "name: demo-pd-slow-gate\n",
-        },
+    slow_gate = pd_variant(
+        tmp_path, "pd-slow-gate", sim_env(8100, "HGXSERVE_SIM_PREFILL_SECONDS_PER_1K: 25")
     )
-    proc = deploy(lab, "deploys/engines.py", f"topology={slow_gate}", confirm_within=3)
-    assert proc.returncode != 0
-    text = output(proc)
+    text = refused(lab, slow_gate, confirm_within=3)
     assert re.search(r"hgx-[abc] REVERTED ON ITS OWN: this host's dead-man timer fired", text), (
         text[-4000:]
     )
@@ -634,7 +526,6 @@ def test_a_host_that_reverts_on_its_own_is_named(
     # The controller does not exit while a host's own revert still restarts the previous
     # release's units: it waits for each such host's pending record to clear and says where
     # each host ended. So right after the run no host is pending and every unit runs.
-    assert {h: links(lab, h)["current"] for h in lab.names} == current
     assert {h: links(lab, h)["pending"] for h in lab.names} == dict.fromkeys(lab.names)
     for host in lab.names:
         assert f"{host}: its own revert finished" in text, host
@@ -665,15 +556,13 @@ def test_engines_starting_minutes_apart_release_with_a_short_confirm_within(
     # Start times spread as on real hosts (seed 003: 4 to 23 minutes), scaled down: the prefill
     # is ready after 20 s, the combined engine after 45 s, the decode after 90 s. With a 15 s
     # confirm_within, hosts that finished early must not revert while the decode still starts.
-    spread = variant(
+    spread = pd_variant(
         tmp_path,
-        PD,
         "pd-spread",
         {
-            "    port: 8100\n": "    port: 8100\n    env: {HGXSERVE_SIM_START_SECONDS: 20}\n",
-            "    port: 8200\n": "    port: 8200\n    env: {HGXSERVE_SIM_START_SECONDS: 90}\n",
-            "    port: 8300\n": "    port: 8300\n    env: {HGXSERVE_SIM_START_SECONDS: 45}\n",
-            "name: demo-pd\n": "name: demo-pd-spread\n",
+            **sim_env(8100, "HGXSERVE_SIM_START_SECONDS: 20"),
+            **sim_env(8200, "HGXSERVE_SIM_START_SECONDS: 90"),
+            **sim_env(8300, "HGXSERVE_SIM_START_SECONDS: 45"),
         },
     )
     started = time.monotonic()

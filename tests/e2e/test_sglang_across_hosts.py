@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab
 
-from testbed import demo
 from testbed import hosts as testbed_hosts
 
 pytestmark = pytest.mark.e2e
@@ -29,10 +29,7 @@ def beside(
     testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[testbed_hosts.Testbed, Path]]:
     """demo-sglang-pd with its proxy moved from hgx-c to hgx-a, the prefill's host."""
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
     work = tmp_path_factory.mktemp("sglang-beside")
-    demo.prepare(testbed.names, work)
     text = SGLANG_PD.read_text()
     for old, new in (
         ("  host: hgx-c\n", "  host: hgx-a\n"),
@@ -42,10 +39,8 @@ def beside(
         text = text.replace(old, new)
     topology = work / "sglang-pd-beside.yml"
     topology.write_text(text)
-    yield testbed, topology
-    demo.stop_s3()
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES)
+    with demo_lab(testbed, work) as bed:
+        yield bed, topology
 
 
 def _complete(address: str, prompt: str) -> dict:

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import demo_lab, site
 
-from testbed import demo
 from testbed import hosts as testbed_hosts
 
 pytestmark = pytest.mark.e2e
@@ -34,22 +34,14 @@ FAIL_DROPIN = f"/run/systemd/system/{DECODE}.d/simulated-failure.conf"
 
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES, check=True)
-    demo.prepare(testbed.names, tmp_path_factory.mktemp("demo"))
-    for topology in (BASELINE, PD):  # the baseline first: hgx-b then has a release to go back to
-        proc = testbed.pyinfra(
-            "deploys/site.py",
-            "--data", f"topology={topology}",
-            "--data", "stages=runtime,weights,engines",
-            "--data", "health_timeout=75",
-            "--data", "confirm_within=120",
-        )  # fmt: skip
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    yield testbed
-    demo.stop_s3()
-    for name in testbed.names:
-        testbed.ssh(name, demo.FORGET_RELEASES)
+    with demo_lab(testbed, tmp_path_factory.mktemp("demo")) as bed:
+        for topology in (
+            BASELINE,
+            PD,
+        ):  # the baseline first: hgx-b then has a release to go back to
+            proc = site(bed, topology)
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        yield bed
 
 
 def hgxserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
