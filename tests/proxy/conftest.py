@@ -105,11 +105,17 @@ def engines(tmp_path: Path) -> Iterator[Callable[..., SimEngine]]:
 def proxy(tmp_path: Path) -> Iterator[Callable[..., ProxyProcess]]:
     started: list[ProxyProcess] = []
 
-    def start(config: dict[str, Any], wait: bool = True) -> ProxyProcess:
+    def start(config: dict[str, Any], wait: bool | str = True) -> ProxyProcess:
+        """Start a proxy; by default return once every instance has passed its first health
+        probe, so which route a request takes does not depend on how loaded the machine is.
+        ``wait="routable"``: only until /health answers (one route healthy), for a proxy in
+        front of an engine that is meant to be down; ``wait=False``: not at all."""
         p = ProxyProcess(config, tmp_path)
         started.append(p)
         if wait:
             p.wait_routable()
+        if wait is True:
+            p.wait_in_rotation()
         return p
 
     yield start
