@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "simengine"))
 
 from harness import SimEngine, free_port, http, port_open  # noqa: E402
 
+from hgxserve.proxy.scrape import metrics_headers  # noqa: E402
+
 HGXSERVE = Path(sys.executable).with_name("hgxserve")
 
 
@@ -73,7 +75,10 @@ class ProxyProcess:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> str:
-        return http("GET", self.url + "/metrics")[1].decode()
+        """/metrics, with the key its configuration names (as the host's readers send it)."""
+        return http("GET", self.url + "/metrics", headers=metrics_headers(self.config_path))[
+            1
+        ].decode()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
