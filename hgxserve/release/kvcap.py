@@ -31,15 +31,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hgxserve.base.errors import HgxserveError
 from hgxserve.base.promtext import parse_samples
 from hgxserve.release.store import Store
-from hgxserve.render.types import unit_name
-from hgxserve.topology.fit import topology_fit
-from hgxserve.topology.model import Engine, Topology, Warmup
-from hgxserve.topology.ports import warmup_targets
+
+if TYPE_CHECKING:  # the controller's side; the host's `release switch` does not load them
+    from hgxserve.topology.model import Engine, Topology
 
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 _VLLM_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -259,6 +258,9 @@ def _warmup_need(topo: Topology, engine: Engine) -> list[tuple[int, str]]:
 def _bench_need(topo: Topology, engine: Engine, bench: list[BenchShape]) -> list[tuple[int, str]]:
     """A bench shape goes through the proxy: its concurrency splits over the engines of this
     role it reaches; a P/D prefill holds the prompt (+1 token), the others prompt and output."""
+    from hgxserve.topology.model import Warmup
+    from hgxserve.topology.ports import warmup_targets
+
     out = []
     for name, inp, output, concurrency in bench:
         targets = warmup_targets(topo, Warmup(inp, output, concurrency, "completions"))
@@ -276,6 +278,8 @@ def _bench_need(topo: Topology, engine: Engine, bench: list[BenchShape]) -> list
 def topology_needs(topo: Topology, bench: list[BenchShape]) -> dict[str, KvNeed]:
     """Engine name -> its largest shape's KV need (0 without a warm-up or bench shape that
     reaches it) and the fit estimate."""
+    from hgxserve.topology.fit import topology_fit
+
     try:
         _, fits = topology_fit(topo)
     except (HgxserveError, ValueError):  # a broken model config: no estimate to compare
@@ -317,6 +321,8 @@ def kv_needs_by_host(
     """Host -> engine unit -> its KvNeed fields, for the hosts that serve each engine's API
     (its head: the unit that reports the capacity), from the warm-up and `bench` shapes (the
     topology's scenarios at their highest concurrency: hgxserve.bench.scenario.kv_shapes)."""
+    from hgxserve.render.types import unit_name
+
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, need in topology_needs(topo, bench).items():
         if not need.need_tokens:
@@ -348,6 +354,8 @@ def last_release(
 ) -> dict[str, dict[str, Any]]:
     """Engine -> what it reported in the release `doc` records (start time, KV capacity),
     checked against this topology's needs and fit estimate (the next run's)."""
+    from hgxserve.render.types import unit_name
+
     records = observed_from(doc)
     out = {}
     for name, need in topology_needs(topo, bench).items():
