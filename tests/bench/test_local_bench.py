@@ -220,7 +220,9 @@ def test_a_leftover_client_makes_the_round_wait_then_refuse(lab: Lab, tmp_path: 
     stop = threading.Event()
 
     def leftover_client() -> None:  # seed 003 §11.4: a client from an earlier round
-        body = json.dumps({"model": "tiny", "prompt": "a leftover client", "max_tokens": 100,
+        # a request lasts ~2 s (200 tokens), so a loaded machine rarely catches a client
+        # between two requests and counts 1 outstanding
+        body = json.dumps({"model": "tiny", "prompt": "a leftover client", "max_tokens": 200,
                            "ignore_eos": True}).encode()  # fmt: skip
         while not stop.is_set():
             req = urllib.request.Request(
