@@ -8,8 +8,7 @@
   `name` ($CREDENTIALS_DIRECTORY/name) and exec argv, so secrets stay off command lines and out
   of unit files.
 
-Reads `nvidia-smi --query-gpu=index,uuid` and `--query-compute-apps=gpu_uuid,pid,used_memory`
-(both `--format=csv,noheader,nounits`) through the parsers in `hgxserve.parsers.outputs`.
+The checks themselves are `hgxserve.gpus.checks`.
 
     $ hgxserve gpus check-free --gpus 4,5,6,7
     GPU 5 (GPU-...0006) is busy: pid 4242 uses 130215 MiB
@@ -18,48 +17,11 @@ Reads `nvidia-smi --query-gpu=index,uuid` and `--query-compute-apps=gpu_uuid,pid
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import time
-from pathlib import Path
 
 import click
 
-from hgxserve.base.errors import ExitCode, Found, UsageError, cli_errors, fail
-from hgxserve.parsers.outputs import parse_compute_apps, parse_smi_csv
-
-QUERY_GPUS = ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"]
-QUERY_APPS = [
-    "nvidia-smi",
-    "--query-compute-apps=gpu_uuid,pid,used_memory",
-    "--format=csv,noheader,nounits",
-]
-NVIDIA_SMI_TIMEOUT_S = 30
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=[A-Za-z0-9_.-]+$")
-
-
-class GpuQueryError(UsageError):
-    """nvidia-smi is missing, failed, or printed something unexpected."""
-
-
-def _run(argv: list[str]) -> str:
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False
-        )
-    except FileNotFoundError as exc:
-        raise GpuQueryError(
-            "nvidia-smi not found on PATH: is the NVIDIA driver installed?"
-        ) from exc
-    except subprocess.TimeoutExpired as exc:
-        raise GpuQueryError(f"{argv[1]} did not answer within {NVIDIA_SMI_TIMEOUT_S} s") from exc
-    if done.returncode != 0:
-        detail = (done.stdout + done.stderr).strip().splitlines()
-        raise GpuQueryError(
-            f"nvidia-smi {argv[1]} failed (exit {done.returncode}): "
-            + (detail[0] if detail else "no output")
-        )
-    return done.stdout
+from hgxserve.base.errors import ExitCode, Found, cli_errors, fail
+from hgxserve.gpus import checks
 
 
 def parse_gpu_list(text: str) -> list[int]:
@@ -71,37 +33,6 @@ def parse_gpu_list(text: str) -> list[int]:
     if not gpus or any(g < 0 for g in gpus):
         raise click.BadParameter(f"not a list of GPU indices: {text!r} (e.g. 0,1,2,3)")
     return gpus
-
-
-def busy_processes(gpus: list[int]) -> list[dict[str, object]]:
-    """Compute processes on the given GPU indices: [{index, uuid, pid, used_memory_mib}]."""
-    try:
-        rows = parse_smi_csv(_run(QUERY_GPUS), ("index", "uuid"))
-        apps = parse_compute_apps(_run(QUERY_APPS))
-    except ValueError as exc:
-        raise GpuQueryError(f"unexpected nvidia-smi output: {exc}") from exc
-    uuid_of = {int(r["index"]): str(r["uuid"]) for r in rows}
-    missing = [g for g in gpus if g not in uuid_of]
-    if missing:
-        present = ",".join(str(i) for i in sorted(uuid_of)) or "none"
-        raise GpuQueryError(
-            f"GPU {','.join(map(str, missing))} not present on this host (present: {present})"
-        )
-    index_of = {uuid_of[g]: g for g in gpus}
-    busy = [
-        {"index": index_of[a["gpu_uuid"]], "uuid": a["gpu_uuid"], **a}
-        for a in apps
-        if a["gpu_uuid"] in index_of
-    ]
-    return sorted(busy, key=lambda b: (b["index"], b["pid"]))
-
-
-def describe(busy: list[dict[str, object]]) -> list[str]:
-    return [
-        f"GPU {b['index']} ({b['uuid']}) is busy: pid {b['pid']} uses "
-        f"{b['used_memory_mib'] if b['used_memory_mib'] is not None else '?'} MiB"
-        for b in busy
-    ]
 
 
 @click.group()
@@ -124,9 +55,9 @@ def check_free(gpu_list: str) -> None:
     hgxserve gpus check-free --gpus 4,5,6,7
     """
     wanted = parse_gpu_list(gpu_list)
-    busy = busy_processes(wanted)
+    busy = checks.busy_processes(wanted)
     if busy:
-        for line in describe(busy):
+        for line in checks.describe(busy):
             click.echo(line, err=True)
         raise Found(f"GPUs {gpu_list} are not free: stop what runs there first")
     click.echo(f"GPUs {gpu_list} are free")
@@ -145,18 +76,12 @@ def wait_free(gpu_list: str, timeout: float, interval: float) -> None:
     \b
     hgxserve gpus wait-free --gpus 0,1,2,3 --timeout 120
     """
-    wanted = parse_gpu_list(gpu_list)
-    deadline = time.monotonic() + timeout
-    while True:
-        busy = busy_processes(wanted)
-        if not busy:
-            click.echo(f"GPUs {gpu_list} are free")
-            return
-        if time.monotonic() >= deadline:
-            for line in describe(busy):
-                click.echo(line, err=True)
-            raise Found(f"GPUs {gpu_list} still hold processes after {timeout:g} s")
-        time.sleep(min(interval, max(deadline - time.monotonic(), 0.0)))
+    busy = checks.wait_free(parse_gpu_list(gpu_list), timeout, interval)
+    if busy:
+        for line in checks.describe(busy):
+            click.echo(line, err=True)
+        raise Found(f"GPUs {gpu_list} still hold processes after {timeout:g} s")
+    click.echo(f"GPUs {gpu_list} are free")
 
 
 @gpus.command("exec-with-credentials", context_settings={"ignore_unknown_options": True})
@@ -168,30 +93,13 @@ def exec_with_credentials(assignments: tuple[str, ...]) -> None:
     \b
     hgxserve gpus exec-with-credentials HF_TOKEN=hf-token -- /opt/vllm/bin/vllm serve ...
     """
-    # click drops the first "--"; the command starts at the first word that is not VAR=NAME
-    args = list(assignments)
-    if args and args[0] == "--":
-        args.pop(0)
-    split = next((i for i, a in enumerate(args) if not _ASSIGNMENT.match(a)), len(args))
-    pairs, argv = args[:split], args[split:]
-    if argv and argv[0] == "--":
-        argv.pop(0)
+    pairs, argv = checks.split_assignments(list(assignments))
     if not pairs or not argv:
         fail("usage: exec-with-credentials VAR=NAME ... -- COMMAND [ARG...]", ExitCode.USAGE)
-    directory = os.environ.get("CREDENTIALS_DIRECTORY")
-    if not directory:
-        fail(
-            "CREDENTIALS_DIRECTORY is not set: run this from a unit with LoadCredential=",
-            ExitCode.USAGE,
-        )
-    env = dict(os.environ)
-    for pair in pairs:
-        var, _, name = pair.partition("=")
-        try:
-            value = (Path(directory) / name).read_text()
-        except OSError as exc:
-            fail(f"cannot read credential {name!r} for {var}: {exc.strerror}", ExitCode.USAGE)
-        env[var] = value.rstrip("\n")
+    try:
+        env = checks.credentials_env(pairs, os.environ.get("CREDENTIALS_DIRECTORY"), os.environ)
+    except checks.CredentialError as exc:
+        fail(str(exc), ExitCode.USAGE)
     try:
         os.execvpe(argv[0], argv, env)
     except OSError as exc:

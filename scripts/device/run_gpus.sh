@@ -10,7 +10,7 @@ gpus() { python3 -c 'from hgxserve.gpus.cli import gpus; gpus(prog_name="hgxserv
 now() { date +%s.%N; }
 log="$OUT/gpus.txt"
 {
-echo "## query-gpu (exact argv of hgxserve.gpus.cli.QUERY_GPUS)"
+echo "## query-gpu (exact argv of hgxserve.gpus.checks.QUERY_GPUS)"
 nvidia-smi --query-gpu=index,uuid --format=csv,noheader,nounits; echo "## rc $?"
 echo "## query-apps idle (QUERY_APPS)"
 nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv,noheader,nounits; echo "## rc $?"

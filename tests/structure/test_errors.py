@@ -12,7 +12,7 @@ from hgxserve.caches.archive import ArchiveError
 from hgxserve.caches.bake import BakeError
 from hgxserve.caches.cli import cache
 from hgxserve.caches.hostfacts import FactsError
-from hgxserve.gpus.cli import GpuQueryError
+from hgxserve.gpus.checks import GpuQueryError
 from hgxserve.proxy.config import ProxyConfigError
 from hgxserve.release.cli import release
 from hgxserve.release.gate import GateError

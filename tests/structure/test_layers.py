@@ -24,11 +24,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "hgxserve.parsers",
             "hgxserve.proxy",
             "hgxserve.weights",
-            "hgxserve.gpus",
             "hgxserve.remote",
         ),
     ),
-    ("caches and runtimes", ("hgxserve.caches", "hgxserve.runtime")),
+    # the GPU checks read nvidia-smi through hgxserve.parsers
+    ("caches, runtimes and GPU checks", ("hgxserve.caches", "hgxserve.runtime", "hgxserve.gpus")),
     ("render", ("hgxserve.render",)),
     ("monitoring", ("hgxserve.monitoring",)),
     ("release", ("hgxserve.release",)),
@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pyinfra facts", ("hgxserve.facts",)),
     ("pyinfra operations", ("hgxserve.operations",)),
     ("status and bench", ("hgxserve.status", "hgxserve.bench")),
+    ("plan", ("hgxserve.plan",)),  # `plan`'s report: reads render, release and bench
     ("deploy", ("hgxserve.deploy",)),  # the --data table and the stage plans
     ("tune", ("hgxserve.tune",)),  # deploy -> bench -> compare candidate topologies
     ("command line", ("hgxserve.cli", "*.cli")),
