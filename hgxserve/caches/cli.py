@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
@@ -18,14 +17,9 @@ from typing import Any
 
 import click
 
-from hgxserve.base.cachelayout import DEFAULT_ROOT, valid_key
+from hgxserve.base.cachelayout import DEFAULT_ROOT
 from hgxserve.base.errors import ExitCode, UsageError, cli_errors
-from hgxserve.caches.archive import (
-    mark_packed,
-    pack_dir,
-    read_marker,
-    restore_archive,
-)
+from hgxserve.caches.archive import cache_state, mark_packed, pack_dir, restore_archive
 from hgxserve.caches.hostfacts import load_facts_file, probe_host_facts
 
 
@@ -189,17 +183,6 @@ def state_command(root: str) -> None:
     Example: hgxserve cache state --root /var/cache/hgxserve
     """
     _dump(cache_state(root))
-
-
-def cache_state(root: str) -> dict[str, Any]:
-    """{render key: restore marker} for every key directory with a marker."""
-    state: dict[str, Any] = {}
-    for path in sorted(glob.glob(os.path.join(root, "*", ".hgxserve-cache.json"))):
-        key = os.path.basename(os.path.dirname(path))
-        marker = read_marker(os.path.dirname(path))
-        if marker and valid_key(key):
-            state[key] = marker
-    return state
 
 
 @cache.command("scan")
