@@ -6,7 +6,7 @@ set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
-gpus() { python3 -c 'from hgxserve.gpus.cli import gpus; gpus(prog_name="hgxserve gpus")' "$@"; }
+gpus() { python3 -c 'from hgxserve.cli.gpus import gpus; gpus(prog_name="hgxserve gpus")' "$@"; }
 now() { date +%s.%N; }
 log="$OUT/gpus.txt"
 {

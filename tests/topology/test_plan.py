@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.cli.topology import plan
 from hgxserve.plan.diagram import topology_dot, write_diagram
 from hgxserve.topology import load_topology
-from hgxserve.topology.cli import plan
 
 REPO = Path(__file__).resolve().parents[2]
 PD = "topologies/demo/demo-pd.yml"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.cli.topology import validate
 from hgxserve.topology import check_topology
-from hgxserve.topology.cli import validate
 from hgxserve.topology.rules import RULES
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from hgxserve.base.errors import Found, UsageError, cli_errors
+from hgxserve.cli.options import topology_to_render
 from hgxserve.monitoring.promtool import PROMTOOL, promtool_checks
 
 
@@ -49,7 +50,6 @@ def render(file: str, out_dir: str, check: bool) -> None:
     from hgxserve.monitoring.render import render_tree, write_tree
     from hgxserve.monitoring.rules import rule_groups
     from hgxserve.monitoring.targets import scrape_targets, unreachable_engines
-    from hgxserve.topology import topology_to_render
 
     topo = topology_to_render(file)
     tree = render_tree(topo)

@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -21,10 +20,7 @@ from hgxserve.base.cachelayout import DEFAULT_ROOT
 from hgxserve.base.errors import ExitCode, UsageError, cli_errors
 from hgxserve.caches.archive import cache_state, mark_packed, pack_dir, restore_archive
 from hgxserve.caches.hostfacts import load_facts_file, probe_host_facts
-
-
-def _dump(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, sort_keys=True))
+from hgxserve.cli.options import dump_json
 
 
 def _load(topology: str) -> Any:
@@ -93,7 +89,7 @@ def key_command(
     if not as_json:
         click.echo(full)
         return
-    _dump(
+    dump_json(
         {
             "key": full,
             "render_key": cache_key(topo, eng),
@@ -136,7 +132,7 @@ def facts_command(
         manifest = manifest or os.path.join(topo.model.path, topo.model.manifest)
     if not python or not engine_kind:
         raise UsageError("give --python and --engine, or --topology and --engine-name")
-    _dump(probe_host_facts(python, engine_kind, manifest))
+    dump_json(probe_host_facts(python, engine_kind, manifest))
 
 
 @cache.command("pack")
@@ -153,7 +149,7 @@ def pack_command(src: str, out: str, key: str | None, level: int) -> None:
     result = pack_dir(src, out, level=level)
     if key:
         mark_packed(src, result, full_key=key)
-    _dump(result.as_dict())
+    dump_json(result.as_dict())
 
 
 @cache.command("restore")
@@ -171,7 +167,7 @@ def restore_command(
     Example: hgxserve cache restore --archive /srv/<sha256>.tar.zst --dir /var/cache/hgxserve/<key>
     """
     result = restore_archive(archive, dest, sha256=sha256, force=force, full_key=full_key)
-    _dump(result.as_dict())
+    dump_json(result.as_dict())
 
 
 @cache.command("state")
@@ -182,7 +178,7 @@ def state_command(root: str) -> None:
 
     Example: hgxserve cache state --root /var/cache/hgxserve
     """
-    _dump(cache_state(root))
+    dump_json(cache_state(root))
 
 
 @cache.command("scan")
@@ -196,7 +192,7 @@ def scan_command(log: Any) -> None:
     from hgxserve.caches.logscan import scan
 
     hits = [h.as_dict() for h in scan(log.read())]
-    _dump(hits)
+    dump_json(hits)
     if hits:
         sys.exit(ExitCode.FOUND)
 
@@ -253,7 +249,7 @@ def bake_command(  # noqa: PLR0913 - a click command: one parameter per option
         user=user,
     )
     summary = bake_engine(topo, eng, host, opts)
-    _dump(summary)
+    dump_json(summary)
     if not summary["settled"]:
         click.echo(
             f"warning: JIT still fired after {max_rounds} rounds; see {summary['log']}", err=True

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from hgxserve.base.errors import UsageError, cli_errors
+from hgxserve.cli.options import topology_to_render
 from hgxserve.render.tree import write_tree
 
 
@@ -31,7 +32,6 @@ def render(file: str, out_dir: str, only_host: str | None) -> None:
     hgxserve render topologies/h20-v4flash-4p4d.yml --out build/render --host h20-a
     """
     from hgxserve.render import RenderError, render_host
-    from hgxserve.topology import topology_to_render
 
     topo = topology_to_render(file)
     hosts = topo.hosts_in_use()
