@@ -134,7 +134,6 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
             raise UsageError(f"--engine-url {item!r}: want ENGINE=http://HOST:PORT")
         urls[name] = url
     api_key = read_api_key(api_key_file)
-    register_secret(api_key)
     metrics_key = Path(metrics_key_file).read_text().strip() if metrics_key_file else None
     register_secret(metrics_key)
     req = BenchRequest(
@@ -164,13 +163,6 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     code = exit_code_for(result)
     if code:
         sys.exit(code)
-
-
-def _running_releases(topo: object, inventory: str) -> tuple[str, dict[str, Any]]:
-    """hgxserve.bench.api.running_releases (kept under its old name)."""
-    from hgxserve.bench.api import running_releases
-
-    return running_releases(topo, inventory)
 
 
 @bench.command("compare")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from hgxserve.base.errors import ExitCode, Found, UsageError
+from hgxserve.base.errors import ExitCode, Found, UsageError, register_secret
 
 if TYPE_CHECKING:
     from hgxserve.topology.model import Topology
@@ -74,13 +74,16 @@ def dump_json(value: Any) -> None:
 
 
 def read_api_key(path: str | None) -> str | None:
-    """The key in a key file: a private file with a full-length key (UsageError otherwise)."""
+    """The key in a key file: a private file with a full-length key (UsageError otherwise),
+    registered as a secret (no message shows it)."""
     from hgxserve.base.apikeys import KeyFileError, read_key_file
 
     try:
-        return read_key_file(path) if path else None
+        key = read_key_file(path) if path else None
     except KeyFileError as exc:
         raise UsageError(str(exc)) from None
+    register_secret(key)
+    return key
 
 
 @contextmanager

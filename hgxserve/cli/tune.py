@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from hgxserve.base.defaults import TUNE_DEPLOY_TIMEOUT_S, TUNE_RUNS_DIR
-from hgxserve.base.errors import ExitCode, UsageError, cli_errors, register_secret
+from hgxserve.base.errors import ExitCode, HgxserveError, UsageError, cli_errors
 from hgxserve.cli.options import (
     IN_FILE,
     METRICS_KEY_FILE,
@@ -125,9 +125,7 @@ def tune(  # noqa: PLR0913 - a click command: one parameter per option
         _dry_run(spec, prune, scenarios[1])
         return
     api_key = read_api_key(api_key_file)
-    register_secret(api_key)
     metrics_key = read_api_key(metrics_key_file)
-    register_secret(metrics_key)
     signal.signal(signal.SIGTERM, _interrupt)
     run_dir, state = _run_dir(spec, Path(out_root), resume)
     progress(f"tune {run_dir}")
@@ -148,15 +146,11 @@ def tune(  # noqa: PLR0913 - a click command: one parameter per option
     click.echo(path.read_text())
     click.echo(f"run: {run_dir}\nreport: {path}")
     if not final["deployed"]:
-        raise_failed(f"the final release of {final['left_on']} failed: {final.get('reason')}")
+        raise HgxserveError(
+            f"the final release of {final['left_on']} failed: {final.get('reason')}"
+        )
     if final["winner"] is None:
         sys.exit(ExitCode.FOUND)
-
-
-def raise_failed(message: str) -> None:
-    from hgxserve.base.errors import HgxserveError
-
-    raise HgxserveError(message)
 
 
 def _dry_run(spec: Any, prune: Any, scenarios: list[Any]) -> None:
