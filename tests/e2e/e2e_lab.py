@@ -15,8 +15,10 @@ import contextlib
 import json
 import re
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -26,6 +28,18 @@ from testbed import hosts as testbed_hosts
 # user sets the same way, not product defaults lowered for tests.
 HEALTH_TIMEOUT_S = 75
 CONFIRM_WITHIN_S = 120
+
+
+def api_request(url: str, body: dict[str, Any]) -> urllib.request.Request:
+    """A JSON POST of `body` to `url` (the demo's proxy), with the demo topology's API key."""
+    return urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
+        },
+    )
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from unittest import mock
 
 import pytest
 import test_vllm_cpu as single  # the single-engine suite's S3, deploy and host helpers
+from e2e_lab import api_request
 
 from hgxserve.base.promtext import parse_samples
 from hgxserve.proxy.pd import PREFILL_KV_PARAMS
@@ -117,14 +118,7 @@ BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
 
 
 def through_proxy() -> dict:
-    req = urllib.request.Request(
-        f"{PROXY}/v1/completions",
-        data=json.dumps(BODY).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
-        },
-    )
+    req = api_request(f"{PROXY}/v1/completions", BODY)
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.status == 200
         answer: dict = json.loads(resp.read())
