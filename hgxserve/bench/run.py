@@ -18,7 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hgxserve.base.errors import ExitCode, HgxserveError, UsageError
+from hgxserve.base.errors import ExitCode, HgxserveError
+from hgxserve.base.versioned import read_versioned
 from hgxserve.bench import generator, metrics
 from hgxserve.bench.relay import RoundRelay
 from hgxserve.bench.scenario import BenchSpec, LoadPoint, Scenario, stat_key
@@ -494,10 +495,4 @@ def load_run(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         p = p / "run.json"
-    try:
-        data: dict[str, Any] = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{p}: not a bench run ({exc})") from None
-    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
-        raise UsageError(f"{p}: not a bench run of schema version {SCHEMA_VERSION}")
-    return data
+    return read_versioned(p, SCHEMA_VERSION, "bench run", "bench run")
