@@ -163,6 +163,12 @@ def test_native_flipped_byte_against_manifest_is_not_placed(
     ]
 
 
+@pytest.fixture
+def small_tree(bucket: Bucket, tmp_path: Path) -> tuple[dict[str, bytes], str, Path]:
+    """A `checksummed_tree` (the files, their s3:// prefix, a DEST) for one native sync."""
+    return checksummed_tree(bucket, tmp_path, "s", 3)
+
+
 @pytest.mark.parametrize(
     "fault",
     [
@@ -174,13 +180,12 @@ def test_native_flipped_byte_against_manifest_is_not_placed(
     ],
 )
 def test_native_survives_a_faulty_store(
-    bucket: Bucket,
     aws_env: dict[str, str],
     proxy: tuple[int, ProxyState],
-    tmp_path: Path,
+    small_tree: tuple[dict[str, bytes], str, Path],
     fault: Fault,
 ) -> None:
-    files, src, dest = checksummed_tree(bucket, tmp_path, "s", 3)
+    files, src, dest = small_tree
     sync_through(fault, proxy, lambda port: native_sync(aws_env, src, dest, port))
     assert tree(dest) == files
 
