@@ -33,8 +33,8 @@ def test_second_run_in_one_process_does_not_reuse_the_switch_plan_or_verdict():
     first = _run()
     hosts = [FakeHost("a", first, {"current": "old"}), FakeHost("b", first, {"current": "r2"})]
     coord = deploying.plan_switch("release:t", hosts, {"a": "r1", "b": "r2"})
-    assert coord.switching == {"a": "r1"}
-    coord.verdict = (False, "decode never got healthy")
+    assert coord.plan.switching == {"a": "r1"}
+    coord.record.verdict = (False, "decode never got healthy")
     # every host's deploy in the same run gets the same plan, even after a host switched
     hosts[0].release_state = {"current": "r1"}
     assert deploying.plan_switch("release:t", hosts, {"a": "r1", "b": "r2"}) is coord
@@ -43,7 +43,7 @@ def test_second_run_in_one_process_does_not_reuse_the_switch_plan_or_verdict():
     again = [FakeHost("a", second, {"current": "r1"}), FakeHost("b", second, {"current": "r2"})]
     fresh = deploying.plan_switch("release:t", again, {"a": "r1", "b": "r2"})
     assert fresh is not coord
-    assert fresh.switching == {} and fresh.verdict is None
+    assert fresh.plan.switching == {} and fresh.record.verdict is None
 
 
 def test_release_plans_are_made_once_per_run(monkeypatch):
