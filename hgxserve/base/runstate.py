@@ -1,9 +1,10 @@
 """State that lives exactly as long as one pyinfra run.
 
 Deploy files run once per host, but some decisions are made once per run (every host's release
-plan, the switch's plan and the record of what its hosts report, whether the agent was handled). They are kept per pyinfra
-`State`, so a second deploy in the same Python process (API use, tests) starts afresh instead of
-reusing the first one's plan or verdict, and a finished run's state goes away with it.
+plan, the switch's plan and the record of what its hosts report, whether the agent was
+handled). They are kept per pyinfra `State`, so a second deploy in the same Python process
+(API use, tests) starts afresh instead of reusing the first one's plan or verdict, and a
+finished run's state goes away with it.
 
 >>> from pyinfra.api import Config, Inventory, State
 >>> run = State(Inventory(([], {})), Config())
