@@ -28,7 +28,11 @@ _RUNS: WeakKeyDictionary[State, dict[Hashable, Any]] = WeakKeyDictionary()
 
 
 def per_run(state: State, key: Hashable, make: Callable[[], T]) -> T:
-    """The value stored under `key` for this run, made by `make()` the first time it is asked."""
+    """The value stored under `key` for this run, made by `make()` the first time it is asked.
+
+    `make` must not read a fact or run a command: pyinfra loads every host's deploy file side
+    by side (a greenlet each), and a `make` that pauses lets another host's load make a second
+    value, each host then keeping its own. Read what it needs first."""
     memo = _RUNS.setdefault(state, {})
     if key not in memo:
         memo[key] = make()

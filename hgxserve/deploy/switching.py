@@ -12,7 +12,7 @@ from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
-from hgxserve.base.runstate import per_run
+from hgxserve.base.runstate import per_run, recorded
 from hgxserve.bench.scenario import kv_shapes
 from hgxserve.facts.release import ReleaseState
 from hgxserve.release.coordination import Coordination, RunPlan, needs_switch
@@ -56,16 +56,17 @@ def _run(hosts: Sequence[Host]) -> State:
 
 
 def run_plan(
-    hosts: Sequence[Host], targets: Mapping[str, str], topology: Topology | None = None
+    states: Mapping[str, dict[str, Any]],
+    targets: Mapping[str, str],
+    topology: Topology | None = None,
 ) -> RunPlan:
-    """The run's switch plan, decided before any host is touched: the hosts whose state differs
-    from the release id `targets` gives them (the topology's release, or a staged previous or
-    baseline one) switch; with the release's `topology`, the RDMA and KV evidence the gate
-    checks and the KV capacity the engines must hold (a rollback's plan has none)."""
+    """The run's switch plan, decided before any host is touched, from each host's release
+    state (the `ReleaseState` fact): the hosts whose state differs from the release id `targets`
+    gives them (the topology's release, or a staged previous or baseline one) switch; with the
+    release's `topology`, the RDMA and KV evidence the gate checks and the KV capacity the
+    engines must hold (a rollback's plan has none)."""
     switching = {
-        h.name: targets[h.name]
-        for h in hosts
-        if needs_switch(h.get_fact(ReleaseState), targets[h.name])
+        name: targets[name] for name, state in states.items() if needs_switch(state, targets[name])
     }
     if topology is None:
         return RunPlan(targets=targets, switching=switching)
@@ -77,7 +78,7 @@ def run_plan(
         # gate.rdma: off: what carried cross-host KV instead (TCP), said on confirm
         unchecked=unchecked_transport(topology),
         kv_endpoints=kv_endpoints(topology),
-        kv_rails={h.name: r for h in hosts if (r := kv_only_rails(topology, h.name))},
+        kv_rails={name: r for name in states if (r := kv_only_rails(topology, name))},
         kv_policy=policy,
         kv_needs=(
             kv_needs_by_host(topology, kv_shapes(topology.source_file)) if policy != "off" else {}
@@ -89,12 +90,17 @@ def plan_switch(
     key: str, hosts: Sequence[Host], targets: Mapping[str, str], topology: Topology | None = None
 ) -> Coordination:
     """The run's coordination: its plan (`run_plan`), made once per run whichever host's
-    deploy asks first, and the record its hosts fill as the switch goes."""
-    return per_run(
-        _run(hosts),
-        ("coordination", f"{key}:{sorted(targets.items())}"),
-        lambda: Coordination(run_plan(hosts, targets, topology)),
-    )
+    deploy asks first, and the record its hosts fill as the switch goes.
+
+    pyinfra loads every host's deploy file side by side (a greenlet each), and reading a fact
+    lets another host's load go on: the hosts' release states are read first, and the plan is
+    then made and kept without a pause, so that every host gets the same one."""
+    run, run_key = _run(hosts), ("coordination", f"{key}:{sorted(targets.items())}")
+    planned: Coordination | None = recorded(run, run_key)
+    if planned is not None:
+        return planned
+    states = {h.name: h.get_fact(ReleaseState) for h in hosts}  # may let another host plan
+    return per_run(run, run_key, lambda: Coordination(run_plan(states, targets, topology)))
 
 
 def secret_values(plan: HostRelease) -> dict[str, str]:

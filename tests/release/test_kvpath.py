@@ -308,20 +308,14 @@ def test_counters_of_the_kv_only_rails_are_named() -> None:
     )
 
 
-def _hosts(*names: str) -> list[Any]:
-    """pyinfra hosts of a first release: no release store yet."""
-    return [SimpleNamespace(name=n, get_fact=lambda fact, **_: {}) for n in names]
-
-
 def test_the_deploy_reads_the_counters_of_the_kv_only_rails() -> None:
+    # a first release: no host has a release store yet
     h20 = load_topology(str(REPO / "topologies/h20-v4flash-1p1d-2node.yml"))
-    hosts = _hosts(*h20.hosts)
-    plan = run_plan(hosts, {h.name: "r1" for h in hosts}, h20)
+    plan = run_plan({h: {} for h in h20.hosts}, {h: "r1" for h in h20.hosts}, h20)
     assert _counter_devices(h20, "h20-b", plan) == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
     assert plan.kv_rails["h20-b"] == ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3")
     seed = load_topology(str(REPO / "topologies/h200-dsv32-2p1d.yml"))
-    hosts = _hosts(*seed.hosts)
-    plan = run_plan(hosts, {h.name: "r1" for h in hosts}, seed)
+    plan = run_plan({h: {} for h in seed.hosts}, {h: "r1" for h in seed.hosts}, seed)
     assert _counter_devices(seed, "h200-e", plan) == list(seed.hosts["h200-e"].rdma)
     assert "h200-e" not in plan.kv_rails
 
