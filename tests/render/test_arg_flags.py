@@ -1,13 +1,16 @@
 """ARG_FLAGS is the one table of typed engine args: it covers every schema `args` property,
-each renderer writes every flag it lists for its engine, and the extra-args rule refuses them."""
+each renderer writes every flag it lists for its engine, the extra-args rule refuses them, and
+the code reads no arg the schema lacks."""
 
 from __future__ import annotations
 
+import ast
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
-from conftest import topology
+from conftest import ROOT, topology
 
 from hgxserve.base.defaults import topology_schema
 from hgxserve.render.engines import engine_args, node_plan
@@ -79,3 +82,36 @@ def test_extra_args_rule_refuses_every_flag_of_the_table():
         for name in (f.vllm, f.sglang, *f.also):
             if name is not None:
                 assert TYPED_FLAGS[name] == f"args.{key}", name
+
+
+def _literal_arg_reads(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, key) of each `<x>.args.get("key")`, `<x>.args["key"]` and `"key" in <x>.args`."""
+    for node in ast.walk(tree):
+        key: ast.expr | None = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value
+            if node.func.attr == "get" and _is_args(target) and node.args:
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and _is_args(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and any(_is_args(c) for c in node.comparators):
+            key = node.left
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            yield node.lineno, key.value
+
+
+def _is_args(node: ast.expr) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "args"
+
+
+def test_code_reads_only_args_the_schema_has():
+    # an arg the schema refuses is never set: reading it finds nothing, silently
+    # (the cache bake read args.context_length, SGLang's flag name for max_model_len)
+    props = set(topology_schema()["$defs"]["engineArgs"]["properties"])
+    unknown = [
+        f"{path.relative_to(ROOT)}:{line}: args.{key}"
+        for path in sorted((ROOT / "hgxserve").rglob("*.py"))
+        for line, key in _literal_arg_reads(ast.parse(path.read_text()))
+        if key not in props
+    ]
+    assert unknown == []
