@@ -17,6 +17,7 @@ from hgxserve.base.defaults import schema_default
 from hgxserve.base.paths import TOPOLOGY_FILES_DIR
 from hgxserve.base.routing import is_kv_aware
 from hgxserve.base.sizes import parse_size
+from hgxserve.topology.engine_args import EngineArgs, EngineKind
 
 LOOPBACK = ("127.", "localhost", "::1")
 # Engine flags whose value is a file or directory the engine reads on its host.
@@ -32,7 +33,7 @@ PATH_FLAGS = (
 # The fixed vocabularies of the schema's enums (tests/structure/test_vocabularies.py keeps
 # each equal to its enum).
 Role = Literal["combined", "prefill", "decode"]
-EngineKind = Literal["vllm", "sglang"]
+# EngineKind: hgxserve.topology.engine_args, beside the table of the args of each engine
 KvConnector = Literal["nixl", "mooncake"]
 KvFailurePolicy = Literal["fail", "recompute"]
 KvBufferDevice = Literal["cuda", "cpu"]
@@ -268,7 +269,7 @@ class Engine:
     rpc_port: int
     watch_port: int  # the multi-node engine's watcher (hgxserve.release.watch), on every host
     kv: KvTransfer | None
-    args: dict[str, Any]
+    args: EngineArgs
     extra_args: tuple[str, ...]
     env: dict[str, str]
     secret_env: dict[str, SecretRef]
@@ -324,7 +325,7 @@ class Engine:
         """(setting keys, flag, path) of every absolute host path the engine's args name."""
         found: list[tuple[tuple[str, ...], str, str]] = []
         template = self.args.get("chat_template")
-        if isinstance(template, str) and template.startswith("/"):
+        if template is not None and template.startswith("/"):
             found.append((("args", "chat_template"), "chat_template", template))
         args = list(self.extra_args)
         for i, arg in enumerate(args):
@@ -729,7 +730,7 @@ def _engine(name: str, data: dict[str, Any]) -> Engine:
         bind=data.get("bind"),
         internal_port=data.get("internal_port"),
         kv=_kv(data.get("kv")),
-        args=dict(data.get("args", {})),
+        args=cast(EngineArgs, dict(data.get("args", {}))),  # the schema checked each arg
         extra_args=tuple(data.get("extra_args", ())),
         env={k: _env_text(v) for k, v in data.get("env", {}).items()},
         secret_env={k: SecretRef.parse(v) for k, v in data.get("secret_env", {}).items()},

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from hgxserve.topology.engine_args import arg_value
 from hgxserve.topology.model import Engine, Proxy, Topology, is_loopback
 from hgxserve.topology.ports import UNSPECIFIED, setting_path, uses_nixl_side_channel
 from hgxserve.topology.problems import JsonPath
@@ -240,12 +241,12 @@ def pd_agree(topo: Topology) -> Iterator[Finding]:
                 f"{p_model!r}{where}; {why}",
             )
         for key in _AGREE_ARGS:
-            pv, dv = p.args.get(key), d.args.get(key)
-            if pv != dv:
+            p_arg, d_arg = arg_value(p.args, key), arg_value(d.args, key)
+            if p_arg != d_arg:
                 yield (
                     setting_path(topo, d.name, "args", key),
-                    f"decode {d.name} {key} {_fmt(dv)} differs from prefill {p.name} "
-                    f"{_fmt(pv)}{where}; {why}",
+                    f"decode {d.name} {key} {_fmt(d_arg)} differs from prefill {p.name} "
+                    f"{_fmt(p_arg)}{where}; {why}",
                 )
         pc = p.kv.connector if p.kv else None
         dc = d.kv.connector if d.kv else None
