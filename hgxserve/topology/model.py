@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -297,6 +298,13 @@ class Engine:
     def dp_attention(self) -> bool:
         """SGLang DP attention: the dp attention groups live inside tp (tp GPUs in all)."""
         return self.engine == "sglang" and bool(self.args.get("enable_dp_attention"))
+
+    @property
+    def redundant_experts(self) -> int:
+        """Redundant experts per MoE layer EPLB adds (0 without EPLB)."""
+        if not self.args.get("enable_eplb"):
+            return 0
+        return int(self.args.get("eplb_config", {}).get("num_redundant_experts") or 0)
 
     @property
     def gpus_per_dp_rank(self) -> int:
@@ -610,6 +618,19 @@ class Topology:
 
     def engines_on(self, host: str) -> list[Engine]:
         return [e for e in self.engines.values() if host in e.place]
+
+    def shortest_max_model_len(self, names: Iterable[str]) -> tuple[int, str] | None:
+        """The smallest `max_model_len` among the engines named (names of no engine are left
+        out) and the engine that has it (the first by name on a tie); None when none sets it.
+        An integer the YAML wrote as `8192.0` (the schema takes it) counts as 8192."""
+        return min(
+            (
+                (int(e.args["max_model_len"]), n)
+                for n in names
+                if (e := self.engines.get(n)) is not None and "max_model_len" in e.args
+            ),
+            default=None,
+        )
 
     def hosts_in_use(self) -> list[str]:
         used = {h for e in self.engines.values() for h in e.place}

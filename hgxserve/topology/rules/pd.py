@@ -379,17 +379,13 @@ def pd_remote_prefill_threshold(topo: Topology, proxy: Proxy) -> Iterator[Findin
     for index, route in enumerate(proxy.routes):
         if not proxy.kv_aware(route):
             continue
-        lengths = [
-            int(topo.engines[n].args["max_model_len"])
-            for n in route.decode
-            if n in topo.engines and isinstance(topo.engines[n].args.get("max_model_len"), int)
-        ]
-        if lengths and threshold >= min(lengths):
+        shortest = topo.shortest_max_model_len(route.decode)
+        if shortest is not None and threshold >= shortest[0]:
             yield (
                 _threshold_path(topo),
                 f"route {index} (policy {proxy.route_policy(route)}) sends a prompt to its "
                 f"prefills only when at least {threshold} of its tokens are uncached on the "
-                f"chosen decode, but its decodes take at most {min(lengths)} tokens "
+                f"chosen decode, but its decodes take at most {shortest[0]} tokens "
                 "(max_model_len): every request would prefill on its decode; lower "
                 "proxy.routing.pd_remote_prefill_min_uncached_tokens below that",
             )
