@@ -48,9 +48,16 @@ VALUES: dict[str, Any] = {
 }
 
 
+def _sample(key: str, switch: bool) -> Any:
+    """A value of arg `key`: `switch` for a boolean, else its VALUES entry."""
+    if topology_schema()["$defs"]["engineArgs"]["properties"][key].get("type") == "boolean":
+        return switch
+    assert key in VALUES, f"add a sample value of args.{key} to VALUES"
+    return VALUES[key]
+
+
 def _all_args(switch: bool) -> dict[str, Any]:
-    props = topology_schema()["$defs"]["engineArgs"]["properties"]
-    return {k: (switch if props[k].get("type") == "boolean" else VALUES[k]) for k in props}
+    return {k: _sample(k, switch) for k in topology_schema()["$defs"]["engineArgs"]["properties"]}
 
 
 def test_every_schema_arg_is_in_the_table_and_nothing_else():
@@ -125,7 +132,7 @@ def test_the_cache_key_changes_with_exactly_the_args_that_compile(key):
     engine = topo.engines[next(iter(topo.engines))]
     args = {k: v for k, v in engine.args.items() if k != key}
     without = replace(engine, args=args)
-    for value in (_all_args(True)[key], _all_args(False)[key]):
+    for value in (_sample(key, True), _sample(key, False)):
         changed = replace(engine, args={**args, key: value})
         assert (cache_key(topo, changed) != cache_key(topo, without)) is ARG_FLAGS[key].compiles
 
