@@ -6,9 +6,10 @@ renderers write it in, and whether it changes what the engine compiles. The vLLM
 renderers take every flag name from here, the `extra-args-typed` rule refuses every flag listed
 here in `extra_args`, an arg an engine has no flag for (`None`) is named in that engine's unit
 as not rendered, and the cache key (hgxserve.caches.key) hashes exactly the args marked
-`compiles=True`. A new typed arg is one schema property (`$defs.engineArgs`) plus one line
-here; tests/render/test_arg_flags.py checks both agree and that each engine's renderer writes
-the flag.
+`compiles=True`. A new typed arg is one schema property (`$defs.engineArgs`), one line here
+and, unless it is a boolean, a sample value in tests/render/test_arg_flags.py's VALUES; those
+tests check the schema and the table agree and that each engine's renderer writes the flag (one
+the renderers place nowhere else is written by its form after the other typed args).
 
 >>> ARG_FLAGS["max_model_len"].vllm, ARG_FLAGS["max_model_len"].sglang
 ('--max-model-len', '--context-length')
