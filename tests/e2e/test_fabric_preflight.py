@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_lab import demo_lab, links, output
+from e2e_lab import demo_lab, links, output, units
 
 from testbed import hosts as testbed_hosts
 
@@ -80,17 +80,6 @@ def deploy(
     )
 
 
-def unit_pids(lab: testbed_hosts.Testbed, host: str) -> dict[str, str]:
-    """Active hgxserve engine/proxy units -> MainPID."""
-    out = lab.ssh(
-        host,
-        "for u in $(systemctl list-units 'hgxserve-*' --state=active --no-legend --plain "
-        "| awk '{print $1}' | grep -v reconcile); do "
-        'echo "$u $(systemctl show -p MainPID --value $u)"; done',
-    ).stdout
-    return dict(line.split() for line in out.splitlines() if line.strip())
-
-
 def fabric_record(lab: testbed_hosts.Testbed, host: str, release_id: str) -> dict:
     path = f"/var/lib/hgxserve/releases/{release_id}/fabric.json"
     return json.loads(lab.ssh(host, f"cat {path}", check=True).stdout)
@@ -101,7 +90,7 @@ def snapshot(lab: testbed_hosts.Testbed) -> dict[str, tuple]:
     out = {}
     for host in lab.names:
         state = links(lab, host)
-        out[host] = (state["current"], state["pending"], unit_pids(lab, host))
+        out[host] = (state["current"], state["pending"], units(lab, host))
     return out
 
 
