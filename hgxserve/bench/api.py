@@ -137,24 +137,19 @@ def _run_reached(
     progress: Callable[[str], None],
 ) -> tuple[Path, dict[str, Any]]:
     from hgxserve.bench import report
-    from hgxserve.bench.run import RunOptions, run_bench
+    from hgxserve.bench.run import options_through, run_bench
     from hgxserve.bench.telemetry import Telemetry, open_telemetry
 
     release_id, observed = release
     for name, how in reach.via.items():
         progress(f"{name}: through an SSH tunnel to {how}")
     tele = open_telemetry(spec.topology, req.inventory) if req.telemetry else Telemetry(None, "off")
-    opts = RunOptions(
-        out_root=req.out_root,
-        proxy_url=reach.proxy_url,
-        engine_urls=reach.engine_urls,
-        tokenizer=req.tokenizer,
-        api_key=req.api_key,
-        metrics_key=req.metrics_key,
-        release_id=release_id,
-        round_timeout_s=req.round_timeout_s,
+    opts = options_through(
+        reach,
+        req,
+        req.out_root,
+        release_id,
         drain_timeout_s=req.drain_timeout_s,
-        origin=reach.origin,
         engines_observed=observed,
         telemetry=tele.sampler,
         telemetry_why_none=tele.why_none,

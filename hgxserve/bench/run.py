@@ -16,12 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from hgxserve.base.errors import ExitCode, HgxserveError, UsageError
+from hgxserve.base.errors import ExitCode, HgxserveError
+from hgxserve.base.versioned import read_versioned
 from hgxserve.bench import generator, metrics
 from hgxserve.bench.relay import RoundRelay
 from hgxserve.bench.scenario import BenchSpec, LoadPoint, Scenario, stat_key
+
+if TYPE_CHECKING:
+    from hgxserve.bench.reach import Reach
 
 SCHEMA_VERSION = 1
 POLL_S = 1.0
@@ -52,6 +56,41 @@ class RunOptions:
     # GPU telemetry during each round (hgxserve.bench.telemetry.Sampler); None: not sampled
     telemetry: Any = None
     telemetry_why_none: str = "not sampled"
+
+
+class RoundKnobs(Protocol):
+    """What a bench request and a tune give every round alike."""
+
+    @property
+    def tokenizer(self) -> str | None: ...
+
+    @property
+    def api_key(self) -> str | None: ...
+
+    @property
+    def metrics_key(self) -> str | None: ...
+
+    @property
+    def round_timeout_s(self) -> float: ...
+
+
+def options_through(
+    reach: Reach, knobs: RoundKnobs, out_root: Path, release_id: str | None, **more: Any
+) -> RunOptions:
+    """The options of a run into `out_root` through `reach` (its proxy, engines and origin),
+    with `knobs` and `more` (the other RunOptions fields)."""
+    return RunOptions(
+        out_root=out_root,
+        proxy_url=reach.proxy_url,
+        engine_urls=reach.engine_urls,
+        tokenizer=knobs.tokenizer,
+        api_key=knobs.api_key,
+        metrics_key=knobs.metrics_key,
+        release_id=release_id,
+        round_timeout_s=knobs.round_timeout_s,
+        origin=reach.origin,
+        **more,
+    )
 
 
 def _busy_text(busy: dict[str, float]) -> str:
@@ -456,10 +495,4 @@ def load_run(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         p = p / "run.json"
-    try:
-        data: dict[str, Any] = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{p}: not a bench run ({exc})") from None
-    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
-        raise UsageError(f"{p}: not a bench run of schema version {SCHEMA_VERSION}")
-    return data
+    return read_versioned(p, SCHEMA_VERSION, "bench run", "bench run")

@@ -12,6 +12,7 @@ exports them (`etc/default-counters.csv` of NVIDIA/dcgm-exporter).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,18 +28,26 @@ class EngineMetrics:
     waiting: str  # gauge
     running: str  # gauge
     kv_failures: tuple[str, ...]  # counters: KV transfers that failed
-    kv_transfers: str | None  # counter: KV transfers done (None: not exported)
-    kv_bytes: str | None  # counter: KV bytes moved
-    recomputed_prompt: str | None  # counter: prompt tokens a decode computed itself
+    kv_transfers: str | None = None  # counter: KV transfers done (None: not exported)
+    kv_bytes: str | None = None  # counter: KV bytes moved
+    recomputed_prompt: str | None = None  # counter: prompt tokens a decode computed itself
+
+
+def _engine(prefix: str, **names: Any) -> EngineMetrics:
+    """The names both engines export, each under its own prefix, and the engine's own `names`."""
+    return EngineMetrics(
+        prompt_tokens=f"{prefix}:prompt_tokens_total",
+        generation_tokens=f"{prefix}:generation_tokens_total",
+        ttft=f"{prefix}:time_to_first_token_seconds",
+        itl=f"{prefix}:inter_token_latency_seconds",
+        **names,
+    )
 
 
 ENGINE_METRICS: dict[str, EngineMetrics] = {
-    "vllm": EngineMetrics(
-        prompt_tokens="vllm:prompt_tokens_total",
-        generation_tokens="vllm:generation_tokens_total",
-        ttft="vllm:time_to_first_token_seconds",
+    "vllm": _engine(
+        "vllm",
         tpot="vllm:request_time_per_output_token_seconds",
-        itl="vllm:inter_token_latency_seconds",
         kv_cache_usage="vllm:kv_cache_usage_perc",
         waiting="vllm:num_requests_waiting",
         running="vllm:num_requests_running",
@@ -48,12 +57,9 @@ ENGINE_METRICS: dict[str, EngineMetrics] = {
         recomputed_prompt='vllm:prompt_tokens_by_source_total{source="local_compute"}',
     ),
     # SGLang has no per-request TPOT histogram: its inter-token latency stands for both.
-    "sglang": EngineMetrics(
-        prompt_tokens="sglang:prompt_tokens_total",
-        generation_tokens="sglang:generation_tokens_total",
-        ttft="sglang:time_to_first_token_seconds",
+    "sglang": _engine(
+        "sglang",
         tpot="sglang:inter_token_latency_seconds",
-        itl="sglang:inter_token_latency_seconds",
         kv_cache_usage="sglang:token_usage",
         waiting="sglang:num_queue_reqs",
         running="sglang:num_running_reqs",
@@ -61,9 +67,6 @@ ENGINE_METRICS: dict[str, EngineMetrics] = {
             "sglang:num_transfer_failed_reqs_total",
             "sglang:num_bootstrap_failed_reqs_total",
         ),
-        kv_transfers=None,
-        kv_bytes=None,
-        recomputed_prompt=None,
     ),
 }
 

@@ -166,7 +166,7 @@ def bench(
     """Bench the deployed candidate through its proxy; (bench run dir or None, result)."""
     from hgxserve.bench import generator, metrics, report
     from hgxserve.bench.reach import open_reach
-    from hgxserve.bench.run import RoundRefused, RunOptions, run_bench
+    from hgxserve.bench.run import RoundRefused, options_through, run_bench
     from hgxserve.bench.scenario import BenchSpec
     from hgxserve.topology import load_topology
 
@@ -180,17 +180,7 @@ def bench(
         proxy_url=None,
         engine_urls={},
     )
-    run_opts = RunOptions(
-        out_root=opts.run_dir / "bench",
-        proxy_url=reach.proxy_url,
-        engine_urls=reach.engine_urls,
-        tokenizer=opts.tokenizer,
-        api_key=opts.api_key,
-        metrics_key=opts.metrics_key,
-        release_id=release,
-        round_timeout_s=opts.round_timeout_s,
-        origin=reach.origin,
-    )
+    run_opts = options_through(reach, opts, opts.run_dir / "bench", release)
     try:
         run_dir, result = run_bench(spec, picked, run_opts, opts.progress)
     except (RoundRefused, generator.GeneratorError, metrics.MetricsError) as exc:

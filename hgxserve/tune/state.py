@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hgxserve.base.errors import UsageError
+from hgxserve.base.versioned import read_versioned
 
 STATE_FILE = "state.json"
 SCHEMA_VERSION = 1
@@ -75,13 +76,7 @@ def save(run_dir: Path, state: dict[str, Any]) -> None:
 
 def load(run_dir: Path, spec_digest: str | None = None) -> dict[str, Any]:
     """A kept tune's state; UsageError when it is not one, or was run from another SPEC."""
-    path = run_dir / STATE_FILE
-    try:
-        state: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{path}: not a tune run ({exc})") from None
-    if not isinstance(state, dict) or state.get("schema_version") != SCHEMA_VERSION:
-        raise UsageError(f"{path}: not a tune state of schema version {SCHEMA_VERSION}")
+    state = read_versioned(run_dir / STATE_FILE, SCHEMA_VERSION, "tune run", "tune state")
     if spec_digest is not None and state.get("spec_digest") != spec_digest:
         raise UsageError(
             f"{run_dir}: was run from another SPEC (or the SPEC changed since): start a new tune"

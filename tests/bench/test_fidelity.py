@@ -387,6 +387,15 @@ def test_dataset_reads_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         dataset.load_dataset(Dataset(tmp_path / "missing.jsonl", "prompts"), None)
 
 
+def bench_problems(topology: Path, bench_yaml: str) -> str:
+    """The problems `load_bench` finds (it must find some) once the topology's bench file
+    reads `bench_yaml`, one text a line."""
+    (topology.parent / "t.bench.yaml").write_text(bench_yaml)
+    with pytest.raises(TopologyError) as exc:
+        load_bench(topology)
+    return "\n".join(p.text() for p in exc.value.problems)
+
+
 def test_a_dataset_scenario_is_relative_to_its_file_and_takes_no_input(tmp_path: Path) -> None:
     path = _bench_topology(
         tmp_path,
@@ -395,23 +404,19 @@ def test_a_dataset_scenario_is_relative_to_its_file_and_takes_no_input(tmp_path:
     )
     (d,) = load_bench(path).scenarios
     assert d.dataset == Dataset(tmp_path / "data/p.jsonl", "prompts") and d.input is None
-    (tmp_path / "t.bench.yaml").write_text(
+    texts = bench_problems(
+        path,
         "bench:\n  scenarios:\n"
         "    - {name: d, input: 5, dataset: {path: p.jsonl, format: csv}, concurrency: [1]}\n"
-        "    - {name: e, output: 5, concurrency: [1]}\n"
+        "    - {name: e, output: 5, concurrency: [1]}\n",
     )
-    with pytest.raises(TopologyError) as exc:
-        load_bench(path)
-    texts = "\n".join(p.text() for p in exc.value.problems)
     assert "$.bench.scenarios[0].dataset.format" in texts
-    (tmp_path / "t.bench.yaml").write_text(
+    texts = bench_problems(
+        path,
         "bench:\n  scenarios:\n"
         "    - {name: d, input: 5, dataset: {path: p.jsonl, format: prompts}, concurrency: [1]}\n"
-        "    - {name: e, output: 5, concurrency: [1]}\n"
+        "    - {name: e, output: 5, concurrency: [1]}\n",
     )
-    with pytest.raises(TopologyError) as exc:
-        load_bench(path)
-    texts = "\n".join(p.text() for p in exc.value.problems)
     assert "$.bench.scenarios[0].input: a dataset brings its own prompts" in texts
     assert "$.bench.scenarios[1]: 'input' is a required property" in texts
 

@@ -166,6 +166,17 @@ def only_run(out: Path) -> dict:
     return dict(json.loads((run_dir / "run.json").read_text()))
 
 
+def bench_round(
+    lab: Lab, tmp_path: Path, bench_yaml: str, returncode: int, *args: str
+) -> tuple[subprocess.CompletedProcess[str], dict, Path]:
+    """`bench` of the demo topology with `bench_yaml` into tmp_path/runs, which exits
+    `returncode`: the process, its one run's run.json, and the runs folder."""
+    out = tmp_path / "runs"
+    proc = bench(lab, topology_with(tmp_path, bench_yaml), "--out", str(out), *args)
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, only_run(out), out
+
+
 def sim_ids(url: str) -> list[str]:
     with urllib.request.urlopen(url + "/sim/requests", timeout=10) as resp:
         return [r["request_id"] for r in json.loads(resp.read())["requests"]]
@@ -174,17 +185,17 @@ def sim_ids(url: str) -> list[str]:
 def test_pd_and_combined_scenarios_pass_with_clean_rounds_and_plots(
     lab: Lab, tmp_path: Path
 ) -> None:
-    topology = topology_with(
+    proc, run, out = bench_round(
+        lab,
         tmp_path,
         "bench:\n  drain_timeout_s: 10\n  scenarios:\n"
         "    - {name: pd-long, input: 240, output: 16, concurrency: [2], requests: 8,\n"
         "       sla: {ttft_s: 3, tpot_ms: 40}}\n"
         "    - {name: short, input: 24, output: 16, concurrency: [2], requests: 8}\n",
+        0,
+        "--release-id",
+        "r-local",
     )
-    out = tmp_path / "runs"
-    proc = bench(lab, topology, "--out", str(out), "--release-id", "r-local")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = only_run(out)
     assert run["passed"] is True and run["refused"] is None
     assert run["release_id"] == "r-local" and run["topology"]["gpus"] == 10
     assert run["engine_versions"]["decode-0"] == "vllm 0.0.0+simulated"

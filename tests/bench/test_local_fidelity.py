@@ -16,10 +16,8 @@ import pytest
 from test_local_bench import (  # the same local lab as the bench's own tests
     AIPERF_PYTHON,
     Lab,
-    bench,
+    bench_round,
     local_lab,
-    only_run,
-    topology_with,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -40,17 +38,15 @@ def broken_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 def test_failed_kv_transfers_make_the_pd_round_invalid_never_pass(
     broken_lab: Lab, tmp_path: Path
 ) -> None:
-    topology = topology_with(
+    proc, run, out = bench_round(
+        broken_lab,
         tmp_path,
         "bench:\n  drain_timeout_s: 10\n  scenarios:\n"
         "    - {name: pd-long, input: 240, output: 8, concurrency: [2], requests: 4,\n"
         "       sla: {ttft_s: 30, tpot_ms: 400, statistic: mean}}\n",
+        6,
     )
-    out = tmp_path / "runs"
-    proc = bench(broken_lab, topology, "--out", str(out))
-    assert proc.returncode == 6, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "INVALID: pd-long c2:" in proc.stderr and "failed KV transfer(s)" in proc.stderr
-    run = only_run(out)
     assert run["verdict"] == "INVALID" and run["passed"] is False
     assert run["scenario_verdicts"] == {"pd-long": "INVALID"}
     assert run["verdicts"] == []  # every SLA target met: the round is still no evidence
@@ -73,17 +69,15 @@ def test_a_dataset_replayed_at_a_request_rate(broken_lab: Lab, tmp_path: Path) -
         for i in range(6)
     ] + [{"id": "lonely", "conversations": [{"from": "human", "value": "no reply"}]}]  # fmt: skip
     (tmp_path / "chats.json").write_text(json.dumps(conversations))
-    topology = topology_with(
+    proc, run, out = bench_round(
+        broken_lab,
         tmp_path,
         "bench:\n  drain_timeout_s: 10\n  scenarios:\n"
         "    - {name: chats, dataset: {path: chats.json, format: sharegpt}, rate: [4],\n"
         "       max_concurrency: 2, requests: 6, sla: {tpot_ms: 400, statistic: mean}}\n",
+        0,
     )
-    out = tmp_path / "runs"
-    proc = bench(broken_lab, topology, "--out", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "6 prompts from" in proc.stderr and "1 conversations skipped" in proc.stderr
-    run = only_run(out)
     assert run["verdict"] == "PASS" and run["scenario_verdicts"] == {"chats": "PASS"}
     (r,) = run["rounds"]
     assert r["point"] == "r4-c2" and r["valid"] is True and r["kv"]["pd"] is True

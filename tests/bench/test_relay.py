@@ -7,7 +7,10 @@ import json
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
 
 from hgxserve.bench.relay import RoundRelay
 
@@ -32,31 +35,34 @@ class Upstream(BaseHTTPRequestHandler):
         pass
 
 
-def test_every_request_gets_the_round_prefix_and_the_key() -> None:
+@pytest.fixture
+def upstream() -> Iterator[str]:
+    """The URL of an `Upstream` on 127.0.0.1, what it saw (SEEN) emptied first."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    upstream = f"http://127.0.0.1:{server.server_address[1]}"
     SEEN.clear()
-    try:
-        with RoundRelay(upstream, "run1-a-c1-s0", api_key="k3y-secret") as relay:
-            for i in range(3):
-                req = urllib.request.Request(
-                    relay.url + "/v1/completions",
-                    data=json.dumps({"prompt": f"p{i}"}).encode(),
-                    headers={"X-Request-Id": "client-uuid", "Content-Type": "application/json"},
-                )
-                with urllib.request.urlopen(req, timeout=10) as resp:
-                    assert resp.headers["X-Request-Id"] == f"run1-a-c1-s0-{i + 1:07d}"
-                    assert resp.read() == b'data: {"prompt": "p%d"}\n\ndata: [DONE]\n\n' % i
-            urllib.request.urlopen(relay.url + "/v1/models", timeout=10).read()
-            assert relay.counts.sent == 3  # GETs reach no engine
-            relay.new_round("run1-b-c1-s0")
-            urllib.request.urlopen(
-                urllib.request.Request(relay.url + "/v1/completions", data=b"{}"), timeout=10
-            ).read()
-            assert relay.counts.sent == 1
-    finally:
-        server.shutdown()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_every_request_gets_the_round_prefix_and_the_key(upstream: str) -> None:
+    with RoundRelay(upstream, "run1-a-c1-s0", api_key="k3y-secret") as relay:
+        for i in range(3):
+            req = urllib.request.Request(
+                relay.url + "/v1/completions",
+                data=json.dumps({"prompt": f"p{i}"}).encode(),
+                headers={"X-Request-Id": "client-uuid", "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.headers["X-Request-Id"] == f"run1-a-c1-s0-{i + 1:07d}"
+                assert resp.read() == b'data: {"prompt": "p%d"}\n\ndata: [DONE]\n\n' % i
+        urllib.request.urlopen(relay.url + "/v1/models", timeout=10).read()
+        assert relay.counts.sent == 3  # GETs reach no engine
+        relay.new_round("run1-b-c1-s0")
+        urllib.request.urlopen(
+            urllib.request.Request(relay.url + "/v1/completions", data=b"{}"), timeout=10
+        ).read()
+        assert relay.counts.sent == 1
     ids = [h["x-request-id"] for h in SEEN]
     assert ids == [
         "run1-a-c1-s0-0000001", "run1-a-c1-s0-0000002", "run1-a-c1-s0-0000003",
@@ -66,27 +72,20 @@ def test_every_request_gets_the_round_prefix_and_the_key() -> None:
     assert SEEN[0]["path"] == "/v1/completions"
 
 
-def test_only_the_generators_requests_are_forwarded_with_the_key() -> None:
+def test_only_the_generators_requests_are_forwarded_with_the_key(upstream: str) -> None:
     """Any local process could reach the relay: it must not lend the proxy's key to other
     methods or paths (`/invocations`, `/metrics`, `DELETE …`)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    upstream = f"http://127.0.0.1:{server.server_address[1]}"
-    SEEN.clear()
-    try:
-        with RoundRelay(upstream, "r", api_key="k3y-secret") as relay:
-            for method, path in [
-                ("POST", "/invocations"), ("GET", "/metrics"), ("POST", "/v1/models"),
-                ("GET", "/v1/completions"), ("DELETE", "/v1/chat/completions"),
-                ("POST", "/v1/completions/../../tokenize"),
-            ]:  # fmt: skip
-                req = urllib.request.Request(relay.url + path, data=b"{}", method=method)
-                try:
-                    urllib.request.urlopen(req, timeout=10)
-                    raise AssertionError(f"{method} {path} was forwarded")
-                except urllib.error.HTTPError as exc:
-                    assert exc.code == 403, (method, path)
-            assert relay.counts.sent == 0
-    finally:
-        server.shutdown()
+    with RoundRelay(upstream, "r", api_key="k3y-secret") as relay:
+        for method, path in [
+            ("POST", "/invocations"), ("GET", "/metrics"), ("POST", "/v1/models"),
+            ("GET", "/v1/completions"), ("DELETE", "/v1/chat/completions"),
+            ("POST", "/v1/completions/../../tokenize"),
+        ]:  # fmt: skip
+            req = urllib.request.Request(relay.url + path, data=b"{}", method=method)
+            try:
+                urllib.request.urlopen(req, timeout=10)
+                raise AssertionError(f"{method} {path} was forwarded")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 403, (method, path)
+        assert relay.counts.sent == 0
     assert SEEN == []

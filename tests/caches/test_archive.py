@@ -194,6 +194,16 @@ def _restore_refused(archive_path, dest, match):
     _assert_untouched(dest)
 
 
+def _refused_archive(tmp_path, members, *manifest, match):
+    """An archive of `members` (and `manifest`) that restoring over an old cache refuses with
+    `match`, the old cache left as it was: (the archive, the old cache)."""
+    bad = tmp_path / "bad.tar.zst"
+    _write_archive(bad, members, *manifest)
+    dest = _old_cache(tmp_path)
+    _restore_refused(bad, dest, match)
+    return bad, dest
+
+
 def test_corrupt_file_inside_unnamed_archive_is_refused(tmp_path):
     manifest = {
         "format": archive.FORMAT,
@@ -201,27 +211,20 @@ def test_corrupt_file_inside_unnamed_archive_is_refused(tmp_path):
         "dirs": [],
         "symlinks": [],
     }
-    bad = tmp_path / "bad.tar.zst"
-    _write_archive(bad, [_file("a.bin", b"abd")], manifest)
-    dest = _old_cache(tmp_path)
-    _restore_refused(bad, dest, "a.bin: sha256")
+    _refused_archive(tmp_path, [_file("a.bin", b"abd")], manifest, match="a.bin: sha256")
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/../../evil", "/etc/evil", "./../evil"])
 def test_path_traversal_is_refused(tmp_path, name):
-    bad = tmp_path / "bad.tar.zst"
-    _write_archive(bad, [_file(name, b"x")], {"format": archive.FORMAT})
-    dest = _old_cache(tmp_path)
-    _restore_refused(bad, dest, "unsafe path")
+    _refused_archive(tmp_path, [_file(name, b"x")], {"format": archive.FORMAT}, match="unsafe path")
     assert not (tmp_path / "evil").exists()
 
 
 def test_symlink_escape_and_write_through_symlink_are_refused(tmp_path):
     link = _link("out", tarfile.SYMTYPE, "../../outside")
-    bad = tmp_path / "bad.tar.zst"
-    _write_archive(bad, [link], {"format": archive.FORMAT})
-    dest = _old_cache(tmp_path)
-    _restore_refused(bad, dest, "unsafe symlink")
+    bad, dest = _refused_archive(
+        tmp_path, [link], {"format": archive.FORMAT}, match="unsafe symlink"
+    )
 
     inner = _link("d", tarfile.SYMTYPE, "real")
     _write_archive(bad, [inner, _file("d/x", b"1")], {"format": archive.FORMAT})
@@ -230,17 +233,11 @@ def test_symlink_escape_and_write_through_symlink_are_refused(tmp_path):
 
 def test_device_and_hardlink_members_are_refused(tmp_path):
     hard = _link("h", tarfile.LNKTYPE, "/etc/passwd")
-    bad = tmp_path / "bad.tar.zst"
-    _write_archive(bad, [hard], {"format": archive.FORMAT})
-    dest = _old_cache(tmp_path)
-    _restore_refused(bad, dest, "hard link")
+    _refused_archive(tmp_path, [hard], {"format": archive.FORMAT}, match="hard link")
 
 
 def test_archive_without_manifest_is_refused(tmp_path):
-    bad = tmp_path / "bad.tar.zst"
-    _write_archive(bad, [_file("a", b"1")])
-    dest = _old_cache(tmp_path)
-    _restore_refused(bad, dest, "no manifest")
+    _refused_archive(tmp_path, [_file("a", b"1")], match="no manifest")
 
 
 def test_not_zstd_at_all_is_a_clear_error(tmp_path):

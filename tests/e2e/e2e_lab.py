@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -26,6 +31,25 @@ from testbed import hosts as testbed_hosts
 # user sets the same way, not product defaults lowered for tests.
 HEALTH_TIMEOUT_S = 75
 CONFIRM_WITHIN_S = 120
+
+
+def opt_in(variable: str, setup: str) -> pytest.MarkDecorator:
+    """Skip unless `variable` is 1: a suite that needs what scripts/`setup` installs first."""
+    return pytest.mark.skipif(
+        os.environ.get(variable) != "1", reason=f"opt-in: set {variable}=1 (after scripts/{setup})"
+    )
+
+
+def api_request(url: str, body: dict[str, Any]) -> urllib.request.Request:
+    """A JSON POST of `body` to `url` (the demo's proxy), with the demo topology's API key."""
+    return urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
+        },
+    )
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_lab import demo_lab, site
+from e2e_lab import api_request, demo_lab, site
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -248,16 +248,14 @@ def test_a_leftover_client_makes_the_round_wait_then_refuse(
     stop = threading.Event()
 
     def leftover_client() -> None:  # seed 003 §11.4: a client from an earlier round
-        body = json.dumps(
-            {"model": "tiny", "prompt": "a leftover client", "max_tokens": 150,
-             "ignore_eos": True}
-        ).encode()  # fmt: skip
+        body = {
+            "model": "tiny",
+            "prompt": "a leftover client",
+            "max_tokens": 150,
+            "ignore_eos": True,
+        }
         while not stop.is_set():
-            req = urllib.request.Request(
-                f"http://{PROXY}:8000/v1/completions", data=body,
-                headers={"Content-Type": "application/json",
-                         "Authorization": f"Bearer {demo.DEMO_API_KEY}"},
-            )  # fmt: skip
+            req = api_request(f"http://{PROXY}:8000/v1/completions", body)
             with urllib.request.urlopen(req, timeout=60) as resp:
                 resp.read()
 

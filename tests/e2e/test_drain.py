@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from e2e_lab import demo_lab
+from e2e_lab import api_request, demo_lab
 
-from testbed import demo
 from testbed import hosts as testbed_hosts
 from testbed.simaccept import accept_simulation_env
 
@@ -93,24 +92,15 @@ class Outcome:
 def one_stream(
     url: str = PROXY_URL, prompt: str = "tell a long story", tokens: int = TOKENS
 ) -> Outcome:
-    body = json.dumps(
-        {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": tokens,
-            "stream": True,
-            "ignore_eos": True,
-            "temperature": 0,
-        }
-    ).encode()
-    req = urllib.request.Request(
-        url + "/v1/completions",
-        data=body,
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
-        },  # fmt: skip
-    )
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    req = api_request(url + "/v1/completions", body)
     out = Outcome(time.time(), 0.0)
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:

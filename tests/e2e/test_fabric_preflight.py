@@ -54,6 +54,18 @@ def clear_faults(lab: testbed_hosts.Testbed) -> None:
         lab.ssh(host, f"rm -f {FAULTS}; for f in {ports}; do echo '4: ACTIVE' > $f; done")
 
 
+def deploy_with_fault(
+    lab: testbed_hosts.Testbed, host: str, fault: str, topology: Path, *data: str
+) -> subprocess.CompletedProcess:
+    """`deploy` of the engines stage while `fault` (a shell command that sets a fault of the
+    simulated fabric) holds on `host`; every fault is cleared after."""
+    lab.ssh(host, fault, check=True)
+    try:
+        return deploy(lab, topology, "engines", *data)
+    finally:
+        clear_faults(lab)
+
+
 @pytest.fixture(scope="module")
 def lab(testbed: testbed_hosts.Testbed, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     clear_faults(testbed)
@@ -131,11 +143,12 @@ def test_a_rail_down_on_one_host_stops_the_release_before_any_unit_changes(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
     before = snapshot(lab)
-    lab.ssh("hgx-b", f"echo '1: DOWN' > {SIM_PORT.format(rail='mlx5_1')}", check=True)
-    try:
-        proc = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric", 6), "engines")
-    finally:
-        clear_faults(lab)
+    proc = deploy_with_fault(
+        lab,
+        "hgx-b",
+        f"echo '1: DOWN' > {SIM_PORT.format(rail='mlx5_1')}",
+        fabric_topology(tmp_path, "demo-pd-fabric", 6),
+    )
     text = output(proc)
     assert proc.returncode != 0, text[-5000:]
     assert "FABRIC SHORT: hgx-b rail mlx5_1 port 1 is DOWN (sysfs state), not ACTIVE" in text
@@ -150,11 +163,12 @@ def test_half_bandwidth_on_one_host_stops_the_release_naming_the_figure(
     lab: testbed_hosts.Testbed, tmp_path: Path
 ) -> None:
     before = snapshot(lab)
-    lab.ssh("hgx-b", f"echo 'bw_factor: 0.5' > {FAULTS}", check=True)
-    try:
-        proc = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric", 6), "engines")
-    finally:
-        clear_faults(lab)
+    proc = deploy_with_fault(
+        lab,
+        "hgx-b",
+        f"echo 'bw_factor: 0.5' > {FAULTS}",
+        fabric_topology(tmp_path, "demo-pd-fabric", 6),
+    )
     text = output(proc)
     assert proc.returncode != 0, text[-5000:]
     for rail in ("mlx5_0", "mlx5_1"):
@@ -168,12 +182,13 @@ def test_half_bandwidth_on_one_host_stops_the_release_naming_the_figure(
     print("\n".join(line for line in text.splitlines() if "FABRIC" in line))
     assert snapshot(lab) == before
     # gate.fabric: warn says the same and goes on; the record keeps the short figures
-    lab.ssh("hgx-b", f"echo 'bw_factor: 0.5' > {FAULTS}", check=True)
     warn = {"\nwarmup:": "\ngate: {fabric: warn}\nwarmup:"}
-    try:
-        proc = deploy(lab, fabric_topology(tmp_path, "demo-pd-fabric", 6, warn), "engines")
-    finally:
-        clear_faults(lab)
+    proc = deploy_with_fault(
+        lab,
+        "hgx-b",
+        f"echo 'bw_factor: 0.5' > {FAULTS}",
+        fabric_topology(tmp_path, "demo-pd-fabric", 6, warn),
+    )
     assert proc.returncode == 0, output(proc)[-5000:]
     assert "FABRIC SHORT: ib_write_bw hgx-a -> hgx-b rail mlx5_0" in output(proc)
     assert "going on (gate.fabric: warn)" in output(proc)
@@ -247,11 +262,13 @@ def test_a_multi_host_engine_gets_an_nccl_all_reduce_and_a_slow_host_stops_it(
     # 2 rails x 400 Gb/s at the simulation's 92%: 92 GB/s, above 0.7 x 100 GB/s
     assert allreduce["avg_busbw_gbytes"] == pytest.approx(92.0) and allreduce["floor_gbytes"] == 70
     before = snapshot(lab)
-    lab.ssh("hgx-c", f"echo 'bw_factor: 0.5' > {FAULTS}", check=True)
-    try:
-        proc = deploy(lab, multi_host_topology(tmp_path, "demo-mh-fabric", 6), "engines", MPIRUN)
-    finally:
-        clear_faults(lab)
+    proc = deploy_with_fault(
+        lab,
+        "hgx-c",
+        f"echo 'bw_factor: 0.5' > {FAULTS}",
+        multi_host_topology(tmp_path, "demo-mh-fabric", 6),
+        MPIRUN,
+    )
     text = output(proc)
     assert proc.returncode != 0, text[-5000:]
     assert (

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import site
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -48,17 +49,7 @@ def test_trixie_host_gets_the_agent_for_its_python_and_serves_pd(
     assert python.strip() == "(3, 13)"
     for name in mixed.names:
         assert mixed.ssh(name, "test -e /opt/hgxserve").returncode != 0  # fresh
-    proc = mixed.pyinfra(
-        "deploys/site.py",
-        "--data",
-        f"topology={PD}",
-        "--data",
-        "stages=runtime,weights,engines",
-        "--data",
-        "health_timeout=75",
-        "--data",
-        "confirm_within=120",
-    )
+    proc = site(mixed, PD)
     text = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
     assert proc.returncode == 0, text[-4000:]
     # the agent: built for each host's own interpreter and platform

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_lab import demo_lab, output, site, units
+from e2e_lab import api_request, demo_lab, output, site, units
 
 from testbed import demo, simengine
 from testbed import hosts as testbed_hosts
@@ -163,25 +163,16 @@ def engine_hits(lab: testbed_hosts.Testbed) -> dict[str, float]:
 
 
 def chat(question: str) -> dict:
-    body = json.dumps(
-        {
-            "model": "tiny",
-            "messages": [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": question},
-            ],
-            "max_tokens": 4,
-            "temperature": 0,
-        }
-    ).encode()
-    req = urllib.request.Request(
-        f"{PROXY}/v1/chat/completions",
-        data=body,
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
-        },
-    )
+    body = {
+        "model": "tiny",
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    req = api_request(f"{PROXY}/v1/chat/completions", body)
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         return json.loads(resp.read(1 << 20))

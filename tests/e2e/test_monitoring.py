@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_lab import api_request
 
 from hgxserve.monitoring.dashboard import dashboard, queries
 from hgxserve.monitoring.rules import rule_groups
@@ -142,15 +143,8 @@ def wait_for(check: Callable[[], Any], what: str, timeout: float = 60) -> Any:
 
 
 def complete(prompt: str, max_tokens: int = 16) -> int:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}).encode()
-    request = urllib.request.Request(
-        f"{PROXY}/v1/completions",
-        data=body,
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
-        },
-    )
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}
+    request = api_request(f"{PROXY}/v1/completions", body)
     try:
         with urllib.request.urlopen(request, timeout=30) as resp:  # noqa: S310 (test host)
             resp.read()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_lab import demo_lab, deploy, grand_total, links, output, units
+from e2e_lab import api_request, demo_lab, deploy, grand_total, links, output, units
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -49,17 +49,8 @@ def gpu_memory(lab: testbed_hosts.Testbed, host: str) -> list[int]:
 
 
 def complete(address: str, prompt: str = "Only answer: PD_OK", port: int = 8000) -> dict:
-    body = json.dumps(
-        {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    ).encode()
-    req = urllib.request.Request(
-        f"http://{address}:{port}/v1/completions",
-        data=body,
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
-        },
-    )
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    req = api_request(f"http://{address}:{port}/v1/completions", body)
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
         return json.loads(resp.read())

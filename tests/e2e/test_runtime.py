@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import api_request
 
 from testbed import demo
 from testbed import hosts as testbed_hosts
@@ -215,12 +216,8 @@ def test_sglang_dp8_starts_with_its_template_delivered(
     unit = lab.ssh("hgx-a", "systemctl cat hgxserve-sglang-0.service", check=True).stdout
     assert f"runtime check-files {TEMPLATE}={sha}" in unit
     assert f"--chat-template {TEMPLATE}" in unit
-    body = json.dumps({"model": "tiny", "prompt": "Only answer: SGL", "max_tokens": 4}).encode()
-    request = urllib.request.Request(
-        "http://10.77.0.11:8000/v1/completions", data=body,
-        headers={"Content-Type": "application/json",
-                 "Authorization": f"Bearer {demo.DEMO_API_KEY}"},  # the topology's proxy auth
-    )  # fmt: skip
+    body = {"model": "tiny", "prompt": "Only answer: SGL", "max_tokens": 4}
+    request = api_request("http://10.77.0.11:8000/v1/completions", body)  # the proxy's auth
     with urllib.request.urlopen(request, timeout=30) as resp:
         assert json.loads(resp.read())["choices"][0]["text"]
     # again: nothing changes (venv, template, release)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_lab import demo_lab
+from e2e_lab import demo_lab, site
 
 from testbed import hosts as testbed_hosts
 
@@ -60,17 +60,7 @@ def test_decode_on_another_host_reaches_the_bootstrap_of_a_prefill_beside_the_pr
 ) -> None:
     lab, topology = beside
     # a fresh start: the (simulated) SGLang runtime, the weights from the local S3, the release
-    proc: subprocess.CompletedProcess = lab.pyinfra(
-        "deploys/site.py",
-        "--data",
-        f"topology={topology}",
-        "--data",
-        "stages=runtime,weights,engines",
-        "--data",
-        "health_timeout=75",
-        "--data",
-        "confirm_within=120",
-    )
+    proc: subprocess.CompletedProcess = site(lab, topology)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     assert "SGLang prefill served" in text and "0 failed transfers" in text

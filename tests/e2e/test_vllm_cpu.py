@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lab import api_request, opt_in
 
 from testbed import demo, tiny_llama
 from testbed import hosts as testbed_hosts
@@ -51,10 +52,7 @@ PROMPT = "the release gate checks one completion"
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.vllm_cpu,
-    pytest.mark.skipif(
-        os.environ.get("HGXSERVE_VLLM_CPU") != "1",
-        reason="opt-in: set HGXSERVE_VLLM_CPU=1 (after scripts/setup_vllm_cpu.sh)",
-    ),
+    opt_in("HGXSERVE_VLLM_CPU", "setup_vllm_cpu.sh"),
     pytest.mark.skipif(
         not list(WHEELS.glob("vllm-0.32.0+cpu-*.whl")),
         reason=f"no vllm 0.32.0+cpu wheel in {WHEELS}: run scripts/setup_vllm_cpu.sh",
@@ -166,17 +164,8 @@ def units(lab: testbed_hosts.Testbed) -> dict[str, str]:
 
 def complete(prompt: str = PROMPT, max_tokens: int = 12) -> tuple[str, float]:
     """One completion at temperature 0 through the proxy: (text, seconds)."""
-    body = json.dumps(
-        {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    ).encode()
-    req = urllib.request.Request(
-        f"http://{ADDRESS}:8000/v1/completions",
-        data=body,
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
-        },
-    )
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    req = api_request(f"http://{ADDRESS}:8000/v1/completions", body)
     started = time.monotonic()
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert resp.status == 200

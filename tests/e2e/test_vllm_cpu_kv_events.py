@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_lab import opt_in
 
 from testbed import hosts as testbed_hosts
 from testbed import tiny_llama
@@ -38,10 +39,7 @@ SHARED = " ".join(
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.vllm_cpu,
-    pytest.mark.skipif(
-        os.environ.get("HGXSERVE_VLLM_CPU") != "1",
-        reason="opt-in: set HGXSERVE_VLLM_CPU=1 (after scripts/setup_vllm_cpu.sh)",
-    ),
+    opt_in("HGXSERVE_VLLM_CPU", "setup_vllm_cpu.sh"),
     pytest.mark.skipif(
         not (VENV / "bin" / "vllm").exists(),
         reason=f"no vllm-cpu venv at {VENV}: run scripts/setup_vllm_cpu.sh",

@@ -35,6 +35,7 @@ from unittest import mock
 
 import pytest
 import test_vllm_cpu as single  # the single-engine suite's S3, deploy and host helpers
+from e2e_lab import api_request, opt_in
 
 from hgxserve.base.promtext import parse_samples
 from hgxserve.proxy.pd import PREFILL_KV_PARAMS
@@ -63,10 +64,7 @@ def nixl_installed() -> bool:
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.vllm_cpu_pd,
-    pytest.mark.skipif(
-        os.environ.get("HGXSERVE_VLLM_CPU_PD") != "1",
-        reason="opt-in: set HGXSERVE_VLLM_CPU_PD=1 (after scripts/setup_vllm_cpu_pd.sh)",
-    ),
+    opt_in("HGXSERVE_VLLM_CPU_PD", "setup_vllm_cpu_pd.sh"),
     pytest.mark.skipif(
         not (VENV / "bin" / "vllm").exists() or not nixl_installed(),
         reason=f"no vllm-cpu venv with {NIXL[0]} at {VENV}: run scripts/setup_vllm_cpu_pd.sh",
@@ -117,14 +115,7 @@ BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
 
 
 def through_proxy() -> dict:
-    req = urllib.request.Request(
-        f"{PROXY}/v1/completions",
-        data=json.dumps(BODY).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {demo.DEMO_API_KEY}",
-        },
-    )
+    req = api_request(f"{PROXY}/v1/completions", BODY)
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.status == 200
         answer: dict = json.loads(resp.read())

@@ -126,3 +126,34 @@ def proxy(tmp_path: Path) -> Iterator[Callable[..., ProxyProcess]]:
     yield start
     for p in started:
         p.stop()
+
+
+class SglangEngines:
+    """Simulated SGLang engines serving /models/m as "m" (started through `engines`)."""
+
+    def __init__(self, engines: Callable[..., SimEngine]) -> None:
+        self.engines = engines
+
+    def start(
+        self, mode: str | None = None, *extra: str, bootstrap_port: int | None = None
+    ) -> SimEngine:
+        """One engine: `mode` "prefill" or "decode", None for combined; `extra` serve args."""
+        args = ["serve", "--model-path", "/models/m", "--served-model-name", "m", *extra]
+        if mode:
+            args += ["--disaggregation-mode", mode]
+        if bootstrap_port is not None:
+            args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        return self.engines("sglang", args, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"})
+
+    def pd(self, *extra: str) -> tuple[SimEngine, SimEngine, dict[str, Any]]:
+        """A prefill and a decode engine, and the proxy config of that one P/D group."""
+        boot = free_port()
+        pre = self.start("prefill", *extra, bootstrap_port=boot)
+        dec = self.start("decode", *extra)
+        group = {"prefill": [{"url": pre.url, "bootstrap_port": boot}], "decode": [dec.url]}
+        return pre, dec, {"protocol": "sglang", "served_model_name": "m", "pd_groups": [group]}
+
+
+@pytest.fixture
+def sglang(engines: Callable[..., SimEngine]) -> SglangEngines:
+    return SglangEngines(engines)

@@ -7,10 +7,11 @@ what the attacker gets, what everyone else still gets, and what the engines saw.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,20 +159,30 @@ def test_slow_body_gets_408_and_the_connection_closed(engines, proxy) -> None:
     assert metric(px.metrics(), "hgxserve_proxy_refused_total", reason="body_timeout") == 1
 
 
+@contextlib.contextmanager
+def one_past_held_connections(px: Any, held: int) -> Iterator[bytes]:
+    """Hold `held` connections open to the proxy and give the answer to one more; the held
+    ones close when the block ends."""
+    socks = [raw_socket(px.port) for _ in range(held)]
+    try:
+        time.sleep(0.2)
+        extra = raw_socket(px.port)
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = read_all(extra)
+        extra.close()
+        yield got
+    finally:
+        for sock in socks:
+            sock.close()
+    time.sleep(0.2)
+
+
 def test_connection_cap_answers_503_and_keeps_serving(engines, proxy) -> None:
     limits = {"max_connections": 5, "max_client_share": 1.0}
     px = proxy(combined_config(vllm(engines, None), limits=limits))
-    held = [raw_socket(px.port) for _ in range(5)]
-    time.sleep(0.2)
-    extra = raw_socket(px.port)
-    extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    got = read_all(extra)
-    extra.close()
-    assert got.startswith(b"HTTP/1.1 503"), got[:80]
-    assert b"Retry-After: 1" in got and b"Too many open connections" in got
-    for sock in held:
-        sock.close()
-    time.sleep(0.2)
+    with one_past_held_connections(px, 5) as got:
+        assert got.startswith(b"HTTP/1.1 503"), got[:80]
+        assert b"Retry-After: 1" in got and b"Too many open connections" in got
     assert completion(px.url)[0] == 200, "served again once connections are free"
     assert metric(px.metrics(), "hgxserve_proxy_refused_total", reason="connections") >= 1
 
@@ -181,16 +192,8 @@ def test_one_client_holds_at_most_its_share_of_the_connections(engines, proxy) -
     past its share it gets the same 503, and the connections it closes are its own again."""
     limits = {"max_connections": 8, "max_client_share": 0.5}
     px = proxy(combined_config(vllm(engines, None), limits=limits))
-    held = [raw_socket(px.port) for _ in range(4)]
-    time.sleep(0.2)
-    extra = raw_socket(px.port)
-    extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    got = read_all(extra)
-    extra.close()
-    assert got.startswith(b"HTTP/1.1 503") and b"Too many open connections" in got, got[:80]
-    for sock in held:
-        sock.close()
-    time.sleep(0.2)
+    with one_past_held_connections(px, 4) as got:
+        assert got.startswith(b"HTTP/1.1 503") and b"Too many open connections" in got, got[:80]
     assert completion(px.url)[0] == 200, "its own share is free again"
     assert metric(px.metrics(), "hgxserve_proxy_refused_total", reason="client_share") == 1
 
@@ -319,14 +322,20 @@ def test_oversized_body_413_without_reaching_an_engine(engines, proxy, chunked: 
 # ---------------------------------------------------------------- what reaches the engines
 
 
+def assert_local_and_undialed(engine: SimEngine, trap: Any) -> None:
+    """The engine's last request carried no KV transfer params and ran locally; nothing dialed
+    the trap the client's params named."""
+    req = engine.requests()[-1]
+    assert req["kv_transfer_params_in"] is None and req["kv"] == "local"
+    assert not trap.dialed()
+
+
 def test_client_kv_transfer_params_never_reach_a_combined_engine(engines, proxy, trap) -> None:
     comb = vllm(engines, "decode")  # a NIXL engine: it would dial what the params say
     px = proxy(combined_config(comb))
     status, _ = completion(px.url, kv_transfer_params=trap.params, bootstrap_host="127.0.0.1")
     assert status == 200
-    req = comb.requests()[-1]
-    assert req["kv_transfer_params_in"] is None and req["kv"] == "local"
-    assert not trap.dialed()
+    assert_local_and_undialed(comb, trap)
 
 
 def test_client_kv_transfer_params_never_reach_a_fallback_decode(engines, proxy, trap) -> None:
@@ -336,9 +345,7 @@ def test_client_kv_transfer_params_never_reach_a_fallback_decode(engines, proxy,
     pre.kill()  # decode-only fallback: the decode prefills locally
     status, _ = completion(px.url, LONG, kv_transfer_params=trap.params)
     assert status == 200
-    req = dec.requests()[-1]
-    assert req["kv_transfer_params_in"] is None and req["kv"] == "local"
-    assert not trap.dialed()
+    assert_local_and_undialed(dec, trap)
 
 
 def test_client_kv_transfer_params_replaced_on_the_pd_route(engines, proxy, trap) -> None:
@@ -354,28 +361,10 @@ def test_client_kv_transfer_params_replaced_on_the_pd_route(engines, proxy, trap
     assert not trap.dialed()
 
 
-def test_client_bootstrap_fields_stripped_on_every_sglang_route(engines, proxy) -> None:
-    boot = free_port()
-    common = ["serve", "--model-path", "/models/m", "--served-model-name", "m"]
-    quiet = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
-    pre = engines(
-        "sglang",
-        [*common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)],
-        env=quiet,
-    )
-    dec = engines("sglang", [*common, "--disaggregation-mode", "decode"], env=quiet)
-    comb = engines("sglang", common, env=quiet)
-    px = proxy(
-        {
-            "protocol": "sglang",
-            "served_model_name": "m",
-            "pd_groups": [
-                {"prefill": [{"url": pre.url, "bootstrap_port": boot}], "decode": [dec.url]}
-            ],
-            "combined": [comb.url],
-            "routing": {"pd_min_prompt_tokens": 200},
-        }
-    )
+def test_client_bootstrap_fields_stripped_on_every_sglang_route(sglang, proxy) -> None:
+    pre, dec, config = sglang.pd()
+    comb = sglang.start()
+    px = proxy({**config, "combined": [comb.url], "routing": {"pd_min_prompt_tokens": 200}})
     evil = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 42}
     assert completion(px.url, "short", **evil)[0] == 200
     assert comb.requests()[-1]["bootstrap_room"] is None, "combined saw no bootstrap fields"

@@ -40,9 +40,16 @@ def conversations(rng: random.Random, n: int) -> list[dict[str, Any]]:
     return out
 
 
-def test_reuse_gives_exactly_the_whole_tokenization(tmp_path: Path) -> None:
+@pytest.fixture
+def tok(tmp_path: Path) -> PromptTokenizer:
+    """A BPE tokenizer that splits at special tokens: prefix reuse is on."""
     write_bpe_tokenizer(tmp_path)
     tok = PromptTokenizer.load(str(tmp_path))
+    assert tok.prefix is not None
+    return tok
+
+
+def test_reuse_gives_exactly_the_whole_tokenization(tok: PromptTokenizer) -> None:
     assert tok.prefix is not None
     for body in conversations(random.Random(3), 300):
         assert tok.prompt_ids(body, "chat") == whole(tok, body)
@@ -59,9 +66,7 @@ def test_tokenizer_that_does_not_split_is_tokenized_whole(tmp_path: Path) -> Non
     assert tok.prompt_ids(body, "chat") == whole(tok, body)
 
 
-def test_a_wrong_reuse_turns_it_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    write_bpe_tokenizer(tmp_path)
-    tok = PromptTokenizer.load(str(tmp_path))
+def test_a_wrong_reuse_turns_it_off(tok: PromptTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tok.prefix
     assert cache is not None
     monkeypatch.setattr(tokprefix, "VERIFY_EVERY", 1)
@@ -73,9 +78,7 @@ def test_a_wrong_reuse_turns_it_off(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert cache.mismatches == 1 and not cache.enabled
 
 
-def test_memory_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    write_bpe_tokenizer(tmp_path)
-    tok = PromptTokenizer.load(str(tmp_path))
+def test_memory_is_bounded(tok: PromptTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tok.prefix
     assert cache is not None
     monkeypatch.setattr(tokprefix, "MAX_CACHED_TOKENS", 5000)

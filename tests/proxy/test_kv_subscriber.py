@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from kvwire import Publisher, batch, cleared, store_prompt
@@ -28,126 +28,120 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def held(idx: BlockIndex, ids: list[int]) -> int:
-    return idx.prefix_blocks(Chain(ids, 16))
+class Wire:
+    """A publisher (an engine's), and a subscriber of it feeding a block index."""
+
+    def __init__(self, pub: Publisher, replay: str | None) -> None:
+        self.pub = pub  # a scenario that restarts the engine puts the new publisher here
+        self.idx = BlockIndex()
+        self.sub = Subscriber(pub.endpoint, replay or pub.replay_endpoint, "kv-events", self.idx)
+        self.stats = self.sub.stats
+
+    def held(self, ids: list[int]) -> int:
+        return self.idx.prefix_blocks(Chain(ids, 16))
+
+
+def run(
+    scenario: Callable[[Wire], Awaitable[None]],
+    pub: Publisher | None = None,
+    replay: str | None = None,
+) -> None:
+    """`scenario(wire)` while the subscriber of `pub` (a fresh publisher if none; its replay
+    endpoint unless `replay` names another) runs; then it stops and the publisher closes."""
+
+    async def main(wire: Wire) -> None:
+        task = asyncio.create_task(wire.sub.run())
+        try:
+            await scenario(wire)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            wire.pub.close()
+
+    asyncio.run(main(Wire(pub or Publisher(), replay)))
 
 
 def test_replay_on_connect_gap_and_garbage() -> None:
-    async def scenario() -> None:
-        pub = Publisher()
-        idx = BlockIndex()
-        sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", idx)
-        # published before the proxy subscribed: only a replay can bring it
-        pub.publish(store_prompt(A))
-        task = asyncio.create_task(sub.run())
-        try:
-            await until(lambda: held(idx, A) == 4)
-            assert sub.stats.connects == 1 and pub.replays[0] == 0
-            await until(lambda: sub.stats.last_seq == 0)
-            # garbage on the stream: counted, the stream goes on
-            pub.send_raw([b"kv-events", b"\x00" * 8, b"\xc1"])
-            pub.send_raw([b"kv-events", b"short", b""])
-            await until(lambda: sub.stats.garbage == 2)
-            # a batch lost on the way (seq 1), then seq 2: the gap is replayed from seq 1
-            pub.publish(batch([cleared()]), send=False)
-            pub.publish(store_prompt(B))
-            await until(lambda: sub.stats.last_seq == 2)
-            assert sub.stats.gaps == 1 and pub.replays[-1] == 1
-            assert held(idx, A) == 0 and held(idx, B) == 2  # cleared, then B, in order
-            assert sub.stats.events == {"BlockStored": 2, "AllBlocksCleared": 1}
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            pub.close()
+    pub = Publisher()
+    # published before the proxy subscribed: only a replay can bring it
+    pub.publish(store_prompt(A))
 
-    asyncio.run(scenario())
+    async def scenario(wire: Wire) -> None:
+        await until(lambda: wire.held(A) == 4)
+        assert wire.stats.connects == 1 and pub.replays[0] == 0
+        await until(lambda: wire.stats.last_seq == 0)
+        # garbage on the stream: counted, the stream goes on
+        pub.send_raw([b"kv-events", b"\x00" * 8, b"\xc1"])
+        pub.send_raw([b"kv-events", b"short", b""])
+        await until(lambda: wire.stats.garbage == 2)
+        # a batch lost on the way (seq 1), then seq 2: the gap is replayed from seq 1
+        pub.publish(batch([cleared()]), send=False)
+        pub.publish(store_prompt(B))
+        await until(lambda: wire.stats.last_seq == 2)
+        assert wire.stats.gaps == 1 and pub.replays[-1] == 1
+        assert wire.held(A) == 0 and wire.held(B) == 2  # cleared, then B, in order
+        assert wire.stats.events == {"BlockStored": 2, "AllBlocksCleared": 1}
+
+    run(scenario, pub)
 
 
 def test_engine_restart_resets_the_index() -> None:
-    async def scenario() -> None:
-        pub = Publisher()
-        ports = (pub.pub_port, pub.replay_port)
-        idx = BlockIndex()
-        sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", idx)
-        task = asyncio.create_task(sub.run())
-        try:
-            await until(lambda: sub.stats.connects == 1)
-            for _ in range(3):
-                pub.publish(batch([]))
-            pub.publish(store_prompt(A))
-            await until(lambda: held(idx, A) == 4)
-            pub.close()
-            # the engine restarts on the same ports: its seq starts at 0 and its cache is empty
-            pub = Publisher(pub_port=ports[0], replay_port=ports[1])
-            await until(lambda: sub.stats.connects == 2)
-            pub.publish(store_prompt(B))
-            # a batch published before the new subscription took effect is lost on the live
-            # stream (ZMQ's slow joiner); the next one shows the seq went back, and the replay
-            # from 0 brings what was lost
-            for _ in range(50):
-                if held(idx, B) == 2:
-                    break
-                pub.publish(batch([]))
-                await asyncio.sleep(0.1)
-            assert held(idx, B) == 2
-            assert sub.stats.restarts == 1 and held(idx, A) == 0
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            pub.close()
+    async def scenario(wire: Wire) -> None:
+        ports = (wire.pub.pub_port, wire.pub.replay_port)
+        await until(lambda: wire.stats.connects == 1)
+        for _ in range(3):
+            wire.pub.publish(batch([]))
+        wire.pub.publish(store_prompt(A))
+        await until(lambda: wire.held(A) == 4)
+        wire.pub.close()
+        # the engine restarts on the same ports: its seq starts at 0 and its cache is empty
+        wire.pub = Publisher(pub_port=ports[0], replay_port=ports[1])
+        await until(lambda: wire.stats.connects == 2)
+        wire.pub.publish(store_prompt(B))
+        # a batch published before the new subscription took effect is lost on the live
+        # stream (ZMQ's slow joiner); the next one shows the seq went back, and the replay
+        # from 0 brings what was lost
+        for _ in range(50):
+            if wire.held(B) == 2:
+                break
+            wire.pub.publish(batch([]))
+            await asyncio.sleep(0.1)
+        assert wire.held(B) == 2
+        assert wire.stats.restarts == 1 and wire.held(A) == 0
 
-    asyncio.run(scenario())
+    run(scenario)
 
 
 def test_no_replay_endpoint_and_unreachable_replay() -> None:
-    async def scenario() -> None:
-        pub = Publisher()
-        idx = BlockIndex()
-        # a replay address nothing answers: the replay times out, counted; live events apply
-        sub = Subscriber(pub.endpoint, "tcp://127.0.0.1:9", "kv-events", idx)
-        task = asyncio.create_task(sub.run())
-        try:
-            await until(lambda: sub.stats.connects == 1)
-            await until(lambda: sub.stats.replay_failures == 1, timeout=15)
-            for _ in range(20):
-                pub.publish(store_prompt(A))
-                await asyncio.sleep(0.05)
-                if held(idx, A) == 4:
-                    break
-            assert held(idx, A) == 4
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            pub.close()
+    async def scenario(wire: Wire) -> None:
+        await until(lambda: wire.stats.connects == 1)
+        await until(lambda: wire.stats.replay_failures == 1, timeout=15)
+        for _ in range(20):
+            wire.pub.publish(store_prompt(A))
+            await asyncio.sleep(0.05)
+            if wire.held(A) == 4:
+                break
+        assert wire.held(A) == 4
 
-    asyncio.run(scenario())
+    # a replay address nothing answers: the replay times out, counted; live events apply
+    run(scenario, replay="tcp://127.0.0.1:9")
 
 
 def test_a_gap_the_publisher_no_longer_holds_starts_over() -> None:
-    async def scenario() -> None:
-        pub = Publisher(keep=2)  # the publisher's replay buffer holds the last 2 batches
-        idx = BlockIndex()
-        sub = Subscriber(pub.endpoint, pub.replay_endpoint, "kv-events", idx)
-        task = asyncio.create_task(sub.run())
-        try:
-            await until(lambda: sub.stats.connects == 1)
-            await until(lambda: sub.stats.replays == 1)
-            pub.publish(store_prompt(A))
-            await until(lambda: held(idx, A) == 4)
-            for _ in range(3):  # lost on the way, and the first of them no longer buffered
-                pub.publish(batch([]), send=False)
-            pub.publish(store_prompt(B))
-            await until(lambda: sub.stats.last_seq == 4)
-            # asked from seq 1, answered from 3: what 1-2 did is unknown, the index starts over
-            assert pub.replays[-1] == 1 and sub.stats.replay_failures == 1
-            assert held(idx, A) == 0 and held(idx, B) == 2
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            pub.close()
+    pub = Publisher(keep=2)  # the publisher's replay buffer holds the last 2 batches
 
-    asyncio.run(scenario())
+    async def scenario(wire: Wire) -> None:
+        await until(lambda: wire.stats.connects == 1)
+        await until(lambda: wire.stats.replays == 1)
+        pub.publish(store_prompt(A))
+        await until(lambda: wire.held(A) == 4)
+        for _ in range(3):  # lost on the way, and the first of them no longer buffered
+            pub.publish(batch([]), send=False)
+        pub.publish(store_prompt(B))
+        await until(lambda: wire.stats.last_seq == 4)
+        # asked from seq 1, answered from 3: what 1-2 did is unknown, the index starts over
+        assert pub.replays[-1] == 1 and wire.stats.replay_failures == 1
+        assert wire.held(A) == 0 and wire.held(B) == 2
+
+    run(scenario, pub)

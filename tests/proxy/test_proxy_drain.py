@@ -36,6 +36,16 @@ def config(*eng: SimEngine, **limits: Any) -> dict[str, Any]:
     }
 
 
+def slow_proxy(
+    engines: Callable[..., SimEngine], proxy: Callable[..., Any], **limits: Any
+) -> tuple[Any, SimEngine]:
+    """A proxy (with `limits`) in front of one slow engine, once the engine is in rotation."""
+    eng = slow_engine(engines)
+    p = proxy(config(eng, **limits))
+    p.wait_in_rotation()
+    return p, eng
+
+
 class Stream(threading.Thread):
     """One streamed completion of `tokens` tokens, read to its end in the background."""
 
@@ -94,9 +104,7 @@ def assert_turned_away(url: str) -> None:
 
 
 def test_sigterm_lets_the_stream_finish_turns_new_requests_away_and_exits(engines, proxy) -> None:
-    eng = slow_engine(engines)
-    p = proxy(config(eng))
-    p.wait_in_rotation()
+    p, eng = slow_proxy(engines, proxy)
     stream = started_stream(p.url, 60)  # 3 s of tokens
     p.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: http("GET", p.url + "/health")[0] == 503)
@@ -115,9 +123,7 @@ def test_sigterm_lets_the_stream_finish_turns_new_requests_away_and_exits(engine
 
 
 def test_the_drain_bound_cuts_what_is_still_in_flight(engines, proxy) -> None:
-    eng = slow_engine(engines)
-    p = proxy(config(eng, drain_timeout_s=0.5))
-    p.wait_in_rotation()
+    p, _ = slow_proxy(engines, proxy, drain_timeout_s=0.5)
     stream = started_stream(p.url, 400)  # 20 s of tokens: longer than the bound
     began = time.monotonic()
     p.proc.send_signal(signal.SIGTERM)
@@ -128,10 +134,16 @@ def test_the_drain_bound_cuts_what_is_still_in_flight(engines, proxy) -> None:
     assert "drain bound of 0.5 s passed: cutting 1 request(s) in flight" in p.log()
 
 
+def reload_onto(p: Any, engine: SimEngine) -> None:
+    """What a switch does: install a proxy.json naming `engine` instead, and reload (SIGHUP)."""
+    p.config_path.write_text(
+        json.dumps({**json.loads(p.config_path.read_text()), "combined": [engine.url]})
+    )
+    p.proc.send_signal(signal.SIGHUP)
+
+
 def test_a_second_sigterm_exits_at_once(engines, proxy) -> None:
-    eng = slow_engine(engines)
-    p = proxy(config(eng))
-    p.wait_in_rotation()
+    p, _ = slow_proxy(engines, proxy)
     started_stream(p.url, 400)
     p.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: http("GET", p.url + "/health")[0] == 503)
@@ -141,9 +153,8 @@ def test_a_second_sigterm_exits_at_once(engines, proxy) -> None:
 
 
 def test_pause_keeps_listening_and_reload_admits_again_with_the_new_config(engines, proxy) -> None:
-    first, second = slow_engine(engines), slow_engine(engines)
-    p = proxy(config(first))
-    p.wait_in_rotation()
+    second = slow_engine(engines)  # what the reload points the proxy at
+    p, _ = slow_proxy(engines, proxy)
     stream = started_stream(p.url, 40)
     p.proc.send_signal(signal.SIGUSR1)
     wait_until(lambda: http("GET", p.url + "/health")[0] == 503)
@@ -153,10 +164,7 @@ def test_pause_keeps_listening_and_reload_admits_again_with_the_new_config(engin
     assert stream.status == 200 and stream.text_chunks() == 40
     assert p.proc.poll() is None  # paused, not stopping
     # the switch installs the new proxy.json (another engine) and reloads
-    p.config_path.write_text(
-        json.dumps({**json.loads(p.config_path.read_text()), "combined": [second.url]})
-    )
-    p.proc.send_signal(signal.SIGHUP)
+    reload_onto(p, second)
     wait_until(lambda: http("GET", p.url + "/health")[0] == 200)
     status, raw, _ = http("POST", p.url + "/v1/completions", {"model": "m", "prompt": "x",
                                                               "max_tokens": 2})  # fmt: skip
@@ -167,14 +175,10 @@ def test_pause_keeps_listening_and_reload_admits_again_with_the_new_config(engin
 
 
 def test_reload_keeps_the_stream_in_flight_on_its_engine(engines, proxy) -> None:
-    first, second = slow_engine(engines), slow_engine(engines)
-    p = proxy(config(first))
-    p.wait_in_rotation()
+    second = slow_engine(engines)  # what the reload points the proxy at
+    p, first = slow_proxy(engines, proxy)
     stream = started_stream(p.url, 60)
-    p.config_path.write_text(
-        json.dumps({**json.loads(p.config_path.read_text()), "combined": [second.url]})
-    )
-    p.proc.send_signal(signal.SIGHUP)
+    reload_onto(p, second)
     wait_until(lambda: "reloaded" in p.log())
     stream.join(30)
     assert stream.error is None and stream.status == 200
@@ -185,9 +189,7 @@ def test_reload_keeps_the_stream_in_flight_on_its_engine(engines, proxy) -> None
 
 
 def test_a_bad_or_listen_changing_reload_keeps_the_running_config(engines, proxy) -> None:
-    eng = slow_engine(engines)
-    p = proxy(config(eng))
-    p.wait_in_rotation()
+    p, _ = slow_proxy(engines, proxy)
     good = p.config_path.read_text()
     p.config_path.write_text("{not json")
     p.proc.send_signal(signal.SIGHUP)
@@ -204,8 +206,7 @@ def test_a_bad_or_listen_changing_reload_keeps_the_running_config(engines, proxy
 def test_a_pause_no_release_ends_admits_again_after_its_bound(engines, proxy) -> None:
     """The controller paused the proxy and died before the switch: past `pause_max_s` the
     proxy admits again by itself; a second pause starts its own bound."""
-    p = proxy(config(slow_engine(engines), pause_max_s=1.5))
-    p.wait_in_rotation()
+    p, _ = slow_proxy(engines, proxy, pause_max_s=1.5)
     p.proc.send_signal(signal.SIGUSR1)
     wait_until(lambda: http("GET", p.url + "/health")[0] == 503)
     assert_turned_away(p.url)

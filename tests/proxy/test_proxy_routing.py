@@ -60,6 +60,24 @@ def chat(url: str, content: str, **body: Any) -> tuple[int, Any]:
     )
 
 
+def completion(url: str, prompt: str, **body: Any) -> tuple[int, Any]:
+    return http_json("POST", url + "/v1/completions", {"model": "m", "prompt": prompt, **body})
+
+
+def post_raw(port: int, body: dict[str, Any], headers: bytes = b"") -> socket.socket:
+    """POST `body` to /v1/completions over a raw socket (`headers`: more header lines), for a
+    test that reads the answer as it comes or walks away from it."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + headers
+        + b"Content-Length: %d\r\n\r\n" % len(payload)
+        + payload
+    )
+    return sock
+
+
 def test_vllm_nixl_protocol_non_streaming_keeps_reasoning_tools_usage(engines, proxy) -> None:
     pre, dec = vllm(engines, "prefill"), vllm(engines, "decode")
     px = proxy(nixl_config([pre], [dec]))
@@ -125,12 +143,7 @@ def test_vllm_nixl_streaming_passthrough(engines, proxy) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    sock = socket.create_connection(("127.0.0.1", px.port))
-    payload = json.dumps(body).encode()
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(payload) + payload
-    )
+    sock = post_raw(px.port, body)
     t0 = time.monotonic()
     first = sock.recv(65536)
     first_at = time.monotonic() - t0
@@ -157,11 +170,7 @@ def test_vllm_nixl_streaming_passthrough(engines, proxy) -> None:
 def test_first_token_eos_decode_prefills_locally(engines, proxy) -> None:
     pre, dec = vllm(engines, "prefill"), vllm(engines, "decode")
     px = proxy(nixl_config([pre], [dec]))
-    status, ans = http_json(
-        "POST",
-        px.url + "/v1/completions",
-        {"model": "m", "prompt": "FIRST_TOKEN_EOS now", "max_tokens": 8},
-    )
+    status, ans = completion(px.url, "FIRST_TOKEN_EOS now", max_tokens=8)
     assert status == 200 and ans["choices"][0]["finish_reason"] == "stop"
     assert pre.requests()[-1]["kv"] == "first_token_eos"
     d_req = dec.requests()[-1]
@@ -171,20 +180,8 @@ def test_first_token_eos_decode_prefills_locally(engines, proxy) -> None:
 def test_prompt_length_buckets(engines, proxy) -> None:
     pre, dec, comb = vllm(engines, "prefill"), vllm(engines, "decode"), vllm(engines, None)
     px = proxy(nixl_config([pre], [dec], [comb], routing={"pd_min_prompt_tokens": 200}))
-    assert (
-        http_json(
-            "POST",
-            px.url + "/v1/completions",
-            {"model": "m", "prompt": "short one", "max_tokens": 4},
-        )[0]
-        == 200
-    )
-    assert (
-        http_json(
-            "POST", px.url + "/v1/completions", {"model": "m", "prompt": LONG, "max_tokens": 4}
-        )[0]
-        == 200
-    )
+    assert completion(px.url, "short one", max_tokens=4)[0] == 200
+    assert completion(px.url, LONG, max_tokens=4)[0] == 200
     assert [r["prompt_tokens"] < 50 for r in comb.requests()] == [True]
     assert len(pre.requests()) == 1 and len(dec.requests()) == 1
     text = px.metrics()
@@ -204,9 +201,7 @@ def test_fallback_when_prefill_dies(engines, proxy) -> None:
     )
     px.wait_in_rotation()
     pre.kill()  # still "healthy" for the next 30 s: the request itself finds it dead
-    status, ans = http_json(
-        "POST", px.url + "/v1/completions", {"model": "m", "prompt": LONG, "max_tokens": 4}
-    )
+    status, ans = completion(px.url, LONG, max_tokens=4)
     assert status == 200 and len(comb.requests()) == 1 and dec.requests() == []
     text = px.metrics()
     assert metric(text, ROUTE, route="fallback", code="2xx") == 1
@@ -226,9 +221,7 @@ def test_fallback_without_combined_decode_prefills_locally(engines, proxy) -> No
     px = proxy(nixl_config([pre], [dec]))
     px.wait_in_rotation()
     pre.kill()
-    status, _ = http_json(
-        "POST", px.url + "/v1/completions", {"model": "m", "prompt": LONG, "max_tokens": 4}
-    )
+    status, _ = completion(px.url, LONG, max_tokens=4)
     assert status == 200
     assert dec.requests()[-1]["kv_transfer_params_in"] is None
     assert metric(px.metrics(), ROUTE, route="fallback") == 1
@@ -240,12 +233,7 @@ def test_retry_before_bytes_but_never_after_decode_streamed(engines, proxy) -> N
     d1, d2 = vllm(engines, "decode", env=slow), vllm(engines, "decode", env=slow)
     px = proxy(nixl_config([pre], [d1, d2], health={"interval_s": 30, "timeout_s": 1}))
     body = {"model": "m", "prompt": "go", "max_tokens": 30, "ignore_eos": True, "stream": True}
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", px.port))
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"X-Request-Id: mid-stream\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
-    )
+    sock = post_raw(px.port, body, b"X-Request-Id: mid-stream\r\n")
     got = b""
     while got.count(b"data: ") < 3:
         got += sock.recv(65536)
@@ -264,9 +252,7 @@ def test_retry_before_bytes_but_never_after_decode_streamed(engines, proxy) -> N
     assert [r["request_id"] for r in other.requests()] == [], "never retried after bytes"
     assert metric(px.metrics(), "hgxserve_proxy_retries_total") == 0
     # now the dead decode is out; a new request goes to the live one without a retry
-    status, _ = http_json(
-        "POST", px.url + "/v1/completions", {"model": "m", "prompt": "again", "max_tokens": 2}
-    )
+    status, _ = completion(px.url, "again", max_tokens=2)
     assert status == 200 and len(other.requests()) == 1
 
 
@@ -279,12 +265,7 @@ def test_retry_on_dead_decode_before_any_byte(engines, proxy) -> None:
     d3_port = d2.port
     d2 = vllm(engines, "decode", port=d3_port)  # d2 back on its port; d1 stays dead
     for _ in range(4):
-        assert (
-            http_json(
-                "POST", px.url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}
-            )[0]
-            == 200
-        )
+        assert completion(px.url, "hi", max_tokens=2)[0] == 200
     assert len(d2.requests()) == 4
     assert metric(px.metrics(), "hgxserve_proxy_retries_total") <= 1
 
@@ -325,12 +306,7 @@ def test_client_disconnect_cancels_upstream(engines, proxy, stream: bool) -> Non
     dec = vllm(engines, "decode", env={"HGXSERVE_SIM_TOKEN_SECONDS": "0.1"})
     px = proxy(nixl_config([pre], [dec]))
     body = {"model": "m", "prompt": "go", "max_tokens": 100, "ignore_eos": True, "stream": stream}
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", px.port))
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(payload) + payload
-    )
+    sock = post_raw(px.port, body)
     if stream:
         sock.recv(65536)
     else:
@@ -382,49 +358,18 @@ def test_instance_ejected_and_readmitted(engines, proxy) -> None:
     assert re.match(r"\d+ failed health check\(s\) of /health: ", out["reason"]), out["reason"]
     assert "refused" in out["reason"].lower(), out["reason"]
     for _ in range(3):
-        assert (
-            http_json(
-                "POST", px.url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}
-            )[0]
-            == 200
-        )
+        assert completion(px.url, "hi", max_tokens=2)[0] == 200
     assert metric(px.metrics(), "hgxserve_proxy_retries_total") == 0, "ejected: never tried"
     back = vllm(engines, None, port=c1_port)
     wait_for(back.url, 1)
     for _ in range(4):
-        http_json(
-            "POST", px.url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}
-        )
+        completion(px.url, "hi", max_tokens=2)
     assert len(back.requests()) >= 1, "readmitted instance takes traffic again"
 
 
-def test_sglang_pd_protocol(engines, proxy) -> None:
-    boot = free_port()
-    common = [
-        "serve",
-        "--model-path",
-        "/models/m",
-        "--served-model-name",
-        "m",
-        "--reasoning-parser",
-        "qwen3",
-    ]
-    quiet = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
-    pre = engines(
-        "sglang",
-        [*common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)],
-        env=quiet,
-    )
-    dec = engines("sglang", [*common, "--disaggregation-mode", "decode"], env=quiet)
-    px = proxy(
-        {
-            "protocol": "sglang",
-            "served_model_name": "m",
-            "pd_groups": [
-                {"prefill": [{"url": pre.url, "bootstrap_port": boot}], "decode": [dec.url]}
-            ],
-        }
-    )
+def test_sglang_pd_protocol(sglang, proxy) -> None:
+    pre, dec, config = sglang.pd("--reasoning-parser", "qwen3")
+    px = proxy(config)
     status, ans = chat(px.url, "Only answer: PD_OK", max_tokens=64, temperature=0)
     msg = ans["choices"][0]["message"]
     assert status == 200 and msg["content"] == "PD_OK" and msg["reasoning_content"]

@@ -22,6 +22,13 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, await reader.readexactly(length)
 
 
+async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, raw: bytes) -> None:
+    """Read one request and send `raw` as the whole answer."""
+    await read_request(reader)
+    writer.write(raw)
+    await writer.drain()
+
+
 def run(
     script: Script,
     test: Callable[[Upstream, str, dict[str, Any]], Awaitable[None]],
@@ -104,38 +111,34 @@ def test_chunked_answer_split_anywhere_with_extensions_and_trailer() -> None:
     assert run(script, test)["connections"] == 1
 
 
-def test_answer_until_close_is_not_reused() -> None:
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
-        await writer.drain()
+def posted_twice(answer: bytes) -> Callable[[Upstream, str, dict[str, Any]], Awaitable[None]]:
+    """A test that POSTs twice in a row and reads `answer` both times."""
 
     async def test(up: Upstream, url: str, seen: dict) -> None:
         for _ in range(2):
             resp = await up.post(url, "/x", b"{}", "r")
-            assert await resp.read() == b"all of it"
+            assert await resp.read() == answer
             resp.release()
 
-    assert run(script, test)["connections"] == 2
+    return test
+
+
+def test_answer_until_close_is_not_reused() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await answer(reader, writer, b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+
+    assert run(script, posted_twice(b"all of it"))["connections"] == 2
 
 
 def test_idle_connection_closed_by_engine_is_replaced_once() -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
+        await answer(reader, writer, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         if n == 1:
             # keep-alive promised, but the engine drops the connection after the request
             # that follows arrives (as a keep-alive timeout racing a new request would)
             await reader.read(1)
 
-    async def test(up: Upstream, url: str, seen: dict) -> None:
-        for _ in range(2):
-            resp = await up.post(url, "/x", b"{}", "r")
-            assert await resp.read() == b"ok"
-            resp.release()
-
-    assert run(script, test)["connections"] == 2
+    assert run(script, posted_twice(b"ok"))["connections"] == 2
 
 
 def test_connection_refused_is_an_upstream_error() -> None:

@@ -29,23 +29,36 @@ SGLANG = [
 ]
 
 
+def after_each_line(
+    lines: list[str], phases: list[str | None]
+) -> list[tuple[list[str], str | None]]:
+    """(the log up to each of `lines`, the phase it says then)."""
+    assert len(lines) == len(phases)
+    return [(lines[: n + 1], said) for n, said in enumerate(phases)]
+
+
+VLLM_PHASES = [
+    None,
+    "loading weights 63% (30/48 shards)",
+    "weights loaded in 25.31 s",
+    "compiling (torch.compile)",
+    "capturing CUDA graphs 45% (mixed prefill-decode, PIECEWISE)",
+    "CUDA graphs captured in 12 s",
+    "ready",
+]
+SGLANG_PHASES = [
+    "loading weights",
+    "weights loaded",
+    "capturing CUDA graphs",
+    "capturing CUDA graphs 60% (batch size 64)",
+    "CUDA graphs captured in 394.00 s",
+    "ready",
+]
+
+
 @pytest.mark.parametrize(
     ("lines", "expected"),
-    [
-        (VLLM[:1], None),
-        (VLLM[:2], "loading weights 63% (30/48 shards)"),
-        (VLLM[:3], "weights loaded in 25.31 s"),
-        (VLLM[:4], "compiling (torch.compile)"),
-        (VLLM[:5], "capturing CUDA graphs 45% (mixed prefill-decode, PIECEWISE)"),
-        (VLLM[:6], "CUDA graphs captured in 12 s"),
-        (VLLM, "ready"),
-        (SGLANG[:1], "loading weights"),
-        (SGLANG[:2], "weights loaded"),
-        (SGLANG[:3], "capturing CUDA graphs"),
-        (SGLANG[:4], "capturing CUDA graphs 60% (batch size 64)"),
-        (SGLANG[:5], "CUDA graphs captured in 394.00 s"),
-        (SGLANG, "ready"),
-    ],
+    [*after_each_line(VLLM, VLLM_PHASES), *after_each_line(SGLANG, SGLANG_PHASES)],
 )
 def test_phase_of_the_latest_recognised_line(lines: list[str], expected: str | None) -> None:
     assert phase(lines + ["INFO 12-01 10:00:00 [metrics.py:1] unrelated line"]) == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,12 +137,24 @@ def test_failed_engine_rolls_back_to_old_release(store: Store) -> None:
     assert {"hgxserve-combined-0.service", "hgxserve-proxy.service"} <= sd.active
 
 
-def test_pending_switch_is_confirmed_or_reverted(store: Store) -> None:
+def r1_current_r2_staged(store: Store, r2_unit: str = "hgxserve-prefill-0.service") -> FakeSystemd:
+    """r1 (a combined engine) staged, switched to and current; r2 (`r2_unit`) staged."""
     stage(store, "r1", ["hgxserve-combined-0.service"])
-    stage(store, "r2", ["hgxserve-prefill-0.service"])
+    stage(store, "r2", [r2_unit])
     sd = FakeSystemd()
     switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
-    switch(store, "r2", confirm_within_s=30, systemd=sd, log=lambda m: None)
+    return sd
+
+
+def current_r1_then_r2(store: Store, **r2: Any) -> tuple[FakeSystemd, str]:
+    """`r1_current_r2_staged`, then a switch to r2 (`r2` its arguments); the fake systemd, and
+    what that switch said."""
+    sd = r1_current_r2_staged(store)
+    return sd, switch(store, "r2", **{"systemd": sd, "log": lambda m: None, **r2})
+
+
+def test_pending_switch_is_confirmed_or_reverted(store: Store) -> None:
+    sd, _ = current_r1_then_r2(store, confirm_within_s=30)
     pending = store.pending()
     assert pending is not None
     assert sd.deadman == 30 and pending == {
@@ -209,16 +222,22 @@ def _kind(unit: str) -> UnitKind:
 
 
 def stage_files(
-    store: Store, rid: str, files: dict[str, str], units: list[str], *, baseline: bool = False
+    store: Store,
+    rid: str,
+    files: dict[str, str],
+    units: list[str] | list[UnitSpec],
+    *,
+    baseline: bool = False,
 ) -> ReleaseSpec:
-    """Stage a release with exact file contents (units are named by their file names)."""
+    """Stage a release with exact file contents (a unit given by its file name alone is of the
+    kind that name says)."""
     spec = ReleaseSpec(
         id=rid,
         topology=f"topo-{rid}",
         topology_digest=rid * 4,
         baseline=baseline,
         host="hgx-a",
-        units=[UnitSpec(u, _kind(u)) for u in units],
+        units=[u if isinstance(u, UnitSpec) else UnitSpec(u, _kind(u)) for u in units],
         files=dict.fromkeys(files, 0o644),
         health_timeout_s=5,
     )
@@ -274,11 +293,7 @@ def test_rollback_restarts_only_what_the_failed_release_changed(store: Store) ->
 
 
 def test_deadman_waits_for_the_other_hosts_then_counts_from_the_rearm(store: Store) -> None:
-    stage(store, "r1", ["hgxserve-combined-0.service"])
-    stage(store, "r2", ["hgxserve-prefill-0.service"])
-    sd = FakeSystemd()
-    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
-    msg = switch(store, "r2", confirm_within_s=20, peers_within_s=2400, systemd=sd, log=print)
+    sd, msg = current_r1_then_r2(store, confirm_within_s=20, peers_within_s=2400, log=print)
     assert sd.deadman == 2420 and "2420s" in msg  # the others may take up to 2400 s more
     assert sd.deadman_command[-3:] == ["revert", "r2", "--by-timer"]
     assert "in 20s" in arm(store, "r2", 20, systemd=sd)
@@ -286,11 +301,7 @@ def test_deadman_waits_for_the_other_hosts_then_counts_from_the_rearm(store: Sto
 
 
 def test_a_host_that_reverted_on_its_own_is_named(store: Store) -> None:
-    stage(store, "r1", ["hgxserve-combined-0.service"])
-    stage(store, "r2", ["hgxserve-prefill-0.service"])
-    sd = FakeSystemd()
-    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
-    switch(store, "r2", confirm_within_s=5, systemd=sd, log=lambda m: None)
+    sd, _ = current_r1_then_r2(store, confirm_within_s=5)
     revert(store, "r2", systemd=sd, log=lambda m: None, by_timer=True)  # the timer fired
     with pytest.raises(ReleaseError, match="REVERTED ON ITS OWN.*dead-man timer.*back|r1"):
         arm(store, "r2", 5, systemd=sd)
@@ -329,10 +340,7 @@ def test_health_wait_prints_engine_progress_and_names_the_late_unit(
 
 
 def test_a_failed_switch_names_the_diagnosed_cause_first(store: Store) -> None:
-    stage(store, "r1", ["hgxserve-combined-0.service"])
-    stage(store, "r2", ["hgxserve-decode-0.service"])
-    sd = FakeSystemd()
-    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd = r1_current_r2_staged(store, "hgxserve-decode-0.service")
     sd.failing = {"hgxserve-decode-0.service"}
     sd.journals["hgxserve-decode-0.service"] = (
         "Loading weights took 25.31 seconds\n"
@@ -382,10 +390,7 @@ def test_after_ready_reports_warm_up_and_jit_after_ready() -> None:
 
 
 def test_an_engine_restarting_with_a_known_cause_fails_at_once(store: Store) -> None:
-    stage(store, "r1", ["hgxserve-combined-0.service"])
-    stage(store, "r2", ["hgxserve-decode-0.service"])
-    sd = FakeSystemd()
-    switch(store, "r1", confirm_within_s=None, systemd=sd, log=lambda m: None)
+    sd = r1_current_r2_staged(store, "hgxserve-decode-0.service")
     sd.restarting = {"hgxserve-decode-0.service"}
     sd.journals["hgxserve-decode-0.service"] = "RuntimeError: Error 802: system not yet initialized"
     with pytest.raises(ReleaseError) as err:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_switch import UNITS, FakeSystemd
+from test_switch import UNITS, FakeSystemd, stage_files
 
 from hgxserve.operations.release import note_moves, pause_proxy
 from hgxserve.release.coordination import Coordination
@@ -65,22 +65,8 @@ def stage(
         f"{UNITS}/{PROXY}": "[Service]\nExecStart=/bin/proxy\nExecReload=/bin/kill -HUP $MAINPID\n",
         PROXY_JSON: config or proxy_json("http://127.0.0.1:8100"),
     }
-    spec = ReleaseSpec(
-        id=rid,
-        topology=f"topo-{rid}",
-        topology_digest=rid * 4,
-        baseline=False,
-        host="hgx-a",
-        units=[UnitSpec(ENGINE, "engine"), UnitSpec(PROXY, "proxy", drain_s=0.2)],
-        files=dict.fromkeys(files, 0o644),
-        health_timeout_s=5,
-    )
-    for path, text in files.items():
-        dest = store.release_dir(rid) / "tree" / path.lstrip("/")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(text)
-    (store.release_dir(rid) / "release.json").write_text(spec.to_json())
-    return spec
+    units = [UnitSpec(ENGINE, "engine"), UnitSpec(PROXY, "proxy", drain_s=0.2)]
+    return stage_files(store, rid, files, units)
 
 
 @pytest.fixture

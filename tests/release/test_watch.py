@@ -47,14 +47,18 @@ class FakeMembers(Members):
         return self.peers.get(url)
 
 
+def watch_config(state_file: Path, **fields: Any) -> WatchConfig:
+    """The watcher of engine decode-0 (its unit HEAD, its /state on 13346) on one host."""
+    return WatchConfig(
+        engine="decode-0", unit=HEAD, port=13346, state_file=str(state_file), **fields
+    )
+
+
 def leader(tmp_path: Path, **overrides: Any) -> tuple[Watcher, FakeMembers, list[str]]:
-    config = WatchConfig(
-        engine="decode-0",
+    config = watch_config(
+        tmp_path / "decode-0.json",
         host="h-a",
         role="leader",
-        unit=HEAD,
-        port=13346,
-        state_file=str(tmp_path / "decode-0.json"),
         health_url=HEALTH,
         followers={"h-b": FOLLOWER_URL},
         start_timeout_s=600,
@@ -67,17 +71,33 @@ def leader(tmp_path: Path, **overrides: Any) -> tuple[Watcher, FakeMembers, list
 
 
 def follower(tmp_path: Path) -> tuple[Watcher, FakeMembers]:
-    config = WatchConfig(
-        engine="decode-0",
+    config = watch_config(
+        tmp_path / "follower.json",
         host="h-b",
         role="follower",
-        unit=HEAD,
-        port=13346,
-        state_file=str(tmp_path / "follower.json"),
         leader_url="http://10.0.0.1:13346/state",
     )
     members = FakeMembers()
     return Watcher(config, members, lambda _: None), members
+
+
+def dead_head(tmp_path: Path, **overrides: Any) -> tuple[Watcher, FakeMembers]:
+    """A leader whose head unit has failed, as its first step (t=0) saw it."""
+    watcher, members, _ = leader(tmp_path, **overrides)
+    members.units[HEAD] = "failed"
+    watcher.step(0.0)
+    return watcher, members
+
+
+def starting_head(tmp_path: Path) -> tuple[Watcher, FakeMembers]:
+    """A recovery under way: after `dead_head`, the follower restarted its worker for
+    generation 1 (seen at t=2) and the head is activating, not yet healthy."""
+    watcher, members = dead_head(tmp_path)
+    members.peers[FOLLOWER_URL] = {"generation": 1, "unit_state": "active", "unit": HEAD}
+    members.health = False
+    watcher.step(2.0)
+    members.units[HEAD] = "activating"
+    return watcher, members
 
 
 def kinds(watcher: Watcher) -> list[str]:
@@ -154,9 +174,7 @@ def test_an_unreachable_follower_is_down_after_down_after(tmp_path: Path) -> Non
 def test_followers_that_do_not_restart_in_time_fail_the_recovery_and_back_off(
     tmp_path: Path,
 ) -> None:
-    watcher, members, _ = leader(tmp_path, follower_restart_s=30.0, backoff_s=60.0)
-    members.units[HEAD] = "failed"
-    watcher.step(0.0)
+    watcher, members = dead_head(tmp_path, follower_restart_s=30.0, backoff_s=60.0)
     watcher.step(31.0)
     assert kinds(watcher)[-1] == "recovery-failed" and watcher.state.phase == "watching"
     watcher.step(33.0)  # the head is still down, but the next try waits for the back-off
@@ -168,13 +186,7 @@ def test_followers_that_do_not_restart_in_time_fail_the_recovery_and_back_off(
 def test_a_head_that_does_not_become_healthy_is_bounded_by_the_start_timeout(
     tmp_path: Path,
 ) -> None:
-    watcher, members, _ = leader(tmp_path)
-    members.units[HEAD] = "failed"
-    watcher.step(0.0)
-    members.peers[FOLLOWER_URL] = {"generation": 1, "unit_state": "active", "unit": HEAD}
-    members.health = False
-    watcher.step(2.0)
-    members.units[HEAD] = "activating"
+    watcher, members = starting_head(tmp_path)
     watcher.step(300.0)
     assert watcher.state.phase == "starting"
     watcher.step(603.0)
@@ -183,9 +195,7 @@ def test_a_head_that_does_not_become_healthy_is_bounded_by_the_start_timeout(
 
 
 def test_the_generation_survives_a_restart_of_the_watcher(tmp_path: Path) -> None:
-    watcher, members, _ = leader(tmp_path)
-    members.units[HEAD] = "failed"
-    watcher.step(0.0)
+    dead_head(tmp_path)
     again, _, _ = leader(tmp_path)
     assert again.state.generation == 1 and again.state.restarts == 1
 
@@ -262,13 +272,7 @@ def test_a_follower_without_state_restarts_its_worker_when_the_leader_waits_for_
 def test_a_worker_that_dies_while_the_head_starts_fails_the_recovery_at_once(
     tmp_path: Path,
 ) -> None:
-    watcher, members, _ = leader(tmp_path)
-    members.units[HEAD] = "failed"
-    watcher.step(0.0)
-    members.peers[FOLLOWER_URL] = {"generation": 1, "unit_state": "active", "unit": HEAD}
-    members.health = False
-    watcher.step(2.0)
-    members.units[HEAD] = "activating"
+    watcher, members = starting_head(tmp_path)
     members.peers[FOLLOWER_URL] = {"generation": 1, "unit_state": "failed", "unit": HEAD}
     watcher.step(4.0)
     assert kinds(watcher)[-1] == "recovery-failed"

@@ -97,12 +97,18 @@ def _engines(data: dict[str, Any]) -> dict[str, Any]:
     return data.get("engines", {})
 
 
-def _kind(kind: str) -> Mutation:
+def _proxy_set(field: str, value: str) -> Mutation:
+    """Set the proxy's `field` (where the topology has a proxy)."""
+
     def apply(data: dict[str, Any]) -> None:
         if "proxy" in data:
-            data["proxy"]["kind"] = kind
+            data["proxy"][field] = value
 
     return apply
+
+
+def _kind(kind: str) -> Mutation:
+    return _proxy_set("kind", kind)
 
 
 def _auth(level: int) -> Mutation:
@@ -151,20 +157,10 @@ def _flip_first_role(data: dict[str, Any]) -> None:
         return
 
 
-def _bind_all_loopback(data: dict[str, Any]) -> None:
-    for engine in _engines(data).values():
-        engine["bind"] = "127.0.0.1"
-
-
-def _bind_all_any(data: dict[str, Any]) -> None:
-    for engine in _engines(data).values():
-        engine["bind"] = "0.0.0.0"
-
-
-def _listen(value: str) -> Mutation:
+def _bind_all(address: str) -> Mutation:
     def apply(data: dict[str, Any]) -> None:
-        if "proxy" in data:
-            data["proxy"]["listen"] = value
+        for engine in _engines(data).values():
+            engine["bind"] = address
 
     return apply
 
@@ -233,10 +229,10 @@ def _addresses(data: dict[str, Any]) -> None:
 
 SINGLES: dict[str, Mutation] = {
     "flip-role": _flip_first_role,
-    "bind-loopback": _bind_all_loopback,
-    "bind-any": _bind_all_any,
-    "listen-loopback": _listen("127.0.0.1:8000"),
-    "listen-v6": _listen("[::]:8000"),
+    "bind-loopback": _bind_all("127.0.0.1"),
+    "bind-any": _bind_all("0.0.0.0"),
+    "listen-loopback": _proxy_set("listen", "127.0.0.1:8000"),
+    "listen-v6": _proxy_set("listen", "[::]:8000"),
     "proxy-on-0": _proxy_on(0),
     "proxy-on-1": _proxy_on(1),
     "proxy-on-2": _proxy_on(2),

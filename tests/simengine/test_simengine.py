@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from harness import SIMENGINE, SimEngine, free_port, http, http_json, metric, port_open, sse_events
 
+from hgxserve.proxy.pd import PREFILL_KV_PARAMS
+
 pytestmark = pytest.mark.timeout(60)
 
 NIXL_P = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cuda"}'
@@ -143,23 +145,17 @@ def test_chat_streaming_reasoning_and_thinking_off(tmp_path: Path) -> None:
         assert "".join(d.get("content") or "" for d in deltas) == "PD_OK"
 
 
+def side_channel(port: int) -> dict[str, str]:
+    """The environment of an engine whose NIXL side channel listens on 127.0.0.1:`port`."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+
+
 def test_nixl_transfer_eos_and_tp_mismatch(tmp_path: Path) -> None:
     sc_p, sc_d = free_port(), free_port()
-    p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(sc_p)}
-    d_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(sc_d)}
+    tp2 = ("--tensor-parallel-size", "2", "--kv-transfer-config")
     with (
-        SimEngine(
-            "vllm",
-            vllm_args("--tensor-parallel-size", "2", "--kv-transfer-config", NIXL_P),
-            tmp_path,
-            env=p_env,
-        ) as pre,
-        SimEngine(
-            "vllm",
-            vllm_args("--tensor-parallel-size", "2", "--kv-transfer-config", NIXL_D),
-            tmp_path,
-            env=d_env,
-        ) as dec,
+        SimEngine("vllm", vllm_args(*tp2, NIXL_P), tmp_path, env=side_channel(sc_p)) as pre,
+        SimEngine("vllm", vllm_args(*tp2, NIXL_D), tmp_path, env=side_channel(sc_d)) as dec,
         SimEngine(
             "vllm",
             vllm_args(
@@ -173,14 +169,7 @@ def test_nixl_transfer_eos_and_tp_mismatch(tmp_path: Path) -> None:
         ) as dec_tp1,
     ):
         assert port_open("127.0.0.1", sc_p), "prefill listens on its NIXL side channel"
-        ask = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        ask = dict(PREFILL_KV_PARAMS)  # what the proxy sends a prefill
         prompt = "a long prompt " * 20
         status, first = complete(pre.url, prompt, max_tokens=1, kv_transfer_params=ask)
         params = first["kv_transfer_params"]

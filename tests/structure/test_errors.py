@@ -27,24 +27,18 @@ from hgxserve.weights.errors import (
     VerifyError,
 )
 
+EXIT_CODES: dict[int, tuple[type[HgxserveError], ...]] = {
+    ExitCode.FOUND: (VerifyError, GateError, ProxyConfigError),
+    ExitCode.USAGE: (UsageError, FactsError, GpuQueryError),
+    ExitCode.SOURCE: (SourceError,),
+    ExitCode.CREDENTIALS: (CredentialsError,),
+    ExitCode.LOCAL_IO: (LocalIOError,),
+    ExitCode.FAILED: (ReleaseError, RenderError, ArchiveError, BakeError),
+}
+
 
 @pytest.mark.parametrize(
-    ("error", "code"),
-    [
-        (VerifyError, ExitCode.FOUND),
-        (GateError, ExitCode.FOUND),
-        (ProxyConfigError, ExitCode.FOUND),
-        (UsageError, ExitCode.USAGE),
-        (FactsError, ExitCode.USAGE),
-        (GpuQueryError, ExitCode.USAGE),
-        (SourceError, ExitCode.SOURCE),
-        (CredentialsError, ExitCode.CREDENTIALS),
-        (LocalIOError, ExitCode.LOCAL_IO),
-        (ReleaseError, ExitCode.FAILED),
-        (RenderError, ExitCode.FAILED),
-        (ArchiveError, ExitCode.FAILED),
-        (BakeError, ExitCode.FAILED),
-    ],
+    ("error", "code"), [(error, code) for code, errors in EXIT_CODES.items() for error in errors]
 )
 def test_each_error_has_its_exit_code(error: type[HgxserveError], code: int) -> None:
     @click.command()

@@ -20,11 +20,13 @@ from weights_helpers import (
     SECRET_KEY,
     VENV_BIN,
     Bucket,
+    Fault,
     Run,
     boto_client,
     free_port,
     hgx,
     small_tmpfs,
+    sync_through,
     tree,
 )
 from weights_s3proxy import ProxyState
@@ -59,6 +61,36 @@ def endpoint(port: int) -> list[str]:
     return ["--endpoint-url", f"http://127.0.0.1:{port}", "--addressing", "path"]
 
 
+def native_sync(
+    env: dict[str, str], src: str, dest: Path, port: int, *extra: str, timeout: float = 60
+) -> Run:
+    """`weights sync SRC DEST` against the S3 at `port`, sending these small files to s5cmd."""
+    return hgx(env, "sync", src, str(dest), *endpoint(port), *NATIVE, *extra, timeout=timeout)
+
+
+def start_slow_native_sync(
+    env: dict[str, str],
+    src: str,
+    dest: Path,
+    proxy: tuple[int, ProxyState],
+    *extra: str,
+    **popen: object,
+) -> tuple[subprocess.Popen, int]:
+    """The same sync as `native_sync` through the proxy, each GET slowed, started in the
+    background (the caller ends it); with the pid of its s5cmd transfer once that runs."""
+    port, seen = proxy
+    seen.faults.get_delay = 0.3
+    argv = [str(VENV_BIN / "hgxserve"), "weights", "sync", src, str(dest), *endpoint(port)]
+    proc = subprocess.Popen([*argv, *NATIVE, *extra], env=env, **popen)  # type: ignore[call-overload]
+    child = None
+    deadline = time.monotonic() + 30
+    while child is None and time.monotonic() < deadline:
+        child = _child_s5cmd(proc.pid)
+        time.sleep(0.05)
+    assert child is not None, "s5cmd never started"
+    return proc, child
+
+
 def files_with_checksums(bucket: Bucket, prefix: str, seed: int) -> dict[str, bytes]:
     import random
 
@@ -74,14 +106,20 @@ def files_with_checksums(bucket: Bucket, prefix: str, seed: int) -> dict[str, by
     return files
 
 
+def checksummed_tree(
+    bucket: Bucket, tmp_path: Path, name: str, seed: int
+) -> tuple[dict[str, bytes], str, Path]:
+    """`files_with_checksums` under `name/`, the s3:// URL of that prefix, and a DEST for it."""
+    files = files_with_checksums(bucket, f"{name}/", seed)
+    return files, f"s3://{bucket.name}/{name}/", tmp_path / name
+
+
 def test_native_sync_verifies_places_and_noop_is_one_listing(
     bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
 ) -> None:
-    files = files_with_checksums(bucket, "n/", 1)
+    files, src, dest = checksummed_tree(bucket, tmp_path, "n", 1)
     port, seen = proxy
-    dest = tmp_path / "n"
-    src = f"s3://{bucket.name}/n/"
-    first = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE, "--json")
+    first = native_sync(aws_env, src, dest, port, "--json")
     assert first.rc == 0, first.text
     assert tree(dest) == files
     report = json.loads(first.out)
@@ -95,7 +133,7 @@ def test_native_sync_verifies_places_and_noop_is_one_listing(
     assert len(seen.object_gets()) == 10
 
     seen.reset()
-    again = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE, "--json")
+    again = native_sync(aws_env, src, dest, port, "--json")
     assert again.rc == 0, again.text
     assert json.loads(again.out)["unchanged"] == len(files)
     assert [s.method for s in seen.seen] == ["GET"]  # the listing, nothing else
@@ -113,7 +151,7 @@ def test_native_flipped_byte_against_manifest_is_not_placed(
     flipped[2_000_000] ^= 0x01
     bucket.put("f/" + shard, bytes(flipped))  # no checksum now: the manifest is what catches it
     dest = tmp_path / "f"
-    run = hgx(aws_env, "sync", src, str(dest), *endpoint(bucket.port), *NATIVE, "--json")
+    run = native_sync(aws_env, src, dest, bucket.port, "--json")
     assert run.rc == 1, run.text
     assert shard in run.err and "does not match the manifest" in run.err
     assert not (dest / shard).exists()
@@ -125,34 +163,30 @@ def test_native_flipped_byte_against_manifest_is_not_placed(
     ]
 
 
-def _sync_through(aws_env: dict[str, str], src: str, port: int, dest: Path) -> Run:
-    """A native sync of src into dest through the S3 at `port` (the fault proxy); it succeeds."""
-    run = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE)
-    assert run.rc == 0, run.text
-    return run
+@pytest.fixture
+def small_tree(bucket: Bucket, tmp_path: Path) -> tuple[dict[str, bytes], str, Path]:
+    """A `checksummed_tree` (the files, their s3:// prefix, a DEST) for one native sync."""
+    return checksummed_tree(bucket, tmp_path, "s", 3)
 
 
-def test_native_throttling_is_retried_and_said(
-    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param(
+            Fault("slowdown_gets", 4, "slowdowns_sent", ("SlowDown", "retry", "engine: s5cmd")),
+            id="throttling-is-retried-and-said",
+        ),
+        pytest.param(Fault("cut_gets", 2, "cuts_sent"), id="connection-cut-is-refetched"),
+    ],
+)
+def test_native_survives_a_faulty_store(
+    aws_env: dict[str, str],
+    proxy: tuple[int, ProxyState],
+    small_tree: tuple[dict[str, bytes], str, Path],
+    fault: Fault,
 ) -> None:
-    files = files_with_checksums(bucket, "s/", 3)
-    port, seen = proxy
-    seen.faults.slowdown_gets = 4
-    run = _sync_through(aws_env, f"s3://{bucket.name}/s/", port, dest := tmp_path / "s")
-    assert seen.slowdowns_sent == 4
-    assert "SlowDown" in run.err and "retry" in run.err
-    assert "engine: s5cmd" in run.err
-    assert tree(dest) == files
-
-
-def test_native_connection_cut_is_refetched(
-    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
-) -> None:
-    files = files_with_checksums(bucket, "c/", 4)
-    port, seen = proxy
-    seen.faults.cut_gets = 2
-    _sync_through(aws_env, f"s3://{bucket.name}/c/", port, dest := tmp_path / "c")
-    assert seen.cuts_sent == 2
+    files, src, dest = small_tree
+    sync_through(fault, proxy, lambda port: native_sync(aws_env, src, dest, port))
     assert tree(dest) == files
 
 
@@ -175,30 +209,17 @@ def _child_s5cmd(parent: int) -> int | None:
 def test_kill_mid_download_then_resume_and_secret_only_in_environment(
     bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
 ) -> None:
-    files = files_with_checksums(bucket, "k/", 5)
+    files, src, dest = checksummed_tree(bucket, tmp_path, "k", 5)
     port, seen = proxy
-    seen.faults.get_delay = 0.3
-    dest = tmp_path / "k"
-    src = f"s3://{bucket.name}/k/"
-    argv = [str(VENV_BIN / "hgxserve"), "weights", "sync", src, str(dest), *endpoint(port)]
-    proc = subprocess.Popen(
-        [*argv, *NATIVE, "--concurrency", "2"],
-        env=aws_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    child = None
-    deadline = time.monotonic() + 30
-    while child is None and time.monotonic() < deadline:
-        child = _child_s5cmd(proc.pid)
-        time.sleep(0.05)
-    assert child is not None, "s5cmd never started"
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    proc, child = start_slow_native_sync(aws_env, src, dest, proxy, "--concurrency", "2", **quiet)
     # the secret reaches s5cmd through its environment, never its command line
     cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
     environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
     assert SECRET_KEY.encode() not in cmdline and ACCESS_KEY.encode() not in cmdline
     assert f"AWS_SECRET_ACCESS_KEY={SECRET_KEY}".encode() in environ
     assert b"--no-verify-ssl" not in cmdline
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (dest / STAGING).exists():
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
@@ -215,7 +236,7 @@ def test_kill_mid_download_then_resume_and_secret_only_in_environment(
             assert (dest / path).read_bytes() == data
 
     seen.reset()
-    resumed = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE, "--json")
+    resumed = native_sync(aws_env, src, dest, port, "--json")
     assert resumed.rc == 0, resumed.text
     assert tree(dest) == files
     assert not (dest / STAGING).exists()
@@ -242,9 +263,7 @@ def test_whole_staged_file_resumes_without_a_get_and_a_bad_one_is_refetched(
     staged(good).write_bytes(files[good])
     staged(bad).write_bytes(b"\0" * len(files[bad]))
     (staging / (staged(good).name + "123456")).write_bytes(b"half")
-    run = hgx(
-        aws_env, "sync", f"s3://{bucket.name}/r/", str(dest), *endpoint(port), *NATIVE, "--json"
-    )
+    run = native_sync(aws_env, f"s3://{bucket.name}/r/", dest, port, "--json")
     assert run.rc == 0, run.text
     report = json.loads(run.out)
     assert report["bytes_resumed"] == len(files[good]) + len(files[bad])
@@ -291,9 +310,7 @@ def test_native_disk_full_is_a_clear_error(
         bucket.put("full/a.bin", os.urandom(2 * 1024 * 1024), ChecksumAlgorithm="SHA256")
         bucket.put("full/b.bin", os.urandom(3 * 1024 * 1024), ChecksumAlgorithm="SHA256")
         dest = mnt / "m"
-        run = hgx(
-            aws_env, "sync", f"s3://{bucket.name}/full/", str(dest), *endpoint(bucket.port), *NATIVE
-        )
+        run = native_sync(aws_env, f"s3://{bucket.name}/full/", dest, bucket.port)
         assert run.rc == 5, run.text
         assert "disk full" in run.err and "Traceback" not in run.text
         assert not (dest / ".hgxserve" / "verified").exists()
@@ -313,15 +330,8 @@ def test_native_many_files(bucket: Bucket, aws_env: dict[str, str], tmp_path: Pa
             )
         )
     dest = tmp_path / "many"
-    run = hgx(
-        aws_env,
-        "sync",
-        f"s3://{bucket.name}/many/",
-        str(dest),
-        *endpoint(bucket.port),
-        *NATIVE,
-        "--json",
-        timeout=180,
+    run = native_sync(
+        aws_env, f"s3://{bucket.name}/many/", dest, bucket.port, "--json", timeout=180
     )
     assert run.rc == 0, run.text
     assert json.loads(run.out)["engine"] == "s5cmd v2.3.0 (600 files)"
@@ -331,26 +341,18 @@ def test_native_many_files(bucket: Bucket, aws_env: dict[str, str], tmp_path: Pa
 def test_ctrl_c_stops_s5cmd_says_interrupted_and_the_next_run_completes(
     bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
 ) -> None:
-    files = files_with_checksums(bucket, "i/", 9)
+    files, src, dest = checksummed_tree(bucket, tmp_path, "i", 9)
     port, seen = proxy
-    seen.faults.get_delay = 0.3
-    dest = tmp_path / "i"
-    src = f"s3://{bucket.name}/i/"
-    argv = [str(VENV_BIN / "hgxserve"), "weights", "sync", src, str(dest), *endpoint(port)]
-    proc = subprocess.Popen(
-        [*argv, *NATIVE],
-        env=aws_env,
+    proc, child = start_slow_native_sync(
+        aws_env,
+        src,
+        dest,
+        proxy,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches it
     )
-    child = None
-    deadline = time.monotonic() + 30
-    while child is None and time.monotonic() < deadline:
-        child = _child_s5cmd(proc.pid)
-        time.sleep(0.05)
-    assert child is not None, "s5cmd never started"
     time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=30)
@@ -359,7 +361,7 @@ def test_ctrl_c_stops_s5cmd_says_interrupted_and_the_next_run_completes(
     assert not Path(f"/proc/{child}/cmdline").exists()
     assert not (dest / ".hgxserve" / "verified").exists()
     seen.reset()
-    again = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *NATIVE)
+    again = native_sync(aws_env, src, dest, port)
     assert again.rc == 0, again.text
     assert tree(dest) == files and not (dest / STAGING).exists()
 

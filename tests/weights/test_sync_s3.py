@@ -9,15 +9,19 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from weights_helpers import (
     SECRET_KEY,
     VENV_BIN,
     Bucket,
+    Fault,
+    Run,
     boto_client,
     free_port,
     hgx,
     model_files,
     small_tmpfs,
+    sync_through,
     tree,
     upload,
 )
@@ -37,16 +41,36 @@ def endpoint(port: int) -> list[str]:
     return ["--endpoint-url", f"http://127.0.0.1:{port}", "--addressing", "path"]
 
 
+def part_sync(env: dict[str, str], src: str, dest: Path, port: int, *extra: str) -> Run:
+    """`weights sync SRC DEST` against the S3 at `port`, with the PART options."""
+    return hgx(env, "sync", src, str(dest), *endpoint(port), *PART, *extra)
+
+
+def uploaded_model(
+    bucket: Bucket, tmp_path: Path, name: str, seed: int
+) -> tuple[dict[str, bytes], str, Path]:
+    """`model_files(seed)` uploaded under `name/`, the s3:// URL of that prefix, a DEST for it."""
+    files = model_files(seed)
+    upload(bucket, f"{name}/", files)
+    return files, f"s3://{bucket.name}/{name}/", tmp_path / name
+
+
+def synced_model(
+    bucket: Bucket, env: dict[str, str], tmp_path: Path, name: str, seed: int
+) -> tuple[dict[str, bytes], str, Path]:
+    """`uploaded_model`, synced into its DEST (which succeeds)."""
+    files, src, dest = uploaded_model(bucket, tmp_path, name, seed)
+    assert part_sync(env, src, dest, bucket.port).rc == 0
+    return files, src, dest
+
+
 def test_full_sync_then_noop_resync_reads_no_object_data(
     bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
 ) -> None:
-    files = model_files()
-    upload(bucket, "tiny/", files)
+    files, src, dest = uploaded_model(bucket, tmp_path, "tiny", 1)
     port, seen = proxy
-    dest = tmp_path / "tiny"
-    src = f"s3://{bucket.name}/tiny/"
 
-    first = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *PART, "--json")
+    first = part_sync(aws_env, src, dest, port, "--json")
     assert first.rc == 0, first.text
     assert tree(dest) == files
     report = json.loads(first.out)
@@ -57,7 +81,7 @@ def test_full_sync_then_noop_resync_reads_no_object_data(
     assert marker == report["manifest_digest"]
 
     seen.reset()
-    again = hgx(aws_env, "sync", src, str(dest), *endpoint(port), *PART, "--json")
+    again = part_sync(aws_env, src, dest, port, "--json")
     assert again.rc == 0, again.text
     assert json.loads(again.out)["unchanged"] == len(files)
     assert seen.object_gets() == []
@@ -70,9 +94,7 @@ def test_full_sync_then_noop_resync_reads_no_object_data(
 def test_published_manifest_then_flipped_byte_in_object_fails_naming_the_file(
     bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
 ) -> None:
-    files = model_files(2)
-    upload(bucket, "m/", files)
-    src = f"s3://{bucket.name}/m/"
+    files, src, dest = uploaded_model(bucket, tmp_path, "m", 2)
     built = hgx(aws_env, "manifest", src, *endpoint(bucket.port), "--publish")
     assert built.rc == 0, built.text
     manifest = json.loads(
@@ -86,8 +108,7 @@ def test_published_manifest_then_flipped_byte_in_object_fails_naming_the_file(
     flipped[1_500_000] ^= 0x01
     bucket.put("m/" + shard, bytes(flipped))
 
-    dest = tmp_path / "m"
-    run = hgx(aws_env, "sync", src, str(dest), *endpoint(bucket.port), *PART)
+    run = part_sync(aws_env, src, dest, bucket.port)
     assert run.rc == 1, run.text
     assert shard in run.err and "does not match the manifest" in run.err
     assert not (dest / shard).exists()  # no corrupt file kept
@@ -97,7 +118,7 @@ def test_published_manifest_then_flipped_byte_in_object_fails_naming_the_file(
     assert check.rc == 1 and "not verified" in check.err
     # The other files did arrive and are recorded, so fixing the object costs one file.
     bucket.put("m/" + shard, files[shard])
-    fixed = hgx(aws_env, "sync", src, str(dest), *endpoint(bucket.port), *PART, "--json")
+    fixed = part_sync(aws_env, src, dest, bucket.port, "--json")
     assert fixed.rc == 0, fixed.text
     assert json.loads(fixed.out)["fetched"] == 1
     assert hgx(aws_env, "check-marker", str(dest), "--digest", digest).rc == 0
@@ -108,29 +129,15 @@ def test_s3_checksum_used_without_manifest_and_reported(
 ) -> None:
     bucket.put("c/with.bin", os.urandom(100_000), ChecksumAlgorithm="SHA256")
     bucket.put("c/without.bin", os.urandom(100_000))
-    run = hgx(
-        aws_env,
-        "sync",
-        f"s3://{bucket.name}/c/",
-        str(tmp_path / "c"),
-        *endpoint(bucket.port),
-        *PART,
-        "--json",
-    )
+    run = part_sync(aws_env, f"s3://{bucket.name}/c/", tmp_path / "c", bucket.port, "--json")
     assert run.rc == 0, run.text
     assert json.loads(run.out)["verified_by"] == {"s3-checksum": 1, "none": 1}
     assert "1 by sha256 against the S3 object checksum" in run.err
     assert "1 by size + ETag only" in run.err
     state = json.loads((tmp_path / "c" / ".hgxserve" / "state.json").read_text())
     assert state["files"]["with.bin"]["verified_by"] == "s3-checksum"
-    strict = hgx(
-        aws_env,
-        "sync",
-        f"s3://{bucket.name}/c/",
-        str(tmp_path / "c2"),
-        *endpoint(bucket.port),
-        *PART,
-        "--require-sha256",
+    strict = part_sync(
+        aws_env, f"s3://{bucket.name}/c/", tmp_path / "c2", bucket.port, "--require-sha256"
     )
     assert strict.rc == 1 and "without.bin" in strict.err
     assert not (tmp_path / "c2" / ".hgxserve" / "verified").exists()
@@ -194,7 +201,7 @@ def test_corrupted_partial_after_crash_is_refetched(
         hgx(aws_env, "manifest", f"s3://{bucket.name}/r/", *endpoint(bucket.port), "--publish").rc
         == 0
     )
-    run = hgx(aws_env, "sync", f"s3://{bucket.name}/r/", str(dest), *endpoint(bucket.port), *PART)
+    run = part_sync(aws_env, f"s3://{bucket.name}/r/", dest, bucket.port)
     assert run.rc == 0, run.text
     assert "fetching them afresh" in run.err
     assert (dest / "shard.bin").read_bytes() == data
@@ -203,11 +210,7 @@ def test_corrupted_partial_after_crash_is_refetched(
 def test_truncated_local_file_caught_by_check_marker_and_verify_then_repaired(
     bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
 ) -> None:
-    files = model_files(3)
-    upload(bucket, "t/", files)
-    src = f"s3://{bucket.name}/t/"
-    dest = tmp_path / "t"
-    assert hgx(aws_env, "sync", src, str(dest), *endpoint(bucket.port), *PART).rc == 0
+    files, src, dest = synced_model(bucket, aws_env, tmp_path, "t", 3)
     shard = dest / "model-00001-of-00002.safetensors"
     os.truncate(shard, 1000)
     check = hgx(aws_env, "check-marker", str(dest))
@@ -216,7 +219,7 @@ def test_truncated_local_file_caught_by_check_marker_and_verify_then_repaired(
     assert ver.rc == 1
     assert "model-00001-of-00002.safetensors: truncated: 1000 bytes" in ver.err
     assert not (dest / ".hgxserve" / "verified").exists()
-    repaired = hgx(aws_env, "sync", src, str(dest), *endpoint(bucket.port), *PART, "--json")
+    repaired = part_sync(aws_env, src, dest, bucket.port, "--json")
     assert repaired.rc == 0 and json.loads(repaired.out)["fetched"] == 1
     assert tree(dest) == files
     assert hgx(aws_env, "check-marker", str(dest)).rc == 0
@@ -225,13 +228,7 @@ def test_truncated_local_file_caught_by_check_marker_and_verify_then_repaired(
 def test_flipped_byte_in_local_file_verify_full(
     bucket: Bucket, aws_env: dict[str, str], tmp_path: Path
 ) -> None:
-    files = model_files(4)
-    upload(bucket, "f/", files)
-    dest = tmp_path / "f"
-    assert (
-        hgx(aws_env, "sync", f"s3://{bucket.name}/f/", str(dest), *endpoint(bucket.port), *PART).rc
-        == 0
-    )
+    _, _, dest = synced_model(bucket, aws_env, tmp_path, "f", 4)
     shard = dest / "model-00002-of-00002.safetensors"
     stat = shard.stat()
     with open(shard, "r+b") as fh:
@@ -248,38 +245,28 @@ def test_flipped_byte_in_local_file_verify_full(
     assert hgx(aws_env, "check-marker", str(dest)).rc == 1
 
 
-def test_throttling_is_retried_and_completes(
-    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param(
+            Fault("slowdown_gets", 6, "slowdowns_sent", ("SlowDown", "retry")), id="throttling"
+        ),
+        # Parts are written to the .partial slice by slice as they arrive; a body cut halfway
+        # (with garbage in the half that arrived) must be fetched and written again from its start.
+        pytest.param(Fault("cut_gets", 5, "cuts_sent", ("retry",)), id="connection-cut-mid-part"),
+    ],
+)
+def test_faulty_store_is_retried_and_completes(
+    bucket: Bucket,
+    aws_env: dict[str, str],
+    proxy: tuple[int, ProxyState],
+    tmp_path: Path,
+    fault: Fault,
 ) -> None:
-    files = model_files(5)
-    upload(bucket, "s/", files)
-    port, seen = proxy
-    seen.faults.slowdown_gets = 6
-    run = hgx(
-        aws_env, "sync", f"s3://{bucket.name}/s/", str(tmp_path / "s"), *endpoint(port), *PART
-    )
-    assert run.rc == 0, run.text
-    assert seen.slowdowns_sent == 6
-    assert "SlowDown" in run.err and "retry" in run.err
-    assert tree(tmp_path / "s") == files
-
-
-def test_connection_cut_mid_part_rewrites_the_whole_part(
-    bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
-) -> None:
-    # Parts are written to the .partial slice by slice as they arrive; a body cut halfway (with
-    # garbage in the half that arrived) must be fetched and written again from its start.
-    files = model_files(3)
-    upload(bucket, "c/", files)
-    port, seen = proxy
-    seen.faults.cut_gets = 5
-    dest = tmp_path / "c"
-    run = hgx(aws_env, "sync", f"s3://{bucket.name}/c/", str(dest), *endpoint(port), *PART)
-    assert run.rc == 0, run.text
-    assert seen.cuts_sent == 5
-    assert "retry" in run.err
+    files, src, dest = uploaded_model(bucket, tmp_path, "f", 5)
+    sync_through(fault, proxy, lambda port: part_sync(aws_env, src, dest, port))
     assert tree(dest) == files
-    assert not list(dest.rglob("*.partial*"))
+    assert not list(dest.rglob("*.partial*"))  # a cut part is written again from its start
 
 
 def test_dead_endpoint_clear_error_nothing_marked(aws_env: dict[str, str], tmp_path: Path) -> None:
@@ -305,12 +292,10 @@ def test_dead_endpoint_clear_error_nothing_marked(aws_env: dict[str, str], tmp_p
 def test_path_style_forbidden_gives_virtual_hint_and_virtual_works(
     bucket: Bucket, aws_env: dict[str, str], proxy: tuple[int, ProxyState], tmp_path: Path
 ) -> None:
-    files = model_files(6)
-    upload(bucket, "v/", files)
+    files, src, _ = uploaded_model(bucket, tmp_path, "v", 6)
     port, seen = proxy
     seen.faults.forbid_path_style_bucket = bucket.name
-    src = f"s3://{bucket.name}/v/"
-    path_style = hgx(aws_env, "sync", src, str(tmp_path / "p"), *endpoint(port), *PART)
+    path_style = part_sync(aws_env, src, tmp_path / "p", port)
     assert path_style.rc == 3, path_style.text
     assert "PathStyleDomainForbidden" in path_style.err
     assert "--addressing virtual" in path_style.err
@@ -352,14 +337,7 @@ def test_disk_full_is_a_clear_error(
     with small_tmpfs(tmp_path) as mnt:
         bucket.put("full/a.bin", os.urandom(2 * 1024 * 1024))
         bucket.put("full/b.bin", os.urandom(3 * 1024 * 1024))
-        run = hgx(
-            aws_env,
-            "sync",
-            f"s3://{bucket.name}/full/",
-            str(mnt / "m"),
-            *endpoint(bucket.port),
-            *PART,
-        )
+        run = part_sync(aws_env, f"s3://{bucket.name}/full/", mnt / "m", bucket.port)
         assert run.rc == 5, run.text
         assert "disk full" in run.err and "Traceback" not in run.text
         assert not (mnt / "m" / ".hgxserve" / "verified").exists()
@@ -372,10 +350,7 @@ def test_marker_check_digest_mismatch(
 ) -> None:
     upload(bucket, "k/", {"a.bin": b"a" * 1000})
     dest = tmp_path / "k"
-    assert (
-        hgx(aws_env, "sync", f"s3://{bucket.name}/k/", str(dest), *endpoint(bucket.port), *PART).rc
-        == 0
-    )
+    assert part_sync(aws_env, f"s3://{bucket.name}/k/", dest, bucket.port).rc == 0
     other = "sha256:" + "0" * 64
     run = hgx(aws_env, "check-marker", str(dest), "--digest", other)
     assert run.rc == 1 and "is required" in run.err

@@ -10,9 +10,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weights_s3proxy import ProxyState
 
 VENV_BIN = Path(sys.executable).parent
 ACCESS_KEY = "AKIDHGXSERVETEST0001"
@@ -118,6 +122,30 @@ def hgx(env: dict[str, str], *args: str, timeout: float = 60) -> Run:
         timeout=timeout,
     )
     return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault the S3 proxy sends `count` times (`knob` on its faults, `sent` its counter of
+    them), and the words a sync that goes through it must say."""
+
+    knob: str
+    count: int
+    sent: str
+    said: tuple[str, ...] = ()
+
+
+def sync_through(fault: Fault, proxy: tuple[int, ProxyState], sync: Callable[[int], Run]) -> Run:
+    """`sync(port)` through the fault proxy sending `fault`: it succeeds, every fault was sent,
+    and the run says what `fault.said` says."""
+    port, seen = proxy
+    setattr(seen.faults, fault.knob, fault.count)
+    run = sync(port)
+    assert run.rc == 0, run.text
+    assert getattr(seen, fault.sent) == fault.count
+    for words in fault.said:
+        assert words in run.err
+    return run
 
 
 def model_files(seed: int = 1) -> dict[str, bytes]:
