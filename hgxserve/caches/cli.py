@@ -278,7 +278,7 @@ def bake_command(  # noqa: PLR0913 - a click command: one parameter per option
     cache_dir = parents.pop()
     facts = _facts(facts_path)
     full_key = cache_key(topo, eng, host_facts=facts)
-    max_len = eng.args.get("max_model_len") or eng.args.get("context_length")
+    max_len = eng.args.get("max_model_len")
     shapes = warmup_plan(
         [Shape(w.input, w.output, w.concurrency, w.api) for w in topo.warmup],
         int(max_len) if max_len else None,

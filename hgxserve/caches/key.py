@@ -11,7 +11,8 @@ What goes into the key (`key_inputs` returns it, so a test or an operator can se
 - GPU kind of the engine's hosts (H20, H200, ...)
 - model name, path and manifest name
 - parallel layout: tp, dp, pp, ep
-- the typed args in `COMPILE_ARGS`
+- the typed args in `COMPILE_ARGS`: those the args table (hgxserve.topology.engine_args) marks
+  `compiles=True`
 - every `extra_args` entry (their effect is unknown, so they count)
 - `env` entries whose names start with one of `COMPILE_ENV_PREFIXES`
 - host facts when given (driver, torch, CUDA, SM count ...): the caches issue adds them
@@ -32,28 +33,8 @@ import json
 import re
 from typing import Any
 
+from hgxserve.topology.engine_args import COMPILE_ARGS, arg_value
 from hgxserve.topology.model import Engine, Topology
-
-# Typed args that change which kernels are compiled or which CUDA graphs are captured.
-COMPILE_ARGS = (
-    "dtype",
-    "kv_cache_dtype",
-    "block_size",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_cudagraph_capture_size",
-    "enforce_eager",
-    "speculative_config",
-    "attention_backend",
-    "all2all_backend",
-    "moe_runner_backend",
-    "enable_dp_attention",
-    "enable_eplb",
-    "eplb_config",
-    "tokenizer_mode",
-    "trust_remote_code",
-)
 
 # Engine env variables that can change compilation (kernel selection, JIT switches).
 COMPILE_ENV_PREFIXES = (
@@ -121,7 +102,7 @@ def key_inputs(
             "manifest": topo.model.manifest,
         },
         "parallel": {"tp": engine.tp, "dp": engine.dp, "pp": engine.pp, "ep": engine.ep},
-        "args": {k: engine.args[k] for k in COMPILE_ARGS if k in engine.args},
+        "args": {k: arg_value(engine.args, k) for k in COMPILE_ARGS if k in engine.args},
         "extra_args": list(engine.extra_args),
         "env": env,
         "host_facts": dict(sorted((host_facts or {}).items())),

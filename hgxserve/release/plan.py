@@ -63,13 +63,10 @@ def gate_prompt_words(topo: Topology, proxy: Proxy) -> int:
     >>> gate_prompt_words(topo, topo.proxy)  # doctest: +SKIP
     16
     """
-    lengths = [
-        int(topo.engines[n].args["max_model_len"])
-        for route in proxy.routes
-        for n in (*route.prefill, *route.decode)
-        if isinstance(topo.engines[n].args.get("max_model_len"), int)
-    ]
-    fits = min(lengths, default=1 << 30) // 16
+    shortest = topo.shortest_max_model_len(
+        n for route in proxy.routes for n in (*route.prefill, *route.decode)
+    )
+    fits = (shortest[0] if shortest else 1 << 30) // 16
     return max(proxy.pd_min_prompt_tokens * 2, min(64, fits), _remote_prefill_words(topo, proxy))
 
 

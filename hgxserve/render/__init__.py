@@ -214,8 +214,7 @@ def engine_warmup(topo: Topology, engine: Engine) -> list[Shape]:
     if not topo.warmup or (engine.engine == "sglang" and engine.role in ("prefill", "decode")):
         return []
     shapes = [Shape(w.input, w.output, w.concurrency, w.api) for w in topo.warmup]
-    limit = engine.args.get("max_model_len")
-    return warmup_plan(shapes, int(limit) if limit else None)
+    return warmup_plan(shapes, engine.args.get("max_model_len"))
 
 
 @dataclass

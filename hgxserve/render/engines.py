@@ -11,13 +11,21 @@ node). Flags follow the seeds' working commands (seed 003 §5, §9.2, §12.1; se
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hgxserve.base.defaults import KV_EVENTS_TOPIC
 from hgxserve.render.types import RenderError
-from hgxserve.topology.engine_args import flag, not_rendered
-from hgxserve.topology.model import Engine, EngineKind, Topology, is_loopback
+from hgxserve.topology.engine_args import (
+    ARG_FLAGS,
+    EngineArgs,
+    EngineKind,
+    flag,
+    negated_flag,
+    not_rendered,
+)
+from hgxserve.topology.model import Engine, Topology, is_loopback
 from hgxserve.topology.placement import serving_tree
 from hgxserve.topology.ports import (
     bind_widened_for,
@@ -120,10 +128,58 @@ def max_num_seqs(topo: Topology, engine: Engine, plan: NodePlan) -> int:
     return 256
 
 
+def _max_num_seqs(topo: Topology, engine: Engine, plan: NodePlan, typed: _TypedArgs) -> list[str]:
+    typed.mark("max_num_seqs")
+    return [flag("max_num_seqs", typed.engine), str(max_num_seqs(topo, engine, plan))]
+
+
 def _skipped(engine: Engine, not_for: frozenset[str], plan: NodePlan) -> None:
     unused = sorted(k for k in engine.args if k in not_for)
     if unused:
         plan.notes.append(f"not applicable to {engine.engine}, not rendered: {', '.join(unused)}")
+
+
+class _TypedArgs:
+    """The typed args of one engine as one engine's renderer writes them: `write` renders args
+    in the form the table gives (hgxserve.topology.engine_args), `mark` notes one the renderer
+    wrote in its own way, and `rest` writes every set arg placed nowhere else, in table order:
+    a new arg needs no renderer line."""
+
+    def __init__(self, args: EngineArgs, engine: EngineKind) -> None:
+        self.args: Mapping[str, object] = args
+        self.engine = engine
+        self.placed: set[str] = set()
+
+    def mark(self, *keys: str) -> None:
+        self.placed.update(keys)
+
+    def write(self, *keys: str) -> list[str]:
+        """Each of `keys` that is set, in the order given, in its table form."""
+        self.mark(*keys)
+        out: list[str] = []
+        for key in keys:
+            if key not in self.args:
+                continue
+            value, name = self.args[key], flag(key, self.engine)
+            form = ARG_FLAGS[key].form
+            if form == "value":
+                out += [name, str(value)]
+            elif form == "json":
+                out += [name, compact_json(value)]
+            elif value:  # switch and tristate: true -> --flag
+                out.append(name)
+            elif form == "tristate":  # false -> --no-flag
+                out.append(negated_flag(name))
+        return out
+
+    def rest(self) -> list[str]:
+        return self.write(
+            *(
+                k
+                for k, f in ARG_FLAGS.items()
+                if k not in self.placed and f.flag(self.engine) is not None
+            )
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,27 +187,13 @@ def _skipped(engine: Engine, not_for: frozenset[str], plan: NodePlan) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _values(args: dict[str, Any], engine: EngineKind, keys: tuple[str, ...]) -> list[str]:
-    """`--flag value` for each of `keys` set in args, in the order given."""
-    out: list[str] = []
-    for key in keys:
-        if key in args:
-            out += [flag(key, engine), str(args[key])]
-    return out
-
-
 # batching and tokenizer args both engines take, written right after max_num_seqs
 _BATCHING = ("max_num_batched_tokens", "max_cudagraph_capture_size", "tokenizer_mode")
 
 
-def _switch(args: dict[str, Any], engine: EngineKind, key: str) -> list[str]:
-    """`--flag` when the arg is true."""
-    return [flag(key, engine)] if args.get(key) else []
-
-
 def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     """`vllm serve` arguments (without the program) for one node."""
-    args = engine.args
+    typed = _TypedArgs(engine.args, "vllm")
     argv: list[str] = [serving_tree(topo.model)[0], "--served-model-name", topo.model.served_name]
     if plan.is_head:
         argv += ["--host", plan.bind, "--port", str(engine.port)]
@@ -161,21 +203,28 @@ def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     argv += _vllm_parallel(topo, engine, plan)
     if engine.ep:
         argv.append("--enable-expert-parallel")
-    argv += _values(args, "vllm", ("dtype",))
-    argv += _switch(args, "vllm", "trust_remote_code")
-    argv += _values(
-        args, "vllm", ("kv_cache_dtype", "block_size", "gpu_memory_utilization", "max_model_len")
+    argv += typed.write(
+        "dtype",
+        "trust_remote_code",
+        "kv_cache_dtype",
+        "block_size",
+        "gpu_memory_utilization",
+        "max_model_len",
     )
-    argv += [flag("max_num_seqs", "vllm"), str(max_num_seqs(topo, engine, plan))]
-    argv += _values(args, "vllm", (*_BATCHING, "tool_call_parser"))
-    argv += _switch(args, "vllm", "enable_auto_tool_choice")
-    argv += _values(args, "vllm", ("reasoning_parser", "chat_template"))
-    argv += _tristate(args, "enable_prefix_caching")
-    argv += _switch(args, "vllm", "enforce_eager")
-    if "speculative_config" in args:
-        argv += [flag("speculative_config", "vllm"), compact_json(args["speculative_config"])]
-    argv += _values(args, "vllm", ("attention_backend",))
-    backend = args.get("distributed_executor_backend")
+    argv += _max_num_seqs(topo, engine, plan, typed)
+    argv += typed.write(
+        *_BATCHING,
+        "tool_call_parser",
+        "enable_auto_tool_choice",
+        "reasoning_parser",
+        "chat_template",
+        "enable_prefix_caching",
+        "enforce_eager",
+        "speculative_config",
+        "attention_backend",
+    )
+    typed.mark("distributed_executor_backend")
+    backend = engine.args.get("distributed_executor_backend")
     if backend is None and not engine.is_multi_node:
         backend = "mp"
         plan.notes.append(
@@ -183,13 +232,15 @@ def vllm_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
             "seed 003 §11.3)"
         )
     if backend is not None:
-        argv += [flag("distributed_executor_backend", "vllm"), str(backend)]
-    argv += _tristate(args, "async_scheduling")
-    argv += _tristate(args, "disable_nccl_for_dp_synchronization")
-    argv += _switch(args, "vllm", "enable_eplb")
-    if "eplb_config" in args:
-        argv += [flag("eplb_config", "vllm"), compact_json(args["eplb_config"])]
-    argv += _values(args, "vllm", ("all2all_backend",))
+        argv += [flag("distributed_executor_backend", "vllm"), backend]
+    argv += typed.write(
+        "async_scheduling",
+        "disable_nccl_for_dp_synchronization",
+        "enable_eplb",
+        "eplb_config",
+        "all2all_backend",
+    )
+    argv += typed.rest()
     if engine.kv is not None:
         argv += ["--kv-transfer-config", compact_json(vllm_kv_transfer_config(engine))]
     argv += kv_events_args(topo, engine, plan)
@@ -251,14 +302,6 @@ def kv_events_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     return ["--kv-events-config", compact_json(config)]
 
 
-def _tristate(args: dict[str, Any], key: str) -> list[str]:
-    """vLLM: true -> --flag, false -> --no-flag (argparse BooleanOptionalAction), unset: nothing."""
-    if key not in args:
-        return []
-    name = flag(key, "vllm")
-    return [name] if args[key] else ["--no-" + name[2:]]
-
-
 def _vllm_parallel(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     per_host_ranks = plan.dp_local
     if not engine.is_multi_node:
@@ -293,38 +336,39 @@ def _vllm_parallel(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
 def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     """`sglang serve` arguments (without the program) for one node."""
     args = engine.args
+    typed = _TypedArgs(args, "sglang")
     argv: list[str] = []
-    argv += _switch(args, "sglang", "trust_remote_code")
+    argv += typed.write("trust_remote_code")
     argv += [
         "--model-path",
         serving_tree(topo.model)[0],
         "--served-model-name",
         topo.model.served_name,
     ]
-    argv += _sglang_parallel(engine, plan)
-    argv += _values(args, "sglang", ("moe_runner_backend",))
+    argv += _sglang_parallel(engine, plan, typed)
+    argv += typed.write("moe_runner_backend")
+    typed.mark("all2all_backend", "speculative_config", "kv_cache_dtype")
     if "all2all_backend" in args:
-        argv += _sglang_a2a(str(args["all2all_backend"]))
+        argv += _sglang_a2a(args["all2all_backend"])
     if "speculative_config" in args:
         argv += _sglang_speculative(args["speculative_config"])
-    argv += _values(args, "sglang", ("dtype",))
+    argv += typed.write("dtype")
     if "kv_cache_dtype" in args:
-        kv_dtype = str(args["kv_cache_dtype"])
+        kv_dtype = args["kv_cache_dtype"]
         argv += [flag("kv_cache_dtype", "sglang"), SGLANG_KV_CACHE_DTYPES.get(kv_dtype, kv_dtype)]
-    argv += _values(args, "sglang", ("block_size", "gpu_memory_utilization", "max_model_len"))
-    argv += [flag("max_num_seqs", "sglang"), str(max_num_seqs(topo, engine, plan))]
-    argv += _values(
-        args,
-        "sglang",
-        (*_BATCHING, "reasoning_parser", "tool_call_parser", "chat_template", "attention_backend"),
+    argv += typed.write("block_size", "gpu_memory_utilization", "max_model_len")
+    argv += _max_num_seqs(topo, engine, plan, typed)
+    argv += typed.write(
+        *_BATCHING, "reasoning_parser", "tool_call_parser", "chat_template", "attention_backend"
     )
-    if args.get("enable_prefix_caching") is False:
+    typed.mark("enable_prefix_caching", "eplb_config")
+    if args.get("enable_prefix_caching") is False:  # only "off" has a flag
         argv.append(flag("enable_prefix_caching", "sglang"))
-    argv += _switch(args, "sglang", "enforce_eager")
-    argv += _switch(args, "sglang", "enable_eplb")
+    argv += typed.write("enforce_eager", "enable_eplb")
     eplb = args.get("eplb_config") or {}
     if "num_redundant_experts" in eplb:
         argv += [flag("eplb_config", "sglang"), str(eplb["num_redundant_experts"])]
+    argv += typed.rest()
     argv += ["--host", plan.bind, "--port", str(engine.port)]
     if engine.kv is not None:
         argv += _sglang_disaggregation(topo, engine, plan)
@@ -334,7 +378,7 @@ def sglang_args(topo: Topology, engine: Engine, plan: NodePlan) -> list[str]:
     return argv
 
 
-def _sglang_parallel(engine: Engine, plan: NodePlan) -> list[str]:
+def _sglang_parallel(engine: Engine, plan: NodePlan, typed: _TypedArgs) -> list[str]:
     """tp, dp (DP attention), pp, ep and the nodes of a multi-host engine."""
     # With DP attention tp is the whole engine and dp splits it into attention groups
     # (seed 002: --tp 8 --dp 8 --enable-dp-attention on 8 GPUs), as the topology rules define.
@@ -342,7 +386,7 @@ def _sglang_parallel(engine: Engine, plan: NodePlan) -> list[str]:
     argv = ["--tp", str(tp)]
     if engine.dp > 1:
         argv += ["--dp", str(engine.dp)]
-    argv += _switch(engine.args, "sglang", "enable_dp_attention")
+    argv += typed.write("enable_dp_attention")
     if engine.pp > 1:
         argv += ["--pp-size", str(engine.pp)]
     if engine.ep:

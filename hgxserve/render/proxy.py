@@ -68,12 +68,8 @@ KILL = "/bin/kill"
 def drain_output_tokens(topo: Topology) -> int:
     """The most output tokens one answer through the proxy can have: the smallest context
     (max_model_len) of the engines it routes to, or DRAIN_OUTPUT_TOKENS when none states one."""
-    lens = [
-        int(topo.engines[n].args["max_model_len"])
-        for n in proxy_targets(topo)
-        if n in topo.engines and topo.engines[n].args.get("max_model_len")
-    ]
-    return min(lens) if lens else DRAIN_OUTPUT_TOKENS
+    shortest = topo.shortest_max_model_len(proxy_targets(topo))
+    return shortest[0] if shortest else DRAIN_OUTPUT_TOKENS
 
 
 def proxy_drains(topo: Topology) -> bool:

@@ -420,11 +420,6 @@ def _expert_shards(engine: Engine) -> int:
     return engine.tp if engine.engine == "sglang" else engine.tp * engine.dp
 
 
-def _redundant_experts(engine: Engine) -> int:
-    eplb = engine.args.get("eplb_config") or {}
-    return int(eplb.get("num_redundant_experts") or 0) if engine.args.get("enable_eplb") else 0
-
-
 def weights_per_gpu(
     facts: ModelFacts, engine: Engine, *, tp: int | None = None, ep: bool | None = None
 ) -> float:
@@ -435,7 +430,7 @@ def weights_per_gpu(
     else:
         split = tp
         shards = engine.gpu_count if (engine.ep if ep is None else ep) else tp
-    redundant = _redundant_experts(engine)
+    redundant = engine.redundant_experts
     experts = facts.expert_bytes + redundant * facts.moe_layers * facts.expert_bytes_each
     # vLLM's MLA keeps W_UK and W_UV of this rank's heads in bf16 next to the fp8 kv_b_proj
     absorbed = facts.layers * facts.absorbed_per_head * math.ceil(facts.heads / split) * 2
@@ -494,7 +489,7 @@ def _moe_workspace(facts: ModelFacts, engine: Engine, gathered: int) -> int:
     # EPLB ones included, spread over the expert shards
     local = facts.expert_count
     if engine.ep:
-        local = -(-(facts.expert_count + _redundant_experts(engine)) // _expert_shards(engine))
+        local = -(-(facts.expert_count + engine.redundant_experts) // _expert_shards(engine))
     # w13 is [local experts, N = 2 x intermediate, K = hidden]; without EP the intermediate is
     # split over tp, with EP every expert is whole on its rank
     n = 2 * facts.moe_intermediate // (1 if engine.ep else max(1, engine.tp))
@@ -533,14 +528,20 @@ def _gathers(engine: Engine) -> bool:
 
 
 def _max_len(facts: ModelFacts, engine: Engine) -> int:
+    """The engine's context: max_model_len, else the model's (0 when neither is known)."""
     return int(engine.args.get("max_model_len") or facts.max_position or 0)
 
 
+def utilization(engine: Engine) -> float:
+    """The fraction of GPU memory the engine takes: gpu_memory_utilization, else the default."""
+    return float(engine.args.get("gpu_memory_utilization", DEFAULT_UTILIZATION))
+
+
 def _kv_elem(facts: ModelFacts, engine: Engine) -> int:
-    kv_dtype = str(engine.args.get("kv_cache_dtype", "auto"))
+    kv_dtype = engine.args.get("kv_cache_dtype", "auto")
     elem = _KV_DTYPE_BYTES.get(kv_dtype)
     if elem is None:  # auto: the model's dtype (or the engine's --dtype)
-        dtype = str(engine.args.get("dtype", "auto"))
+        dtype = engine.args.get("dtype", "auto")
         elem = _DTYPE_BYTES.get(dtype, facts.dtype_bytes)
     return elem
 
@@ -624,8 +625,7 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
         return None
     gpu = gpus[0]
     gpu_bytes = GPU_USABLE_BYTES.get(gpu, GPU_MEMORY_MIB[gpu] * MIB)
-    util_set = engine.args.get("gpu_memory_utilization")
-    util = float(util_set) if util_set is not None else DEFAULT_UTILIZATION
+    util = utilization(engine)
     budget = gpu_bytes * util
     weights = weights_per_gpu(facts, engine)
     terms = allowance_terms(facts, engine)
@@ -639,8 +639,8 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
     per_token = kv_bytes_per_token(facts, engine)
     block = _block_size(facts, engine)
     kv_tokens = int(kv_bytes // per_token) // block * block
-    max_len = engine.args.get("max_model_len") or facts.max_position
-    concurrency = kv_tokens / _rounded(int(max_len), block) if max_len else None
+    max_len = _max_len(facts, engine) or None
+    concurrency = kv_tokens / _rounded(max_len, block) if max_len else None
     dp_ranks = engine.dp
     shapes = tuple(
         ShapeFit(
@@ -658,7 +658,8 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
         gpu=gpu,
         gpu_bytes=gpu_bytes,
         utilization=util,
-        utilization_assumed=util_set is None and engine.engine == "sglang",
+        utilization_assumed=engine.engine == "sglang"
+        and "gpu_memory_utilization" not in engine.args,
         budget=budget,
         weights=weights,
         allowance=other,
@@ -667,7 +668,7 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
         block_size=block,
         kv_tokens=kv_tokens,
         dp_ranks=dp_ranks,
-        max_model_len=int(max_len) if max_len else None,
+        max_model_len=max_len,
         max_concurrency=concurrency,
         max_num_seqs=_seqs_per_rank(engine),
         shapes=shapes,
@@ -675,7 +676,7 @@ def engine_fit(topo: Topology, engine: Engine, facts: ModelFacts) -> EngineFit |
         longest_capacity=kv_tokens // _rounded(longest, block) if longest else None,
         kv_fixed=fixed is not None,
         terms=terms,
-        seed_failure=_seed_failure(facts, engine, gpu_bytes, int(max_len) if max_len else None),
+        seed_failure=_seed_failure(facts, engine, gpu_bytes, max_len),
     )
 
 

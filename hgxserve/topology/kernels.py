@@ -65,7 +65,7 @@ class KernelRule:
 
 
 def _deepep(topo: Topology, engine: Engine) -> str | None:
-    backend = str(engine.args.get("all2all_backend") or "")
+    backend = engine.args.get("all2all_backend") or ""
     if backend.startswith("deepep"):
         return f"args.all2all_backend {backend}"
     return None

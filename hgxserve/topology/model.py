@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -17,6 +18,7 @@ from hgxserve.base.defaults import schema_default
 from hgxserve.base.paths import TOPOLOGY_FILES_DIR
 from hgxserve.base.routing import is_kv_aware
 from hgxserve.base.sizes import parse_size
+from hgxserve.topology.engine_args import EngineArgs, EngineKind
 
 LOOPBACK = ("127.", "localhost", "::1")
 # Engine flags whose value is a file or directory the engine reads on its host.
@@ -32,7 +34,7 @@ PATH_FLAGS = (
 # The fixed vocabularies of the schema's enums (tests/structure/test_vocabularies.py keeps
 # each equal to its enum).
 Role = Literal["combined", "prefill", "decode"]
-EngineKind = Literal["vllm", "sglang"]
+# EngineKind: hgxserve.topology.engine_args, beside the table of the args of each engine
 KvConnector = Literal["nixl", "mooncake"]
 KvFailurePolicy = Literal["fail", "recompute"]
 KvBufferDevice = Literal["cuda", "cpu"]
@@ -268,7 +270,7 @@ class Engine:
     rpc_port: int
     watch_port: int  # the multi-node engine's watcher (hgxserve.release.watch), on every host
     kv: KvTransfer | None
-    args: dict[str, Any]
+    args: EngineArgs
     extra_args: tuple[str, ...]
     env: dict[str, str]
     secret_env: dict[str, SecretRef]
@@ -298,6 +300,13 @@ class Engine:
         return self.engine == "sglang" and bool(self.args.get("enable_dp_attention"))
 
     @property
+    def redundant_experts(self) -> int:
+        """Redundant experts per MoE layer EPLB adds (0 without EPLB)."""
+        if not self.args.get("enable_eplb"):
+            return 0
+        return int(self.args.get("eplb_config", {}).get("num_redundant_experts") or 0)
+
+    @property
     def gpus_per_dp_rank(self) -> int:
         """GPUs one data-parallel rank uses (tp x pp; tp/dp x pp with SGLang DP attention)."""
         if self.dp_attention and self.dp > 0 and self.tp % self.dp == 0:
@@ -324,7 +333,7 @@ class Engine:
         """(setting keys, flag, path) of every absolute host path the engine's args name."""
         found: list[tuple[tuple[str, ...], str, str]] = []
         template = self.args.get("chat_template")
-        if isinstance(template, str) and template.startswith("/"):
+        if template is not None and template.startswith("/"):
             found.append((("args", "chat_template"), "chat_template", template))
         args = list(self.extra_args)
         for i, arg in enumerate(args):
@@ -610,6 +619,19 @@ class Topology:
     def engines_on(self, host: str) -> list[Engine]:
         return [e for e in self.engines.values() if host in e.place]
 
+    def shortest_max_model_len(self, names: Iterable[str]) -> tuple[int, str] | None:
+        """The smallest `max_model_len` among the engines named (names of no engine are left
+        out) and the engine that has it (the first by name on a tie); None when none sets it.
+        An integer the YAML wrote as `8192.0` (the schema takes it) counts as 8192."""
+        return min(
+            (
+                (int(e.args["max_model_len"]), n)
+                for n in names
+                if (e := self.engines.get(n)) is not None and "max_model_len" in e.args
+            ),
+            default=None,
+        )
+
     def hosts_in_use(self) -> list[str]:
         used = {h for e in self.engines.values() for h in e.place}
         if self.proxy:
@@ -729,7 +751,7 @@ def _engine(name: str, data: dict[str, Any]) -> Engine:
         bind=data.get("bind"),
         internal_port=data.get("internal_port"),
         kv=_kv(data.get("kv")),
-        args=dict(data.get("args", {})),
+        args=cast(EngineArgs, dict(data.get("args", {}))),  # the schema checked each arg
         extra_args=tuple(data.get("extra_args", ())),
         env={k: _env_text(v) for k, v in data.get("env", {}).items()},
         secret_env={k: SecretRef.parse(v) for k, v in data.get("secret_env", {}).items()},

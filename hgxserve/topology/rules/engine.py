@@ -44,7 +44,7 @@ def heads_per_rank(topo: Topology, engine: Engine) -> Iterator[Finding]:
         return
     attention_tp = engine.tp
     note = ""
-    if engine.engine == "sglang" and engine.args.get("enable_dp_attention") and engine.dp > 1:
+    if engine.dp_attention and engine.dp > 1:
         attention_tp = max(1, engine.tp // engine.dp)
         note = f" (DP attention: tp {engine.tp} / dp {engine.dp})"
     per_rank = heads // attention_tp
@@ -107,11 +107,7 @@ def _heads_advice_by_size(topo: Topology, engine: Engine, sizes: list[int]) -> s
             f"use tp in {listed} with dp for more GPUs if the weights fit at that tp (set "
             "model.config or model.size to have that checked)"
         )
-    budget = (
-        fit.GPU_MEMORY_MIB[gpu]
-        * fit.MIB
-        * float(engine.args.get("gpu_memory_utilization", fit.DEFAULT_UTILIZATION))
-    )
+    budget = fit.GPU_MEMORY_MIB[gpu] * fit.MIB * fit.utilization(engine)
     fitting = [t for t in sizes if size / t <= budget]
     if fitting:
         return "use tp in {" + ", ".join(map(str, fitting)) + "} with dp for more GPUs"
@@ -145,10 +141,7 @@ def eplb_log_balancedness(topo: Topology, engine: Engine) -> Iterator[Finding]:
     why="seed 001 §3.1 step 3: ideally one redundant expert per GPU; too many take HBM",
 )
 def eplb_redundant_experts(topo: Topology, engine: Engine) -> Iterator[Finding]:
-    if not engine.args.get("enable_eplb") or not engine.is_multi_node:
-        return
-    eplb = engine.args.get("eplb_config") or {}
-    if eplb.get("num_redundant_experts"):
+    if not engine.args.get("enable_eplb") or not engine.is_multi_node or engine.redundant_experts:
         return
     gpus = engine.gpu_count
     yield (

@@ -99,14 +99,10 @@ def warmup_max_model_len(topo: Topology) -> Iterator[Finding]:
     for index, shape in enumerate(topo.warmup):
         names = warmup_targets(topo, shape)
         total = shape.input + shape.output
-        limits = [
-            (topo.engines[n].args["max_model_len"], n)
-            for n in names
-            if n in topo.engines and "max_model_len" in topo.engines[n].args
-        ]
-        if not limits:
+        shortest = topo.shortest_max_model_len(names)
+        if shortest is None:
             continue
-        limit, name = min(limits)
+        limit, name = shortest
         if total > limit:
             yield (
                 ("warmup", index),

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from hgxserve.topology.engine_args import arg_value
 from hgxserve.topology.model import Engine, Proxy, Topology, is_loopback
 from hgxserve.topology.ports import UNSPECIFIED, setting_path, uses_nixl_side_channel
 from hgxserve.topology.problems import JsonPath
@@ -240,12 +241,12 @@ def pd_agree(topo: Topology) -> Iterator[Finding]:
                 f"{p_model!r}{where}; {why}",
             )
         for key in _AGREE_ARGS:
-            pv, dv = p.args.get(key), d.args.get(key)
-            if pv != dv:
+            p_arg, d_arg = arg_value(p.args, key), arg_value(d.args, key)
+            if p_arg != d_arg:
                 yield (
                     setting_path(topo, d.name, "args", key),
-                    f"decode {d.name} {key} {_fmt(dv)} differs from prefill {p.name} "
-                    f"{_fmt(pv)}{where}; {why}",
+                    f"decode {d.name} {key} {_fmt(d_arg)} differs from prefill {p.name} "
+                    f"{_fmt(p_arg)}{where}; {why}",
                 )
         pc = p.kv.connector if p.kv else None
         dc = d.kv.connector if d.kv else None
@@ -378,17 +379,13 @@ def pd_remote_prefill_threshold(topo: Topology, proxy: Proxy) -> Iterator[Findin
     for index, route in enumerate(proxy.routes):
         if not proxy.kv_aware(route):
             continue
-        lengths = [
-            int(topo.engines[n].args["max_model_len"])
-            for n in route.decode
-            if n in topo.engines and isinstance(topo.engines[n].args.get("max_model_len"), int)
-        ]
-        if lengths and threshold >= min(lengths):
+        shortest = topo.shortest_max_model_len(route.decode)
+        if shortest is not None and threshold >= shortest[0]:
             yield (
                 _threshold_path(topo),
                 f"route {index} (policy {proxy.route_policy(route)}) sends a prompt to its "
                 f"prefills only when at least {threshold} of its tokens are uncached on the "
-                f"chosen decode, but its decodes take at most {min(lengths)} tokens "
+                f"chosen decode, but its decodes take at most {shortest[0]} tokens "
                 "(max_model_len): every request would prefill on its decode; lower "
                 "proxy.routing.pd_remote_prefill_min_uncached_tokens below that",
             )
