@@ -207,7 +207,7 @@ def switch_to(*, plan: SwitchPlan, root: str = RELEASE_ROOT) -> None:
       hosts' timers are extended by them)
     + root: the release root on the host
     """
-    gating = bool(plan.coord.switching)
+    gating = bool(plan.coord.plan.switching)
     release_id, within = plan.release_id, plan.confirm_within
     step = partial(_step, plan.coord, release_id, root)
     if plan.switch:

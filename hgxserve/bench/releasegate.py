@@ -194,7 +194,8 @@ def run_bench_gate(  # noqa: PLR0913 - pyinfra's python.call: state and host, th
 ) -> bool:  # fmt: skip
     """python.call on the gate's host after the probes: bench the new release, keep the result
     beside it, and turn a miss or a regression into a failed gate verdict."""
-    if coord.verdict is None or not coord.verdict[0]:
+    record = coord.record
+    if record.verdict is None or not record.verdict[0]:
         return True  # the probes failed (or did not run): settle reverts without a bench
     with tempfile.TemporaryDirectory(prefix="hgxserve-release-bench-") as tmp:
         work = Path(tmp)
@@ -202,11 +203,11 @@ def run_bench_gate(  # noqa: PLR0913 - pyinfra's python.call: state and host, th
             key_file = _local_key(host, step.api_key_file, work / "api-key")
             metrics_key = _local_key(host, step.metrics_key_file, work / "metrics-key")
         except KeyError as exc:
-            coord.verdict = (False, f"bench: cannot read the proxy's key {exc.args[0]}")
-            host.log_styled(coord.verdict[1], fg="red")
+            record.verdict = (False, f"bench: cannot read the proxy's key {exc.args[0]}")
+            host.log_styled(record.verdict[1], fg="red")
             return True
         inventory = _inventory_file(work, step.connections)
-        hosts_ids = " ".join(f"{h}={i}" for h, i in sorted(coord.targets.items()))
+        hosts_ids = " ".join(f"{h}={i}" for h, i in sorted(coord.plan.targets.items()))
         earlier = _runs(Path(step.out_root))
         argv = bench_argv(step, inventory=inventory, from_host=host.name,
                           release_id=hosts_ids or release_id,
@@ -225,13 +226,13 @@ def run_bench_gate(  # noqa: PLR0913 - pyinfra's python.call: state and host, th
             kept = _keep(host, release_id, root, run_dir)
             host.log_styled(f"bench run kept on {host.name}: {kept}/run.json (here: {run_dir})")
         if code != 0:
-            coord.verdict = (False, f"gate failed: {_failure(code, lines)}")
-            host.log_styled(coord.verdict[1], fg="red")
+            record.verdict = (False, f"gate failed: {_failure(code, lines)}")
+            host.log_styled(record.verdict[1], fg="red")
             return True
         if step.max_regression_pct is not None and run_dir is not None:
             _regression(_Gate(state, host, coord, step, root, work), run_dir)
-        if coord.verdict and coord.verdict[0]:
-            coord.verdict = (True, f"{coord.verdict[1]}; bench {step.scenario} met its SLA")
+        if record.verdict and record.verdict[0]:
+            record.verdict = (True, f"{record.verdict[1]}; bench {step.scenario} met its SLA")
     return True
 
 
@@ -264,7 +265,7 @@ class _Gate:
 def _regression(gate: _Gate, run_dir: Path) -> None:
     """Compare the run with the last confirmed release's kept one; a regression past the step's
     margin fails the gate's verdict."""
-    host, coord, step = gate.host, gate.coord, gate.step
+    host, record, step = gate.host, gate.coord.record, gate.step
     previous = _previous_run(gate.state, step, gate.root, gate.work)
     if previous is None:
         where = f"{step.previous[0]} release {step.previous[1]}" if step.previous else "none"
@@ -299,8 +300,8 @@ def _regression(gate: _Gate, run_dir: Path) -> None:
         )
     else:
         why = f"bench compare failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
-    coord.verdict = (False, f"gate failed: {why}")
-    host.log_styled(coord.verdict[1], fg="red")
+    record.verdict = (False, f"gate failed: {why}")
+    host.log_styled(record.verdict[1], fg="red")
 
 
 def bench_step_for(

@@ -27,7 +27,6 @@ from hgxserve.base.defaults import SWITCH_OVERHEAD_S
 from hgxserve.base.paths import AGENT
 from hgxserve.base.runstate import per_run
 from hgxserve.bench.releasegate import BenchStep, bench_step_for
-from hgxserve.bench.scenario import kv_shapes
 from hgxserve.deploy.bakers import cache_entries, elect_bakers
 from hgxserve.deploy.data import DeployData, deploy_data
 from hgxserve.deploy.keyfiles import check_env_keys, check_host_key_files
@@ -45,11 +44,8 @@ from hgxserve.facts.release import ReleaseState
 from hgxserve.facts.runtime import HostPython
 from hgxserve.monitoring.host_files import HostMonitoring, host_monitoring
 from hgxserve.release import CONFIRM_WITHIN_S
-from hgxserve.release.coordination import Coordination
-from hgxserve.release.evidence import rdma_roles, unchecked_transport
+from hgxserve.release.coordination import Coordination, RunPlan
 from hgxserve.release.fabric import FabricRun, fabric_scope
-from hgxserve.release.kvcap import kv_needs_by_host
-from hgxserve.release.kvpath import kv_endpoints, kv_only_rails
 from hgxserve.release.plan import HostRelease, gate_host, switch_bound_s
 from hgxserve.release.store import UnitSpec
 from hgxserve.release.switch import start_timeout
@@ -509,7 +505,7 @@ class SwitchPlan:
     engines stage's (after staging the release) and the rollback's."""
 
     release_id: str
-    coord: Coordination  # shared by all hosts of the run: who switched, the gate's verdict
+    coord: Coordination  # shared by all hosts of the run: its plan, what the hosts report
     switch: bool  # this host's current release differs
     gate: bool  # this host runs the topology's gate after all hosts switched
     confirm_within: int = CONFIRM_WITHIN_S  # seconds the gate has once every host switched
@@ -546,7 +542,7 @@ class EnginesPlan:
 def fabric_plan(topology: Topology, host: Host, coord: Coordination) -> FabricPlan | None:
     """This host's part in the fabric preflight: None when no host switches, when the release
     does not cross hosts or names no rails, or with `gate.fabric: off`."""
-    scope = fabric_scope(topology) if coord.switching else None
+    scope = fabric_scope(topology) if coord.plan.switching else None
     if scope is None:
         return None
     data = deploy_data(host)
@@ -576,14 +572,14 @@ def _bench(
     return bench_step_for(topology, topology.source_file, active, data.get("bench_tokenizer"))
 
 
-def _counter_devices(topology: Topology, host: str, coord: Coordination) -> list[str]:
+def _counter_devices(topology: Topology, host: str, run: RunPlan) -> list[str]:
     """The RDMA devices whose port counters are the host's counter evidence: the rails that
-    carry only KV when the topology tells them (hgxserve.release.kvpath.kv_only_rails), else
-    the host's `rdma:` devices (none: every device)."""
-    rails = kv_only_rails(topology, host)
+    carry only KV when the topology tells them (the run's `kv_rails`:
+    hgxserve.release.kvpath.kv_only_rails), else the host's `rdma:` devices (none: every
+    device)."""
+    rails = run.kv_rails.get(host)
     if rails:
-        coord.kv_rails[host] = rails
-        return rails
+        return list(rails)
     return list(topology.hosts[host].rdma) if host in topology.hosts else []
 
 
@@ -594,17 +590,11 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
     active = list(inventory.iter_activated_hosts())
     require_all_reachable(list(inventory), active)
     plans = release_plans(topology, active, data.get("health_timeout"))
-    coord = plan_switch(f"release:{topology.digest}", active, {n: p.id for n, p in plans.items()})
-    plan = plans[host.name]
-    coord.rdma_roles = rdma_roles(topology)
-    # gate.rdma: off: what carried cross-host KV instead (TCP), said when the release is confirmed
-    coord.rdma_note = None if coord.rdma_roles else unchecked_transport(topology)
-    coord.kv_endpoints = kv_endpoints(topology)
-    kv_units = sorted({ep.unit for ep in coord.kv_endpoints if ep.host == host.name})
-    coord.kv_policy = topology.gate.kv_capacity
-    if coord.kv_policy != "off" and not coord.kv_needs:
-        coord.kv_needs = kv_needs_by_host(topology, kv_shapes(topology.source_file))
-    devices = _counter_devices(topology, host.name, coord)
+    targets = {n: p.id for n, p in plans.items()}
+    coord = plan_switch(f"release:{topology.digest}", active, targets, topology)
+    run, plan = coord.plan, plans[host.name]
+    kv_units = sorted({ep.unit for ep in run.kv_endpoints if ep.host == host.name})
+    devices = _counter_devices(topology, host.name, run)
     bench = _bench(topology, host, active, data)
     check_env_keys(topology)  # the API keys pushed, and those the units load on this host
     check_host_key_files(topology, host)
@@ -612,11 +602,11 @@ def engines_plan(host: Host, inventory: Inventory) -> EnginesPlan:
     switching = SwitchPlan(
         release_id=plan.id,
         coord=coord,
-        switch=host.name in coord.switching,
-        gate=bool(coord.switching) and host.name == gate_host(topology),
+        switch=host.name in run.switching,
+        gate=bool(run.switching) and host.name == gate_host(topology),
         confirm_within=data.get("confirm_within"),
         peers_within=switch_bound_s(plans, SWITCH_OVERHEAD_S),
-        rdma=(data.get("rdma_sysfs"), devices) if host.name in coord.rdma_roles else None,
+        rdma=(data.get("rdma_sysfs"), devices) if host.name in run.rdma_roles else None,
         kv_units=tuple(kv_units),
         bench=bench,
         bench_s=topology.gate.bench.timeout_s if topology.gate.bench is not None else 0,
@@ -640,8 +630,8 @@ def rollback_plan(host: Host, inventory: Inventory) -> SwitchPlan:
     return SwitchPlan(
         release_id=targets[host.name],
         coord=coord,
-        switch=host.name in coord.switching,
-        gate=bool(coord.switching) and bool(state.get(f"gate_{to}")),  # to: previous|baseline
+        switch=host.name in coord.plan.switching,
+        gate=bool(coord.plan.switching) and bool(state.get(f"gate_{to}")),  # to: previous|baseline
         confirm_within=data.get("confirm_within"),
         peers_within=int(SWITCH_OVERHEAD_S + slowest) + 1,
     )

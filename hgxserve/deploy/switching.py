@@ -1,19 +1,24 @@
 """Decisions the release and rollback deploys make once per run: every host's release plan,
-which hosts switch (all of a topology's hosts switch together), and the secret values the
-controller pushes."""
+the run's switch plan (which hosts switch: all of a topology's hosts switch together; the
+evidence the gate checks), and the secret values the controller pushes."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 from pyinfra.api.state import State
 
-from hgxserve.base.runstate import per_run
+from hgxserve.base.runstate import per_run, recorded
+from hgxserve.bench.scenario import kv_shapes
 from hgxserve.facts.release import ReleaseState
-from hgxserve.release.coordination import Coordination, coordination, needs_switch
+from hgxserve.release.coordination import Coordination, RunPlan, needs_switch
+from hgxserve.release.evidence import rdma_roles, unchecked_transport
+from hgxserve.release.kvcap import kv_needs_by_host
+from hgxserve.release.kvpath import kv_endpoints, kv_only_rails
 from hgxserve.release.plan import HostRelease, plan_release
 from hgxserve.topology import Topology
 from hgxserve.topology.model import SecretRef
@@ -44,24 +49,58 @@ def release_plans(
     )
 
 
-def _run(hosts: list[Host]) -> State:
+def _run(hosts: Sequence[Host]) -> State:
     if not hosts:
         raise DeployError("no host is active in this run")
     return hosts[0].state
 
 
-def plan_switch(key: str, hosts: list[Host], targets: dict[str, str]) -> Coordination:
-    """Work out, once per run, which hosts switch: those whose state differs from the release
-    id `targets` gives them (the topology's release, or a staged previous/baseline one)."""
-    coord = coordination(_run(hosts), f"{key}:{sorted(targets.items())}")
-    if coord.planned:
-        return coord
-    coord.targets = dict(targets)
-    for h in hosts:
-        if needs_switch(h.get_fact(ReleaseState), targets[h.name]):
-            coord.switching[h.name] = targets[h.name]
-    coord.planned = True
-    return coord
+def run_plan(
+    states: Mapping[str, dict[str, Any]],
+    targets: Mapping[str, str],
+    topology: Topology | None = None,
+) -> RunPlan:
+    """The run's switch plan, decided before any host is touched, from each host's release
+    state (the `ReleaseState` fact): the hosts whose state differs from the release id `targets`
+    gives them (the topology's release, or a staged previous or baseline one) switch; with the
+    release's `topology`, the RDMA and KV evidence the gate checks and the KV capacity the
+    engines must hold (a rollback's plan has none)."""
+    switching = {
+        name: targets[name] for name, state in states.items() if needs_switch(state, targets[name])
+    }
+    if topology is None:
+        return RunPlan(targets=targets, switching=switching)
+    policy = topology.gate.kv_capacity
+    return RunPlan(
+        targets=targets,
+        switching=switching,
+        rdma_roles=rdma_roles(topology),
+        # gate.rdma: off: what carried cross-host KV instead (TCP), said on confirm
+        unchecked=unchecked_transport(topology),
+        kv_endpoints=kv_endpoints(topology),
+        kv_rails={name: r for name in states if (r := kv_only_rails(topology, name))},
+        kv_policy=policy,
+        kv_needs=(
+            kv_needs_by_host(topology, kv_shapes(topology.source_file)) if policy != "off" else {}
+        ),
+    )
+
+
+def plan_switch(
+    key: str, hosts: Sequence[Host], targets: Mapping[str, str], topology: Topology | None = None
+) -> Coordination:
+    """The run's coordination: its plan (`run_plan`), made once per run whichever host's
+    deploy asks first, and the record its hosts fill as the switch goes.
+
+    pyinfra loads every host's deploy file side by side (a greenlet each), and reading a fact
+    lets another host's load go on: the hosts' release states are read first, and the plan is
+    then made and kept without a pause, so that every host gets the same one."""
+    run, run_key = _run(hosts), ("coordination", f"{key}:{sorted(targets.items())}")
+    planned: Coordination | None = recorded(run, run_key)
+    if planned is not None:
+        return planned
+    states = {h.name: h.get_fact(ReleaseState) for h in hosts}  # may let another host plan
+    return per_run(run, run_key, lambda: Coordination(run_plan(states, targets, topology)))
 
 
 def secret_values(plan: HostRelease) -> dict[str, str]:

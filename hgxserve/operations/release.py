@@ -1,8 +1,9 @@
 """pyinfra operations for releases: `switched`, and the topology-wide gate/settle steps
 (python.call functions) that make all hosts switch together or not at all.
 
-The run's shared `Coordination` is hgxserve.release.coordination; the host's release store is read
-by the `ReleaseState` fact (hgxserve.facts.release)."""
+The run's shared `Coordination` is hgxserve.release.coordination: the steps read its frozen plan
+and fill its record; the host's release store is read by the `ReleaseState` fact
+(hgxserve.facts.release)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _fail(host: Host, message: str) -> bool:
 
 def _failed_switches(state: State, coord: Coordination) -> list[str]:
     """Hosts of this run's switch that pyinfra has marked failed (switch error, lost host)."""
-    return sorted(h.name for h in state.failed_hosts if h.name in coord.switching)
+    return sorted(h.name for h in state.failed_hosts if h.name in coord.plan.switching)
 
 
 def note_moves(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
@@ -81,9 +82,9 @@ def note_moves(state: State, host: Host, coord: Coordination, release_id: str, r
         found = json.loads("".join(output.stdout_lines)) if ok else {}
     except ValueError:
         found = {}
-    coord.engines_move[host.name] = bool(found.get("engines", True))
+    coord.record.engines_move[host.name] = bool(found.get("engines", True))
     if found.get("proxies"):
-        coord.proxy_hosts.add(host.name)
+        coord.record.proxy_hosts.add(host.name)
     return True
 
 
@@ -92,8 +93,9 @@ def pause_proxy(state: State, host: Host, coord: Coordination, release_id: str, 
     where the proxy runs and engines of *other* hosts will stop, pause it and wait until
     nothing is in flight, so no stream is cut when those engines stop (the host's own engines
     are the switch's own concern). `start_proxy` (or a rollback) reloads it."""
-    others = sorted(h for h, move in coord.engines_move.items() if move and h != host.name)
-    if host.name not in coord.proxy_hosts or not others:
+    record = coord.record
+    others = sorted(h for h, move in record.engines_move.items() if move and h != host.name)
+    if host.name not in record.proxy_hosts or not others:
         return True
     host.log_styled(f"engines on {', '.join(others)} will stop: pausing the proxy here first")
     return _run_streamed(state, host, f"{AGENT} release pause-proxy --root {shlex.quote(root)}")
@@ -115,9 +117,9 @@ def start_proxy(state: State, host: Host, coord: Coordination, release_id: str, 
 
 
 def _self_reverted(coord: Coordination) -> str | None:
-    if not coord.reverted_on_own:
+    if not coord.record.reverted_on_own:
         return None
-    names = ", ".join(sorted(coord.reverted_on_own))
+    names = ", ".join(sorted(coord.record.reverted_on_own))
     return f"host(s) {names} reverted on their own (dead-man timer) before the gate's verdict"
 
 
@@ -127,7 +129,7 @@ def arm_deadman(  # noqa: PLR0913 - pyinfra python.call: state and host first, t
     """python.call on every switched host once all of them switched (and again right after
     the gate): the dead-man timer counts `confirm_within` from now. A host that already
     reverted on its own is named, and the whole release then goes back."""
-    if host.name in coord.reverted_on_own:
+    if host.name in coord.record.reverted_on_own:
         return True  # said when it was found; settle fails this host
     ok, output = host.run_shell_command(
         f"{AGENT} release arm {shlex.quote(release_id)} --confirm-within {int(confirm_within)} "
@@ -140,8 +142,8 @@ def arm_deadman(  # noqa: PLR0913 - pyinfra python.call: state and host first, t
     detail = " ".join(lines).removeprefix("Error: ").removeprefix("error: ")
     if "REVERTED ON ITS OWN" in detail:
         # named here; the host stays in the run so that settle reports it and reverts the rest
-        coord.reverted_on_own[host.name] = f"{host.name} {detail}"
-        host.log_styled(coord.reverted_on_own[host.name], fg="red")
+        coord.record.reverted_on_own[host.name] = f"{host.name} {detail}"
+        host.log_styled(coord.record.reverted_on_own[host.name], fg="red")
         return True
     return _fail(host, f"{host.name}: {detail}")
 
@@ -153,8 +155,9 @@ def read_rdma_counters(  # noqa: PLR0913 - pyinfra python.call: state and host f
     counters (`when` is "before" or "after")."""
     ok, output = host.run_shell_command(evidence.counters_command(root, devices))
     counters = evidence.parse_counters(output.stdout_lines) if ok else {}
-    (coord.rdma_before if when == "before" else coord.rdma_after)[host.name] = counters
-    coord.rdma_root = root
+    record = coord.record
+    (record.rdma_before if when == "before" else record.rdma_after)[host.name] = counters
+    record.rdma_root = root
     host.log_styled(f"RDMA port counters {when} the gate: {len(counters)} read under {root}")
     return True
 
@@ -163,10 +166,10 @@ def read_kv_path(state: State, host: Host, coord: Coordination, release_id: str,
     """python.call on the hosts of P/D engines whose KV crosses hosts, after the gate: the UCX
     protocol-selection tables each engine unit's current run logged (hgxserve.release.kvpath),
     kept for the verdict and, what they say, in the release's record on the host."""
-    units = sorted({ep.unit for ep in coord.kv_endpoints if ep.host == host.name})
+    units = sorted({ep.unit for ep in coord.plan.kv_endpoints if ep.host == host.name})
     ok, output = host.run_shell_command(kvpath.journal_command(units))
     read = kvpath.parse_journal(output.stdout_lines) if ok else {}
-    coord.kv_proto[host.name] = read
+    coord.record.kv_proto[host.name] = read
     said = ", ".join(
         f"{unit} {len(read[unit].tables)}"
         + ("" if read[unit].whole_run else " (its run started before the journal's oldest entry)")
@@ -191,28 +194,29 @@ def read_kv_path(state: State, host: Host, coord: Coordination, release_id: str,
 def _rdma_evidence(coord: Coordination) -> None:
     """Fail a passed gate whose P/D KV did not move over RDMA (once per run): the transport
     UCX selected for the KV endpoints first, the hosts' port counters as supporting evidence."""
-    if not (coord.rdma_roles or coord.kv_endpoints) or coord.rdma_note is not None:
+    plan, record = coord.plan, coord.record
+    if not (plan.rdma_roles or plan.kv_endpoints) or coord.transport_note is not None:
         return
-    if coord.verdict is None or not coord.verdict[0]:
+    if record.verdict is None or not record.verdict[0]:
         return
     said: list[str] = []
     failed: list[str] = []
-    if coord.kv_endpoints:
-        ok, message = kvpath.transport_verdict(coord.kv_endpoints, coord.kv_proto)
+    if plan.kv_endpoints:
+        ok, message = kvpath.transport_verdict(plan.kv_endpoints, record.kv_proto)
         (said if ok else failed).append(message)
-    if coord.rdma_roles:
+    if plan.rdma_roles:
         ok, message = evidence.verdict(
-            coord.rdma_roles, coord.rdma_before, coord.rdma_after, coord.rdma_root
+            plan.rdma_roles, record.rdma_before, record.rdma_after, record.rdma_root
         )
-        if coord.kv_rails:
-            rails = "; ".join(f"{h} {','.join(d)}" for h, d in sorted(coord.kv_rails.items()))
+        if plan.kv_rails:
+            rails = "; ".join(f"{h} {','.join(d)}" for h, d in sorted(plan.kv_rails.items()))
             message += f" (the rails that carry only KV: {rails})"
         elif ok and failed:
             message += " (supporting only: the engines' own DP/EP traffic moves them too)"
         (said if ok else failed).append(message)
-    coord.rdma_note = "; ".join(failed + said)
+    record.rdma_note = "; ".join(failed + said)
     if failed:
-        coord.verdict = (False, f"gate failed: {coord.rdma_note}")
+        record.verdict = (False, f"gate failed: {record.rdma_note}")
 
 
 def check_kv(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
@@ -220,42 +224,42 @@ def check_kv(state: State, host: Host, coord: Coordination, release_id: str, roo
     reported once healthy against what the topology's shapes need (`gate.kv_capacity`); the
     host keeps need, estimate and ratio in the release's record. A short engine fails the
     release with `fail` (the gate then names it), and is only said with `warn`."""
-    needs = coord.kv_needs.get(host.name)
-    if not needs or coord.kv_policy == "off" or _failed_switches(state, coord):
+    policy, needs = coord.plan.kv_policy, coord.plan.kv_needs.get(host.name)
+    if not needs or policy == "off" or _failed_switches(state, coord):
         return True
+    need = json.dumps({unit: dict(fields) for unit, fields in needs.items()}, sort_keys=True)
     ok, output = host.run_shell_command(
-        f"{AGENT} release kv-check {shlex.quote(release_id)} "
-        f"--need {shlex.quote(json.dumps(needs, sort_keys=True))} "
-        f"--policy {shlex.quote(coord.kv_policy)} --root {shlex.quote(root)}"
+        f"{AGENT} release kv-check {shlex.quote(release_id)} --need {shlex.quote(need)} "
+        f"--policy {shlex.quote(policy)} --root {shlex.quote(root)}"
     )
     for line in output.stdout_lines:
         if line.strip():
             short = line.startswith("KV SHORT")
-            loud = "red" if coord.kv_policy == "fail" else "yellow"
+            loud = "red" if policy == "fail" else "yellow"
             host.log_styled(line, fg=loud if short else "blue")
     if not ok:
         detail = " ".join(output.stderr_lines).removeprefix("Error: ").strip()
-        coord.kv_short[host.name] = f"{host.name}: {detail or 'the KV capacity check failed'}"
+        why = detail or "the KV capacity check failed"
+        coord.record.kv_short[host.name] = f"{host.name}: {why}"
     return True
 
 
 def _kv_verdict(coord: Coordination) -> tuple[bool, str] | None:
     """The failed verdict for engines whose KV capacity is below the shapes' need, if any."""
-    if not coord.kv_short:
-        return None
-    return (False, "; ".join(coord.kv_short[h] for h in sorted(coord.kv_short)))
+    short = coord.record.kv_short
+    return (False, "; ".join(short[h] for h in sorted(short))) if short else None
 
 
 def run_gate(state: State, host: Host, coord: Coordination, release_id: str, root: str) -> bool:
     """python.call: on the gate host, after every host switched: run the gate, keep the verdict."""
-    failed = _failed_switches(state, coord)
-    if failed or coord.reverted_on_own:
+    failed, record = _failed_switches(state, coord), coord.record
+    if failed or record.reverted_on_own:
         why = _self_reverted(coord) or f"host(s) {', '.join(failed)} failed to switch"
-        coord.verdict = (False, why)
+        record.verdict = (False, why)
         return True  # the gate itself did not fail; settle reports the reason on every host
-    coord.verdict = _kv_verdict(coord)
-    if coord.verdict is not None:
-        host.log_styled(f"gate not run: {coord.verdict[1]}", fg="red")
+    record.verdict = _kv_verdict(coord)
+    if record.verdict is not None:
+        host.log_styled(f"gate not run: {record.verdict[1]}", fg="red")
         return True
     ok, output = host.run_shell_command(
         f"{AGENT} release gate {shlex.quote(release_id)} --root {shlex.quote(root)}"
@@ -263,7 +267,7 @@ def run_gate(state: State, host: Host, coord: Coordination, release_id: str, roo
     lines = [line for line in (output.stdout_lines + output.stderr_lines) if line.strip()]
     for line in lines:
         host.log_styled(line, fg="green" if ok else "red")
-    coord.verdict = (ok, lines[-1] if lines else ("gate passed" if ok else "gate failed"))
+    record.verdict = (ok, lines[-1] if lines else ("gate passed" if ok else "gate failed"))
     return True
 
 
@@ -311,9 +315,9 @@ def _verdict(coord: Coordination, own: str | None, failed: list[str]) -> tuple[b
         return (False, own)
     if failed:
         return (False, f"host(s) {', '.join(failed)} failed to switch")
-    if coord.verdict is None:
+    if coord.record.verdict is None:
         return (False, "the gate did not run (its host failed or was unreachable)")
-    return coord.verdict
+    return coord.record.verdict
 
 
 def settle(  # noqa: PLR0913 - pyinfra python.call passes state and host first, then the run's values
@@ -330,9 +334,9 @@ def settle(  # noqa: PLR0913 - pyinfra python.call passes state and host first, 
     failed = _failed_switches(state, coord)
     own = _self_reverted(coord)
     _rdma_evidence(coord)
-    if host.name in coord.reverted_on_own:
+    if host.name in coord.record.reverted_on_own:
         end = await_own_revert(host, release_id, root, revert_within)
-        return _fail(host, f"{coord.reverted_on_own[host.name]}\n{host.name}: {end}")
+        return _fail(host, f"{coord.record.reverted_on_own[host.name]}\n{host.name}: {end}")
     verdict = _verdict(coord, own, failed)
     q_id, q_root = shlex.quote(release_id), shlex.quote(root)
     if verdict[0]:
@@ -340,8 +344,8 @@ def settle(  # noqa: PLR0913 - pyinfra python.call passes state and host first, 
         if not ok:
             detail = " ".join(output.stderr_lines).removeprefix("Error: ").removeprefix("error: ")
             return _fail(host, f"confirm failed on {host.name}: {detail}")
-        if coord.rdma_note:
-            host.log_styled(coord.rdma_note, fg="green")
+        if coord.transport_note:
+            host.log_styled(coord.transport_note, fg="green")
         host.log_styled(f"release {release_id} confirmed", fg="green")
         return True
     ok, output = host.run_shell_command(f"{AGENT} release diagnose {q_id} --root {q_root}")

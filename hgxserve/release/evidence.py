@@ -15,7 +15,7 @@ reported as RDMA.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from hgxserve.base.paths import RDMA_SYSFS  # inventory host data `rdma_sysfs` overrides it
 from hgxserve.topology import Topology
@@ -117,7 +117,7 @@ def unchecked_transport(topo: Topology) -> str | None:
 
 
 def verdict(
-    roles: dict[str, set[str]],
+    roles: Mapping[str, Collection[str]],
     before: dict[str, dict[str, int]],
     after: dict[str, dict[str, int]],
     root: str,

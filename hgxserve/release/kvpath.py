@@ -16,7 +16,7 @@ showed an RDMA transport. The port counters stay checked, as supporting evidence
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,7 +201,7 @@ def _said(ep: KvEndpoint, table: ProtoTable) -> str:
 
 
 def kv_tables(
-    endpoints: list[KvEndpoint], read: dict[str, dict[str, UnitRead]]
+    endpoints: Sequence[KvEndpoint], read: dict[str, dict[str, UnitRead]]
 ) -> list[tuple[KvEndpoint, ProtoTable]]:
     """The tables of KV reads/writes to other hosts that each endpoint's engine logged."""
     out = []
@@ -213,7 +213,9 @@ def kv_tables(
     return out
 
 
-def _rotated(endpoints: list[KvEndpoint], read: dict[str, dict[str, UnitRead]]) -> list[KvEndpoint]:
+def _rotated(
+    endpoints: Sequence[KvEndpoint], read: dict[str, dict[str, UnitRead]]
+) -> list[KvEndpoint]:
     """The endpoints whose engine's current run started before the journal's oldest entry."""
     out = []
     for ep in endpoints:
@@ -228,7 +230,7 @@ def _where(endpoints: Iterable[KvEndpoint]) -> str:
 
 
 def transport_verdict(
-    endpoints: list[KvEndpoint], read: dict[str, dict[str, UnitRead]]
+    endpoints: Sequence[KvEndpoint], read: dict[str, dict[str, UnitRead]]
 ) -> tuple[bool, str]:
     """(passed, message): every cross-host route showed KV over RDMA and none over TCP. A route
     whose engines' runs began before the journal's oldest entry (not restarted for a long time:

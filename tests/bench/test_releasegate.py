@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hgxserve.bench import releasegate
-from hgxserve.release.coordination import Coordination
+from hgxserve.release.coordination import Coordination, RunPlan, RunRecord
 from hgxserve.remote.inventory import load_inventory
 from hgxserve.topology import load_topology
 
@@ -125,35 +125,35 @@ def test_a_regression_past_the_margin_fails_the_gate(tmp_path: Path) -> None:
     hosts = {"hgx-c": _Host("hgx-c")}
     step = releasegate.BenchStep("t.yml", "long", 300, max_regression_pct=10,
                                previous=("hgx-c", "old111"))  # fmt: skip
-    coord = Coordination(verdict=(True, "GATE-OK"))
+    coord = Coordination(RunPlan(), RunRecord(verdict=(True, "GATE-OK")))
     work = tmp_path / "work"
     work.mkdir()
     releasegate._regression(_gate(hosts, coord, step, root, work), new)
-    assert coord.verdict is not None and coord.verdict[0] is False
-    assert coord.verdict[1].startswith(
+    assert coord.record.verdict is not None and coord.record.verdict[0] is False
+    assert coord.record.verdict[1].startswith(
         "gate failed: bench regressed more than 10% against release old111: new long c1: "
         "TTFT p50 ms 32.00 vs 22.00 (+45.5%, margin 10%)"
-    ), coord.verdict
+    ), coord.record.verdict
     # within the margin: the verdict stands
-    coord = Coordination(verdict=(True, "GATE-OK"))
+    coord = Coordination(RunPlan(), RunRecord(verdict=(True, "GATE-OK")))
     step.max_regression_pct = 60
     releasegate._regression(_gate(hosts, coord, step, root, work / "b"), new)
-    assert coord.verdict == (True, "GATE-OK")
+    assert coord.record.verdict == (True, "GATE-OK")
     # a kept result of another scenario: nothing to compare, said, not failed
     other = _fake_run("other", ttft=20.0, tput=2.0)
     for point in other["points"]:
         point["scenario"] = "renamed"
     _kept(root, "other444", other)
-    coord = Coordination(verdict=(True, "GATE-OK"))
+    coord = Coordination(RunPlan(), RunRecord(verdict=(True, "GATE-OK")))
     step.max_regression_pct, step.previous = 10, ("hgx-c", "other444")
     releasegate._regression(_gate(hosts, coord, step, root, work / "d"), new)
-    assert coord.verdict == (True, "GATE-OK")
+    assert coord.record.verdict == (True, "GATE-OK")
     assert "has no point of scenario long at this run's loads" in hosts["hgx-c"].said[-1]
     # no kept result of the last confirmed release: said, not failed
-    coord = Coordination(verdict=(True, "GATE-OK"))
+    coord = Coordination(RunPlan(), RunRecord(verdict=(True, "GATE-OK")))
     step.previous = ("hgx-c", "gone222")
     releasegate._regression(_gate(hosts, coord, step, root, work / "c"), new)
-    assert coord.verdict == (True, "GATE-OK")
+    assert coord.record.verdict == (True, "GATE-OK")
     assert "no kept result of the last confirmed release (hgx-c release gone222)" in \
         hosts["hgx-c"].said[-1]  # fmt: skip
 

@@ -3,6 +3,7 @@ from the topology and `--data`, and the errors an operator sees before anything 
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,8 @@ import pytest
 from pyinfra.api import Config, DeployError, Inventory, State
 from pyinfra.api.host import Host
 
-from hgxserve.deploy import plans
+from hgxserve.deploy import plans, switching
+from hgxserve.release.coordination import RunPlan
 from hgxserve.topology.cuda import DRIVER_VERSION
 
 TOPOLOGY = "topologies/demo/demo-pd.yml"
@@ -154,6 +156,47 @@ def test_rollback_plan_and_its_choice():
     inventory, hosts = run({"to": "sideways"})
     with pytest.raises(DeployError, match="--data to='sideways': use previous or baseline"):
         plans.rollback_plan(hosts["hgx-a"], inventory)
+
+
+def test_the_switch_is_planned_once_per_run_and_the_plan_cannot_change(monkeypatch):
+    monkeypatch.setitem(FACTS, "File", {"mode": 600, "size": 40})  # the hosts' API key files
+    made: list[tuple[Any, ...]] = []
+    real = switching.run_plan
+
+    def counted(*args: Any) -> RunPlan:
+        made.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(switching, "run_plan", counted)
+    inventory, hosts = run({})
+    coords = [plans.engines_plan(h, inventory).switching.coord for h in hosts.values()]
+    assert len(made) == 1 and all(c is coords[0] for c in coords)  # one plan, every host's
+    plan = coords[0].plan
+    assert set(plan.switching) == set(HOSTS) and set(plan.rdma_roles) == {"hgx-a", "hgx-b"}
+    assert plan.kv_policy == "fail" and plan.kv_needs["hgx-b"]
+    with pytest.raises(FrozenInstanceError):
+        plan.switching = {}  # type: ignore[misc]
+    need = plan.kv_needs["hgx-b"]["hgxserve-decode-0.service"]
+    mutations = [
+        lambda: plan.switching.pop("hgx-a"),  # type: ignore[attr-defined]
+        lambda: plan.targets.__setitem__("hgx-a", "r0"),  # type: ignore[index]
+        lambda: plan.rdma_roles["hgx-a"].add("port_rcv_data"),  # type: ignore[attr-defined]
+        lambda: plan.kv_endpoints.append(plan.kv_endpoints[0]),  # type: ignore[attr-defined]
+        lambda: plan.kv_needs["hgx-b"].clear(),  # type: ignore[attr-defined]
+        lambda: need.update(need_tokens=0),  # type: ignore[attr-defined]
+    ]
+    for mutate in mutations:
+        with pytest.raises((TypeError, AttributeError)):
+            mutate()
+    # what the plan was built from is copied: changing it afterwards changes nothing
+    rails = {"hgx-a": ["mlx5_6"]}
+    built = RunPlan(kv_rails=rails)
+    rails["hgx-a"].append("mlx5_7")
+    assert built.kv_rails == {"hgx-a": ("mlx5_6",)}
+    # the next run plans afresh
+    inventory, hosts = run({})
+    assert plans.engines_plan(hosts["hgx-a"], inventory).switching.coord is not coords[0]
+    assert len(made) == 2
 
 
 def test_a_misspelt_data_key_is_warned_about_once_per_run(caplog):

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from hgxserve.operations.release import check_kv, run_gate
 from hgxserve.release.cli import release
-from hgxserve.release.coordination import Coordination
+from hgxserve.release.coordination import Coordination, RunPlan
 from hgxserve.release.store import Store
 
 UNIT = "hgxserve-decode-0.service"
@@ -64,9 +64,10 @@ def root(tmp_path: Path) -> str:
 
 
 def _coord(policy: str) -> Coordination:
-    coord = Coordination(kv_needs={"hgx-b": {UNIT: NEED}}, kv_policy=policy)
-    coord.switching = {"hgx-b": "r1", "hgx-c": "r1"}
-    return coord
+    switching = {"hgx-b": "r1", "hgx-c": "r1"}
+    return Coordination(
+        RunPlan(switching=switching, kv_needs={"hgx-b": {UNIT: NEED}}, kv_policy=policy)
+    )
 
 
 def test_fail_policy_makes_a_short_engine_the_release_verdict(root: str) -> None:
@@ -75,11 +76,11 @@ def test_fail_policy_makes_a_short_engine_the_release_verdict(root: str) -> None
     assert gate_host.commands == []
     assert check_kv(_State(), host, coord, "r1", root)
     assert any(m.startswith("KV SHORT: decode-0") and fg == "red" for m, fg in host.said)
-    why = coord.kv_short["hgx-b"]
+    why = coord.record.kv_short["hgx-b"]
     assert why.startswith("hgx-b: KV capacity below the topology's shapes: decode-0")
     assert "holds 128 KV tokens" in why and "below the 288" in why
     assert run_gate(_State(), gate_host, coord, "r1", root)
-    assert coord.verdict == (False, why)
+    assert coord.record.verdict == (False, why)
     assert gate_host.commands == []  # the probes are not sent to a release that fails anyway
     record = Store(root).observed("r1")[UNIT]
     assert record["kv_verdict"] == "short" and record["kv_need_tokens"] == 288
@@ -88,7 +89,7 @@ def test_fail_policy_makes_a_short_engine_the_release_verdict(root: str) -> None
 def test_warn_policy_says_it_and_the_gate_runs(root: str) -> None:
     coord, host = _coord("warn"), _Host("hgx-b")
     assert check_kv(_State(), host, coord, "r1", root)
-    assert coord.kv_short == {}
+    assert coord.record.kv_short == {}
     assert any(m.startswith("KV SHORT: decode-0") and fg == "yellow" for m, fg in host.said)
     assert "--policy warn" in host.commands[0]
     assert Store(root).observed("r1")[UNIT]["kv_verdict"] == "short"
@@ -97,7 +98,7 @@ def test_warn_policy_says_it_and_the_gate_runs(root: str) -> None:
 def test_off_policy_checks_nothing(root: str) -> None:
     coord, host = _coord("off"), _Host("hgx-b")
     assert check_kv(_State(), host, coord, "r1", root)
-    assert host.commands == [] and coord.kv_short == {}
+    assert host.commands == [] and coord.record.kv_short == {}
     assert "kv_verdict" not in Store(root).observed("r1")[UNIT]
 
 

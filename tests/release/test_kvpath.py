@@ -17,10 +17,11 @@ import pytest
 from click.testing import CliRunner
 
 from hgxserve.deploy.plans import _counter_devices
+from hgxserve.deploy.switching import run_plan
 from hgxserve.operations.release import _rdma_evidence, read_kv_path
 from hgxserve.parsers.ucxproto import ProtoTable, _cells, parse_proto_info
 from hgxserve.release.cli import release
-from hgxserve.release.coordination import Coordination
+from hgxserve.release.coordination import Coordination, RunPlan, RunRecord
 from hgxserve.release.kvpath import (
     KvEndpoint,
     UnitRead,
@@ -205,43 +206,55 @@ def test_a_run_older_than_the_journal_is_said_not_failed() -> None:
     assert not ok and "(decode-1 on hgx-c) names an RDMA transport" in message
 
 
+ROLES = {"hgx-a": {"port_xmit_data"}, "hgx-b": {"port_rcv_data"}}
+NONE_SENT = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
+
+
+def _gated(plan: RunPlan, grew: int, lanes: str) -> Coordination:
+    """A run whose probes passed, with the P/D hosts' counters grown by `grew` words and the
+    decode engine's UCX table naming `lanes`."""
+    after = {h: {k: v + grew for k, v in counters.items()} for h, counters in NONE_SENT.items()}
+    record = RunRecord(verdict=(True, "gate passed"), rdma_before=NONE_SENT, rdma_after=after)
+    record.kv_proto = decode_read(table("c inter-node cfg#1", lanes))
+    return Coordination(plan, record)
+
+
 def test_counters_that_moved_do_not_save_kv_that_went_over_tcp() -> None:
-    coord = Coordination(verdict=(True, "gate passed"))
-    coord.rdma_roles = {"hgx-a": {"port_xmit_data"}, "hgx-b": {"port_rcv_data"}}
-    coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
-    coord.rdma_after = {"hgx-a": {"m/1/port_xmit_data": 10}, "hgx-b": {"m/1/port_rcv_data": 10}}
-    coord.kv_endpoints = [PREFILL, DECODE]
-    coord.kv_proto = decode_read(table("c inter-node cfg#1", "tcp/host0"))
+    plan = RunPlan(rdma_roles=ROLES, kv_endpoints=[PREFILL, DECODE])
+    coord = _gated(plan, 10, "tcp/host0")
     _rdma_evidence(coord)
-    assert coord.verdict is not None and not coord.verdict[0]
-    said = coord.verdict[1]
+    verdict = coord.record.verdict
+    assert verdict is not None and not verdict[0]
+    said = verdict[1]
     assert said.startswith("gate failed: KV went over TCP")
     assert "RDMA port counters grew: hgx-a sent 40 B; hgx-b received 40 B (supporting only" in said
     # over RDMA: both said, the release goes on
-    coord = Coordination(verdict=(True, "gate passed"), rdma_roles=coord.rdma_roles)
-    coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
-    coord.rdma_after = {"hgx-a": {"m/1/port_xmit_data": 1}, "hgx-b": {"m/1/port_rcv_data": 1}}
-    coord.kv_endpoints = [PREFILL, DECODE]
-    coord.kv_proto = decode_read(table("c inter-node cfg#1", "rc_mlx5/m:1"))
+    coord = _gated(plan, 1, "rc_mlx5/m:1")
     _rdma_evidence(coord)
-    assert coord.verdict == (True, "gate passed")
-    assert coord.rdma_note is not None and coord.rdma_note.startswith("KV over RDMA: UCX selected")
-    assert "; RDMA port counters grew" in coord.rdma_note
+    assert coord.record.verdict == (True, "gate passed")
+    note = coord.transport_note
+    assert note is not None and note.startswith("KV over RDMA: UCX selected")
+    assert "; RDMA port counters grew" in note
 
 
 def test_counters_that_did_not_move_are_said_as_well() -> None:
     # UCX_TLS=tcp: the KV path and the counters both say TCP; both are in the message
-    coord = Coordination(verdict=(True, "gate passed"))
-    coord.rdma_roles = {"hgx-a": {"port_xmit_data"}, "hgx-b": {"port_rcv_data"}}
-    coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
-    coord.rdma_after = dict(coord.rdma_before)
-    coord.kv_endpoints = [PREFILL, DECODE]
-    coord.kv_proto = decode_read(table("c inter-node cfg#1", "tcp/host0"))
+    coord = _gated(RunPlan(rdma_roles=ROLES, kv_endpoints=[PREFILL, DECODE]), 0, "tcp/host0")
     _rdma_evidence(coord)
-    assert coord.verdict is not None and not coord.verdict[0]
-    assert "KV went over TCP" in coord.verdict[1]
-    assert "RDMA port counters did not move" in coord.verdict[1]
-    assert "TCP fallback" in coord.verdict[1]
+    verdict = coord.record.verdict
+    assert verdict is not None and not verdict[0]
+    assert "KV went over TCP" in verdict[1]
+    assert "RDMA port counters did not move" in verdict[1]
+    assert "TCP fallback" in verdict[1]
+
+
+def test_what_nothing_checked_is_said_and_not_judged() -> None:
+    # gate.rdma: off: the plan's note is what the confirmed release says, nothing is judged
+    unchecked = "KV crossed hosts hgx-a -> hgx-b over TCP: RDMA port counters not checked"
+    coord = _gated(RunPlan(kv_endpoints=[PREFILL, DECODE], unchecked=unchecked), 0, "tcp/h0")
+    _rdma_evidence(coord)
+    assert coord.record.verdict == (True, "gate passed") and coord.record.rdma_note is None
+    assert coord.transport_note == unchecked
 
 
 def two_p_one_d(tmp_path: Path, env: str, kv_devices: str) -> str:
@@ -284,29 +297,27 @@ def test_kv_only_rails_when_the_topology_tells_them(tmp_path: Path) -> None:
 
 
 def test_counters_of_the_kv_only_rails_are_named() -> None:
-    coord = Coordination(verdict=(True, "gate passed"))
-    coord.rdma_roles = {"hgx-a": {"port_xmit_data"}, "hgx-b": {"port_rcv_data"}}
-    coord.rdma_before = {"hgx-a": {"m/1/port_xmit_data": 0}, "hgx-b": {"m/1/port_rcv_data": 0}}
-    coord.rdma_after = {"hgx-a": {"m/1/port_xmit_data": 1}, "hgx-b": {"m/1/port_rcv_data": 1}}
-    coord.kv_rails = {"hgx-a": ["mlx5_6", "mlx5_7"], "hgx-b": ["mlx5_6"]}
-    coord.kv_endpoints = [PREFILL, DECODE]
-    coord.kv_proto = decode_read(table("c inter-node cfg#1", "rc_mlx5/mlx5_6:1"))
+    rails = {"hgx-a": ["mlx5_6", "mlx5_7"], "hgx-b": ["mlx5_6"]}
+    plan = RunPlan(rdma_roles=ROLES, kv_endpoints=[PREFILL, DECODE], kv_rails=rails)
+    coord = _gated(plan, 1, "rc_mlx5/mlx5_6:1")
     _rdma_evidence(coord)
-    assert coord.verdict == (True, "gate passed")
-    assert coord.rdma_note is not None
-    assert coord.rdma_note.endswith(
+    assert coord.record.verdict == (True, "gate passed")
+    assert coord.transport_note is not None
+    assert coord.transport_note.endswith(
         "hgx-b received 4 B (the rails that carry only KV: hgx-a mlx5_6,mlx5_7; hgx-b mlx5_6)"
     )
 
 
 def test_the_deploy_reads_the_counters_of_the_kv_only_rails() -> None:
-    coord = Coordination()
+    # a first release: no host has a release store yet
     h20 = load_topology(str(REPO / "topologies/h20-v4flash-1p1d-2node.yml"))
-    assert _counter_devices(h20, "h20-b", coord) == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
-    assert coord.kv_rails == {"h20-b": ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]}
+    plan = run_plan({h: {} for h in h20.hosts}, {h: "r1" for h in h20.hosts}, h20)
+    assert _counter_devices(h20, "h20-b", plan) == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
+    assert plan.kv_rails["h20-b"] == ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3")
     seed = load_topology(str(REPO / "topologies/h200-dsv32-2p1d.yml"))
-    assert _counter_devices(seed, "h200-e", coord) == list(seed.hosts["h200-e"].rdma)
-    assert "h200-e" not in coord.kv_rails
+    plan = run_plan({h: {} for h in seed.hosts}, {h: "r1" for h in seed.hosts}, seed)
+    assert _counter_devices(seed, "h200-e", plan) == list(seed.hosts["h200-e"].rdma)
+    assert "h200-e" not in plan.kv_rails
 
 
 class _Host:
@@ -338,13 +349,15 @@ def test_the_step_reads_the_tables_and_keeps_the_transport_in_the_record(
     store = Store(str(tmp_path / "lib"))
     (store.release_dir("r1") / "tree").mkdir(parents=True)
     store.note_observed("r1", DECODE.unit, {"start_s": 4.2})
-    coord = Coordination(kv_endpoints=[PREFILL, DECODE])
+    coord = Coordination(RunPlan(kv_endpoints=[PREFILL, DECODE]))
     host = _Host("hgx-b", journal_path)
     assert read_kv_path(None, host, coord, "r1", str(store.root))  # type: ignore[arg-type]
     assert host.said[0] == (
         "UCX protocol-selection tables of the KV engines' current run: hgxserve-decode-0.service 1"
     )
-    assert [t.lanes for t in coord.kv_proto["hgx-b"][DECODE.unit].tables] == [["rc_mlx5/mlx5_0:1"]]
+    assert [t.lanes for t in coord.record.kv_proto["hgx-b"][DECODE.unit].tables] == [
+        ["rc_mlx5/mlx5_0:1"]
+    ]
     assert store.observed("r1")[DECODE.unit] == {
         "start_s": 4.2,
         "kv_transport": "rdma",

@@ -10,7 +10,7 @@ import pytest
 from test_switch import UNITS, FakeSystemd, stage_files
 
 from hgxserve.operations.release import note_moves, pause_proxy
-from hgxserve.release.coordination import Coordination
+from hgxserve.release.coordination import Coordination, RunPlan
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
 from hgxserve.release.switch import moves as what_moves
 from hgxserve.release.switch import pause_proxy as pause_here
@@ -185,14 +185,14 @@ class _Host:
 
 
 def test_the_controller_pauses_the_proxy_before_other_hosts_engines_stop() -> None:
-    coord = Coordination()
+    coord = Coordination(RunPlan())
     proxy_host = _Host("hgx-c", {"engines": False, "proxies": [PROXY]})
     decode_host = _Host("hgx-b", {"engines": True, "proxies": []})
     same_host = _Host("hgx-a", {"engines": False, "proxies": []})
     for host in (proxy_host, decode_host, same_host):
         assert note_moves(None, host, coord, "r2", "/var/lib/hgxserve")  # type: ignore[arg-type]
-    assert coord.engines_move == {"hgx-c": False, "hgx-b": True, "hgx-a": False}
-    assert coord.proxy_hosts == {"hgx-c"}
+    assert coord.record.engines_move == {"hgx-c": False, "hgx-b": True, "hgx-a": False}
+    assert coord.record.proxy_hosts == {"hgx-c"}
     for host in (proxy_host, decode_host, same_host):
         pause_proxy(None, host, coord, "r2", "/var/lib/hgxserve")  # type: ignore[arg-type]
     assert [c for c in proxy_host.commands if "pause-proxy" in c] == [
@@ -202,7 +202,7 @@ def test_the_controller_pauses_the_proxy_before_other_hosts_engines_stop() -> No
 
 
 def test_no_pause_when_only_the_proxy_host_moves_or_nothing_does() -> None:
-    coord = Coordination()
+    coord = Coordination(RunPlan())
     proxy_host = _Host("hgx-c", {"engines": True, "proxies": [PROXY]})
     other = _Host("hgx-b", {"engines": False, "proxies": []})
     for host in (proxy_host, other):
@@ -210,6 +210,6 @@ def test_no_pause_when_only_the_proxy_host_moves_or_nothing_does() -> None:
         pause_proxy(None, host, coord, "r2", "/r")  # type: ignore[arg-type]
     # the proxy host's own engines: its switch pauses the proxy itself
     assert not [c for c in proxy_host.commands if "pause-proxy" in c]
-    unknown = Coordination()
+    unknown = Coordination(RunPlan())
     note_moves(None, _Host("hgx-b", None), unknown, "r2", "/r")  # type: ignore[arg-type]
-    assert unknown.engines_move == {"hgx-b": True}  # cannot tell: assume they move
+    assert unknown.record.engines_move == {"hgx-b": True}  # cannot tell: assume they move
