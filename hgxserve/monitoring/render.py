@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -154,3 +155,13 @@ def render_tree(topo: Topology) -> dict[str, str]:
         if groups:
             tree[f"prometheus/hgxserve/file_sd/{file_sd_name(topo, job)}"] = dump_json(groups)
     return dict(sorted(tree.items()))
+
+
+def write_tree(out: Path, tree: dict[str, str]) -> None:
+    """Write `render_tree`'s files under `out`, each atomically (a reader never sees half)."""
+    for rel, text in tree.items():
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(target)

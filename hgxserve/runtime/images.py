@@ -19,6 +19,7 @@ import os
 import posixpath
 import re
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -173,3 +174,64 @@ def fetch_archive(
     partial.replace(dest)
     client.close()
     return size
+
+
+@dataclass(frozen=True)
+class S3Fetch:
+    """Where `fetch-image` and `fetch-wheel` fetch from: the weights' S3 settings."""
+
+    env_file: str | None = None  # KEY=VALUE file with the S3 credentials (0600)
+    endpoint_url: str | None = None
+    region: str | None = None
+    addressing: str = "auto"
+
+    def fetch(self, url: str, dest: Path) -> int:
+        """`fetch_archive` with these settings (the credentials applied first)."""
+        from hgxserve.weights.credentials import apply_env_file
+
+        apply_env_file(self.env_file)
+        return fetch_archive(
+            url,
+            dest,
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            addressing=self.addressing,
+        )
+
+
+def fetch_image(url: str, digest: str, dest: Path, s3: S3Fetch) -> int | None:
+    """Fetch the OCI archive at `url` to `dest` and verify it holds image manifest `digest`:
+    the byte count, or None when `dest` already held it. Nothing is left at `dest` unless it
+    holds the pinned image (ImageArchiveError otherwise)."""
+    if dest.is_file():
+        try:
+            verify_archive(dest, digest)
+            return None
+        except ImageArchiveError:
+            dest.unlink()
+    size = s3.fetch(url, dest)
+    try:
+        verify_archive(dest, digest)
+    except ImageArchiveError:
+        dest.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def fetch_file(url: str, sha256: str, dest: Path, s3: S3Fetch) -> str | None:
+    """Fetch the file at `url` to `dest` unless it already has `sha256`: None when it had, else
+    the sha256 the fetched file has; nothing is left at `dest` unless it is `sha256`."""
+    from hgxserve.base.compat import file_sha256
+
+    if dest.is_file():
+        with open(dest, "rb") as fh:
+            if file_sha256(fh) == sha256:
+                return None
+        dest.unlink()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    s3.fetch(url, dest)
+    with open(dest, "rb") as fh:
+        got = file_sha256(fh)
+    if got != sha256:
+        dest.unlink(missing_ok=True)
+    return got

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import click
-
 from hgxserve import __version__
 from hgxserve.base.cachelayout import BAKE_RECORD, read_marker, valid_key
 from hgxserve.base.paths import CACHE_ROOT, RELEASE_ROOT
@@ -475,43 +473,3 @@ def snapshot(
         }
     result["elapsed_s"] = round(time.monotonic() - started, 3)
     return result
-
-
-@click.command("inspect")
-@click.option("--root", default=RELEASE_ROOT, show_default=True, help="Release store directory.")
-@click.option("--model-path", default=None, help="The model tree whose marker to read.")
-@click.option(
-    "--weights-state-dir",
-    default=None,
-    help="Where the marker lives when not MODEL_PATH/.hgxserve (CephFS verified in place).",
-)
-@click.option("--cache-root", default=CACHE_ROOT, show_default=True)
-@click.option("--cache-key", "cache_keys", multiple=True, help="A cache key to look for.")
-def inspect(
-    root: str,
-    model_path: str | None,
-    weights_state_dir: str | None,
-    cache_root: str,
-    cache_keys: tuple[str, ...],
-) -> None:
-    """Print this host's serving state as JSON (read-only; what `hgxserve status` reads).
-
-    Releases and the pending switch with its revert deadline, each unit of the running release
-    (state, health, restarts, since), drift from the release, GPUs and the unit holding each,
-    the weights marker, cache keys, and on the proxy's host the proxy's rotation and counters.
-
-    \b
-    hgxserve inspect --model-path /models/tiny
-    """
-    click.echo(
-        json.dumps(
-            snapshot(
-                root=root,
-                model_path=model_path,
-                weights_state_dir=weights_state_dir,
-                cache_root=cache_root,
-                cache_keys=cache_keys,
-            ),
-            sort_keys=True,
-        )
-    )

@@ -114,26 +114,6 @@ def _accepted(problems: list[Problem], doc: Document) -> list[Problem]:
     return kept
 
 
-def topology_to_render(path: str) -> Topology:
-    """Check a topology a command renders from: print every problem to stderr, then return it.
-
-    Raises UsageError (exit 2) when the file cannot be read or parsed, Found (exit 1) when the
-    topology has errors; warnings are printed and do not stop it.
-    """
-    import click
-
-    from hgxserve.base.errors import Found, UsageError
-
-    result = check_topology(path)
-    for problem in result.problems:
-        click.echo(problem.text(), err=True)
-    if result.unreadable:
-        raise UsageError(f"{path}: not rendered: the file cannot be read or parsed")
-    if result.errors or result.topology is None:
-        raise Found(f"{path}: not rendered: the topology has errors")
-    return result.topology
-
-
 def load_topology(path: str | Path) -> Topology:
     """Load a topology that must be valid (warnings allowed); raise TopologyError otherwise."""
     result = check_topology(path)

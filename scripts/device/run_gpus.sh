@@ -6,11 +6,11 @@ set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
-gpus() { python3 -c 'from hgxserve.gpus.cli import gpus; gpus(prog_name="hgxserve gpus")' "$@"; }
+gpus() { python3 -c 'from hgxserve.cli.gpus import gpus; gpus(prog_name="hgxserve gpus")' "$@"; }
 now() { date +%s.%N; }
 log="$OUT/gpus.txt"
 {
-echo "## query-gpu (exact argv of hgxserve.gpus.cli.QUERY_GPUS)"
+echo "## query-gpu (exact argv of hgxserve.gpus.checks.QUERY_GPUS)"
 nvidia-smi --query-gpu=index,uuid --format=csv,noheader,nounits; echo "## rc $?"
 echo "## query-apps idle (QUERY_APPS)"
 nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv,noheader,nounits; echo "## rc $?"

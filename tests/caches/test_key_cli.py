@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hgxserve.caches.cli import cache
 from hgxserve.caches.hostfacts import KEY_FACTS, normalize_host_facts
+from hgxserve.cli.caches import cache
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = (REPO / "topologies" / "h20-v4flash-tp8.yml").read_text()

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from fake_jit_engine import Handler
 
 from hgxserve.caches.warmup import Shape, warm_up
-from hgxserve.release.cli import release
+from hgxserve.cli.release import release
 from hgxserve.render import render_host
 from hgxserve.topology import load_topology
 

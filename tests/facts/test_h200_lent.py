@@ -20,7 +20,7 @@ from hgxserve.facts.caches import CacheKeyFacts
 from hgxserve.facts.gpu import GpuInventory, NvidiaKernelModule
 from hgxserve.facts.host import RdmaDevices, UnitMemlock
 from hgxserve.facts.runtime import DriverCuda, VenvRuntimeState
-from hgxserve.gpus import cli as gpus
+from hgxserve.gpus import checks as gpus
 from hgxserve.parsers import outputs as parsers
 from hgxserve.runtime.checks import runtime_problems
 from hgxserve.runtime.spec import VenvRuntime
@@ -113,7 +113,7 @@ def test_smi_list_and_query_580():
 
 
 def test_compute_apps_with_and_without_header():
-    # `--format=csv` (header and units) and `csv,noheader,nounits` (what hgxserve.gpus.cli asks for)
+    # `--format=csv` (header and units) and `csv,noheader,nounits` (what gpus.checks asks for)
     assert parsers.parse_smi_csv(lent("query-compute-apps.txt"), ("pid", "used_memory")) == [
         {"pid": 483, "used_memory": 21090}
     ]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from hgxserve.monitoring.cli import promtool_checks
+from hgxserve.monitoring.promtool import promtool_checks
 from hgxserve.monitoring.render import render_tree
 from hgxserve.topology import load_topology
 
@@ -122,7 +122,7 @@ def test_render_check_runs_promtool(tmp_path: Path) -> None:
         check=False,
     )  # fmt: skip
     assert proc.returncode == 0  # a fresh render is valid again
-    from hgxserve.monitoring.cli import promtool_checks as checks
+    from hgxserve.monitoring.promtool import promtool_checks as checks
 
     failed = [cmd for cmd, p in checks(tmp_path) if p.returncode != 0]
     assert failed and failed[0][:3] == ["promtool", "check", "config"]

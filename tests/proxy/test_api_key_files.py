@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from hgxserve.base.apikeys import KeyFileError, key_problem, read_key_file
 from hgxserve.base.defaults import MIN_API_KEY_LENGTH
-from hgxserve.bench.cli import bench
+from hgxserve.cli.bench import bench
 from hgxserve.proxy.config import ProxyConfigError, read_api_key
 from hgxserve.release.gate import GateError, GateSpec, _api_key
 

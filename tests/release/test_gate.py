@@ -64,7 +64,7 @@ def test_wait_ready_warms_the_engine_up_before_it_counts_as_started(tmp_path: Pa
     from click.testing import CliRunner
     from harness import http_json
 
-    from hgxserve.release.cli import release
+    from hgxserve.cli.release import release
 
     with engine(tmp_path, "--max-model-len", "256") as eng:
         result = CliRunner().invoke(

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.cli.release import release
 from hgxserve.operations.release import check_kv, run_gate
-from hgxserve.release.cli import release
 from hgxserve.release.coordination import Coordination, RunPlan
 from hgxserve.release.store import Store
 

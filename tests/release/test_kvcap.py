@@ -294,7 +294,7 @@ def test_no_bench_scenarios_means_no_bench_shapes(tmp_path: Path) -> None:
 def test_plan_shows_the_last_release_numbers_against_this_topology(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from hgxserve.topology.cli import plan
+    from hgxserve.cli.topology import plan
 
     decode = {"start_s": 41.2, "kv_tokens": 512, "kv_source": "metrics"}
     prefill = {"start_s": 30.0, "kv_tokens": 2048, "kv_source": "log"}
@@ -332,7 +332,7 @@ def test_the_hosts_release_switch_loads_no_renderer_or_topology() -> None:
     imports keeps the controller's side (topology model, fit estimate, unit renderer, jinja2)
     out of it, which took its start from 0.14 s to 0.5 s."""
     code = (
-        "import sys, hgxserve.release.cli; "
+        "import sys, hgxserve.cli.release; "
         "print(' '.join(m for m in ('hgxserve.render', 'hgxserve.topology.model', "
         "'hgxserve.topology.fit', 'jinja2') if m in sys.modules))"
     )

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.cli.release import release
 from hgxserve.deploy.plans import _counter_devices
 from hgxserve.deploy.switching import run_plan
 from hgxserve.operations.release import _rdma_evidence, read_kv_path
 from hgxserve.parsers.ucxproto import ProtoTable, _cells, parse_proto_info
-from hgxserve.release.cli import release
 from hgxserve.release.coordination import Coordination, RunPlan, RunRecord
 from hgxserve.release.kvpath import (
     KvEndpoint,

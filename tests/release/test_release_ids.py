@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hgxserve.release.cli import release
+from hgxserve.cli.release import release
 from hgxserve.release.store import ReleaseError, ReleaseSpec, Store, UnitSpec
 
 HOSTILE = ["../../etc", "a/b", "..", "", "3f1c\nrm", ".hidden", "x" * 65]

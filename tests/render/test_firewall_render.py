@@ -15,10 +15,10 @@ from conftest import ROOT, kv_demo_pd, topology
 
 from hgxserve.base.defaults import FABRIC_PERFTEST_PORT
 from hgxserve.base.paths import FIREWALL_FILE
+from hgxserve.cli.topology import plan
 from hgxserve.render import RenderError, render_host, render_topology
 from hgxserve.render.firewall import controller_elements, nft_string, render_firewall
 from hgxserve.topology import load_topology
-from hgxserve.topology.cli import plan
 from hgxserve.topology.firewall import FirewallError, ip_source
 from hgxserve.topology.ports import listeners_by_host
 from hgxserve.topology.problems import TopologyError

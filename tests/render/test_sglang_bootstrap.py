@@ -10,9 +10,9 @@ from pathlib import Path
 
 from conftest import ROOT, flag_pairs, topology
 
+from hgxserve.plan.report import build_plan
 from hgxserve.render import render_host
 from hgxserve.topology import check_topology, load_topology
-from hgxserve.topology.cli import build_plan
 from hgxserve.topology.ports import bootstrap_address, engine_bind, listeners_by_host
 
 SAME_HOST = """\

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hgxserve.runtime.cli import runtime
+from hgxserve.cli.runtime import runtime
 from hgxserve.runtime.images import ImageArchiveError, archive_name, image_digest, verify_archive
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hgxserve.runtime.cli import runtime
+from hgxserve.cli.runtime import runtime
 from hgxserve.runtime.files import FileSourceError, local_copy
 from hgxserve.topology.model import TopologyFile
 

@@ -10,6 +10,7 @@ from typing import Any
 import click
 import pytest
 
+from hgxserve.cli.status import _since, log_hosts
 from hgxserve.proxy.balancer import Pool
 from hgxserve.proxy.config import parse_proxy_config
 from hgxserve.proxy.kvroute import Router
@@ -18,7 +19,7 @@ from hgxserve.release.store import ReleaseSpec, Store, UnitSpec
 from hgxserve.remote.inventory import InventoryError, load_inventory
 from hgxserve.remote.ssh import quote_argv
 from hgxserve.status import host as inspect
-from hgxserve.status.cli import _since, journal_argv, log_hosts
+from hgxserve.status.journal import journal_argv
 from hgxserve.topology import load_topology
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hgxserve.status.cli import journal_argv
 from hgxserve.status.host import watch_summary
+from hgxserve.status.journal import journal_argv
 from hgxserve.status.report import HostView, Report
 from hgxserve.status.table import _multinode_lines
 from hgxserve.topology import load_topology

@@ -8,8 +8,8 @@ import inspect
 from click.testing import CliRunner
 
 from hgxserve.base import defaults, paths
+from hgxserve.cli.weights import weights as weights_cli
 from hgxserve.topology.model import S3Source, _engine
-from hgxserve.weights.cli import weights as weights_cli
 from hgxserve.weights.options import SyncArgs, sync_command
 from hgxserve.weights.sync import SyncOptions
 from hgxserve.weights.transfer import TransferOptions

@@ -20,8 +20,9 @@ import pytest
 from click.testing import CliRunner
 from pyinfra.api import DeployError
 
-from hgxserve.deploy.cli import as_markdown, deploy_data
+from hgxserve.cli.deploy import deploy_data
 from hgxserve.deploy.data import KEYS, TABLE, DeployData, convert, parse_bool
+from hgxserve.deploy.datadoc import as_markdown
 from hgxserve.deploy.stages import STAGES
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,14 +10,14 @@ from click.testing import CliRunner
 from hgxserve.base.errors import ExitCode, HgxserveError, cli_errors, register_secret
 from hgxserve.caches.archive import ArchiveError
 from hgxserve.caches.bake import BakeError
-from hgxserve.caches.cli import cache
 from hgxserve.caches.hostfacts import FactsError
-from hgxserve.gpus.cli import GpuQueryError
+from hgxserve.cli.caches import cache
+from hgxserve.cli.release import release
+from hgxserve.cli.render import render
+from hgxserve.gpus.checks import GpuQueryError
 from hgxserve.proxy.config import ProxyConfigError
-from hgxserve.release.cli import release
 from hgxserve.release.gate import GateError
 from hgxserve.release.store import ReleaseError
-from hgxserve.render.cli import render
 from hgxserve.render.types import RenderError
 from hgxserve.weights.errors import (
     CredentialsError,

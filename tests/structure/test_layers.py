@@ -24,11 +24,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "hgxserve.parsers",
             "hgxserve.proxy",
             "hgxserve.weights",
-            "hgxserve.gpus",
             "hgxserve.remote",
         ),
     ),
-    ("caches and runtimes", ("hgxserve.caches", "hgxserve.runtime")),
+    # the GPU checks read nvidia-smi through hgxserve.parsers
+    ("caches, runtimes and GPU checks", ("hgxserve.caches", "hgxserve.runtime", "hgxserve.gpus")),
     ("render", ("hgxserve.render",)),
     ("monitoring", ("hgxserve.monitoring",)),
     ("release", ("hgxserve.release",)),
@@ -36,25 +36,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pyinfra facts", ("hgxserve.facts",)),
     ("pyinfra operations", ("hgxserve.operations",)),
     ("status and bench", ("hgxserve.status", "hgxserve.bench")),
+    ("plan", ("hgxserve.plan",)),  # `plan`'s report: reads render, release and bench
     ("deploy", ("hgxserve.deploy",)),  # the --data table and the stage plans
     ("tune", ("hgxserve.tune",)),  # deploy -> bench -> compare candidate topologies
-    ("command line", ("hgxserve.cli", "*.cli")),
+    ("command line", ("hgxserve.cli",)),  # the root group and one module per command group
     ("roles", ("roles",)),
     ("deploys", ("deploys",)),
 ]
 
 
 def layer_of(module: str) -> int:
-    parts = module.split(".")
-    is_cli = parts[0] == "hgxserve" and len(parts) > 2 and parts[-1] == "cli"
     for rank, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if prefix == "*.cli":
-                if is_cli:
-                    return rank
-            elif is_cli:
-                continue
-            elif module == prefix or (prefix != "hgxserve" and module.startswith(prefix + ".")):
+            if module == prefix or (prefix != "hgxserve" and module.startswith(prefix + ".")):
                 return rank
     raise AssertionError(f"{module} is in no layer: add it to LAYERS and the README")
 
@@ -76,9 +70,7 @@ def test_no_module_imports_a_higher_layer():
 
 def _package(module: str) -> str:
     parts = module.split(".")
-    if parts[0] != "hgxserve":
-        return parts[0]
-    return "command line" if len(parts) > 2 and parts[-1] == "cli" else ".".join(parts[:2])
+    return parts[0] if parts[0] != "hgxserve" else ".".join(parts[:2])
 
 
 # Imports between packages of one layer: the few the README names, no others.
@@ -97,6 +89,42 @@ def test_packages_of_one_layer_import_each_other_only_where_named():
     assert found <= SAME_LAYER, sorted(found - SAME_LAYER)
 
 
+def _in_cli(module: str) -> bool:
+    return module == "hgxserve.cli" or module.startswith("hgxserve.cli.")
+
+
+def test_only_the_command_line_imports_its_modules():
+    """hgxserve/cli/ holds every command: no library module, role or deploy imports it, and
+    its command modules import no other command module (they share `hgxserve.cli.options`)."""
+    graph = import_graph()
+    outside = [
+        f"{src} imports {dst}"
+        for src, targets in sorted(graph.items())
+        if not _in_cli(src)
+        for dst in sorted(targets)
+        if _in_cli(dst)
+    ]
+    assert outside == []
+    shared = {"hgxserve.cli", "hgxserve.cli.options"}
+    between = [
+        f"{src} imports {dst}"
+        for src, targets in sorted(graph.items())
+        if _in_cli(src)
+        for dst in sorted(targets)
+        if _in_cli(dst) and dst not in shared
+    ]
+    assert between == []
+
+
+def test_every_command_lives_in_the_command_line_package():
+    from hgxserve.cli import COMMANDS
+
+    for name, (target, _) in COMMANDS.items():
+        module, _, attr = target.partition(":")
+        assert module.startswith("hgxserve.cli."), f"{name}: {module} is not in hgxserve/cli/"
+        assert hasattr(importlib.import_module(module), attr), f"{name}: no {target}"
+
+
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
@@ -106,7 +134,7 @@ def test_the_checks_find_what_they_look_for():
     graph["hgxserve.topology.model"].add("hgxserve.render")
     assert any("hgxserve.render" in c and "hgxserve.topology.model" in c for c in cycles(graph))
     assert layer_of("hgxserve.topology.model") < layer_of("hgxserve.render")
-    assert layer_of("hgxserve.weights.cli") == layer_of("hgxserve.cli")
+    assert layer_of("hgxserve.cli.weights") == layer_of("hgxserve.cli")
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("hgxserve.newthing")
 
@@ -155,8 +183,7 @@ def test_the_readme_layers_table_is_the_tree():
     assert [name.split(":")[0] for name, _ in LAYERS] == [name for name, _ in readme]
     for (name, prefixes), (_, named) in zip(LAYERS, readme, strict=True):
         for prefix in prefixes:
-            shown = "hgxserve.<area>.cli" if prefix == "*.cli" else prefix
-            assert shown in named, f"README layer {name!r} does not name {shown}"
+            assert prefix in named, f"README layer {name!r} does not name {prefix}"
 
 
 def test_the_architecture_section_follows_the_two_commands():
@@ -167,7 +194,5 @@ def test_the_architecture_section_follows_the_two_commands():
         if package in ("files", "schemas", "__pycache__"):
             continue
         assert f"`hgxserve/{package}/`" in text, f"README architecture lacks hgxserve/{package}/"
-    assert sorted(p.name for p in (REPO_ROOT / "hgxserve").glob("*.py")) == [
-        "__init__.py",
-        "cli.py",
-    ]
+    assert sorted(p.name for p in (REPO_ROOT / "hgxserve").glob("*.py")) == ["__init__.py"]
+    assert sorted(p.name for p in (REPO_ROOT / "hgxserve").glob("*/cli.py")) == []

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from hgxserve.bench.metrics import targets
+from hgxserve.cli.topology import plan, validate
 from hgxserve.monitoring.targets import JOB_PROXY, scrape_targets
 from hgxserve.proxy.config import Limits, ProxyConfigError, parse_proxy_config
 from hgxserve.release.plan import gate_spec
@@ -20,7 +21,6 @@ from hgxserve.topology.addresses import (
     hostport_problem,
     url_problem,
 )
-from hgxserve.topology.cli import plan, validate
 from hgxserve.topology.ports import proxy_url, reach_address
 from hgxserve.topology.rules.proxy import PROXY_MAX_BODY, PROXY_MIN_BODY, PROXY_MIN_TIMEOUT_S
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.cli.topology import plan
 from hgxserve.topology import check_topology, fit, load_topology
-from hgxserve.topology.cli import plan
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "topologies" / "models"

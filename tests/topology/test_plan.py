@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.cli.topology import plan
+from hgxserve.plan.diagram import topology_dot, write_diagram
 from hgxserve.topology import load_topology
-from hgxserve.topology.cli import plan
-from hgxserve.topology.diagram import topology_dot, write_diagram
 
 REPO = Path(__file__).resolve().parents[2]
 PD = "topologies/demo/demo-pd.yml"
@@ -72,7 +72,7 @@ def test_plan_fails_when_the_renderer_fails(monkeypatch: pytest.MonkeyPatch) -> 
     def broken(topo):  # type: ignore[no-untyped-def]
         raise render.RenderError("engine x: cannot be written")
 
-    monkeypatch.setattr(render, "render_topology", broken)
+    monkeypatch.setattr("hgxserve.plan.report.render_topology", broken)
     result = CliRunner().invoke(plan, [PD])
     assert result.exit_code == 6
     assert "renderer failed" not in result.output
@@ -116,7 +116,7 @@ def test_diagram_svg_with_graphviz(tmp_path: Path) -> None:
 def test_diagram_without_graphviz_writes_dot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("hgxserve.topology.diagram.shutil.which", lambda _: None)
+    monkeypatch.setattr("hgxserve.plan.diagram.shutil.which", lambda _: None)
     message = write_diagram("digraph x {}\n", tmp_path / "x.png")
     assert "graphviz 'dot' not found" in message
     assert (tmp_path / "x.dot").read_text() == "digraph x {}\n"

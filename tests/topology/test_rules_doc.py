@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from hgxserve.topology.cli import validate
+from hgxserve.cli.topology import validate
 from hgxserve.topology.rules import RULES
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.cli.topology import plan
 from hgxserve.topology import load_topology
-from hgxserve.topology.cli import plan
 from hgxserve.topology.trust import (
     TrustError,
     env_refs,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hgxserve.cli.topology import validate
 from hgxserve.topology import check_topology
-from hgxserve.topology.cli import validate
 from hgxserve.topology.rules import RULES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,7 +146,7 @@ def test_unexpected_exception_is_a_clear_message(monkeypatch: pytest.MonkeyPatch
     def boom(path: str) -> None:
         raise RuntimeError("kaput")
 
-    monkeypatch.setattr("hgxserve.topology.cli.check_topology", boom)
+    monkeypatch.setattr("hgxserve.topology.results.check_topology", boom)
     result = CliRunner().invoke(validate, [GOOD])
     assert result.exit_code == 2
     assert result.output.splitlines()[0] == (

@@ -135,7 +135,7 @@ def test_deploy_data_goes_to_pyinfra_one_argv_word_each_never_a_shell(tmp_path: 
 def test_the_command_dry_run_prunes_and_estimates_without_deploying() -> None:
     from click.testing import CliRunner
 
-    from hgxserve.tune.cli import tune
+    from hgxserve.cli.tune import tune
 
     result = CliRunner().invoke(tune, [str(DEMO / "demo.tune.yaml"), "--dry-run"])
     assert result.exit_code == 0, result.output
@@ -149,7 +149,7 @@ def test_the_command_dry_run_prunes_and_estimates_without_deploying() -> None:
 def test_the_command_exits_2_on_a_bad_spec_or_no_inventory(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from hgxserve.tune.cli import tune
+    from hgxserve.cli.tune import tune
 
     bad = write(tmp_path, "base: demo-pd.yml\ncandidates: [demo-pd.yml]\nleave: worst\n")
     result = CliRunner().invoke(tune, [str(bad)])

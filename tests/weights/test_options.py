@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from hgxserve.weights.cli import weights
+from hgxserve.cli.weights import weights
 from hgxserve.weights.options import SyncArgs, manifest_ref
 
 CASES = [

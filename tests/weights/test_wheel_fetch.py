@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from weights_helpers import Bucket
 
-from hgxserve.runtime.cli import runtime
+from hgxserve.cli.runtime import runtime
 
 WHEEL = "deep_ep-1.2.1-cp312-cp312-linux_x86_64.whl"
 

@@ -9,14 +9,13 @@ demo-pd: 4 scrape jobs, 10 targets, 44 recording rules, 12 alerts, 31 dashboard 
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import click
 
 from hgxserve.base.errors import Found, UsageError, cli_errors
-
-PROMTOOL = "promtool"
+from hgxserve.cli.options import topology_to_render
+from hgxserve.monitoring.promtool import PROMTOOL, promtool_checks
 
 
 @click.group()
@@ -27,21 +26,6 @@ def monitoring() -> None:
     hgxserve monitoring render topologies/demo/demo-pd.yml -o build/monitoring
     hgxserve monitoring render t.yml -o out --check     # and run promtool on the result
     """
-
-
-def promtool_checks(out: Path) -> list[tuple[list[str], subprocess.CompletedProcess[str]]]:
-    """`promtool check config` on the whole config (it checks the rule files it names too),
-    then `promtool check rules` on each rule file; run in `out/prometheus`."""
-    prom = out / "prometheus"
-    commands = [[PROMTOOL, "check", "config", "prometheus.yml"]]
-    commands += [
-        [PROMTOOL, "check", "rules", str(p.relative_to(prom))]
-        for p in sorted(prom.glob("hgxserve/rules/*.yml"))
-    ]
-    return [
-        (cmd, subprocess.run(cmd, cwd=prom, capture_output=True, text=True, check=False))
-        for cmd in commands
-    ]
 
 
 @monitoring.command()
@@ -63,20 +47,14 @@ def render(file: str, out_dir: str, check: bool) -> None:
     provision grafana/dashboards/*.json (docs/monitoring.md).
     """
     from hgxserve.monitoring.dashboard import dashboard, queries
-    from hgxserve.monitoring.render import render_tree
+    from hgxserve.monitoring.render import render_tree, write_tree
     from hgxserve.monitoring.rules import rule_groups
     from hgxserve.monitoring.targets import scrape_targets, unreachable_engines
-    from hgxserve.topology import topology_to_render
 
     topo = topology_to_render(file)
     tree = render_tree(topo)
     out = Path(out_dir)
-    for rel, text in tree.items():
-        target = out / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(target)
+    write_tree(out, tree)
     targets = scrape_targets(topo)
     groups = rule_groups(topo)
     recording = sum(1 for g in groups for r in g["rules"] if "record" in r)

@@ -1,13 +1,14 @@
-"""`hgxserve deploy-data`: the `--data` keys the deploys read, from the one table
-(`hgxserve.deploy.data.KEYS`), as text, JSON or the markdown of docs/deploy-data.md."""
+"""The `--data` table (`hgxserve.deploy.data.KEYS`) as text, JSON or the markdown page
+docs/deploy-data.md holds (`hgxserve deploy-data --format ...`).
+
+    print(FORMATS["markdown"](), end="")
+"""
 
 from __future__ import annotations
 
 import json
 import textwrap
 from typing import Any
-
-import click
 
 from hgxserve.deploy.data import FALSE, KEYS, TRUE, DataKey
 
@@ -89,17 +90,3 @@ def as_text(keys: tuple[DataKey, ...] = KEYS) -> str:
 
 
 FORMATS = {"text": as_text, "json": as_json, "markdown": as_markdown}
-
-
-@click.command("deploy-data")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(sorted(FORMATS)),
-    default="text",
-    show_default=True,
-    help="markdown: the page docs/deploy-data.md holds.",
-)
-def deploy_data(fmt: str) -> None:
-    """Print every `--data` key the deploys read: type, default, stages, what it does."""
-    click.echo(FORMATS[fmt](), nl=False)

@@ -16,10 +16,15 @@ import click
 
 from hgxserve.base.defaults import BENCH_RUNS_DIR
 from hgxserve.base.errors import ExitCode, UsageError, cli_errors, register_secret
-
-
-def _progress(message: str) -> None:
-    click.echo(message, err=True)
+from hgxserve.cli.options import (
+    METRICS_KEY_FILE,
+    api_key_file,
+    progress,
+    read_api_key,
+    round_timeout,
+    runs_dir,
+    topology_problems_exit,
+)
 
 
 class _BenchGroup(click.Group):
@@ -45,27 +50,10 @@ def bench() -> None:
     """
 
 
-def _api_key(path: str | None) -> str | None:
-    """The proxy's key from --api-key-file: a private file with a full-length key."""
-    from hgxserve.base.apikeys import KeyFileError, read_key_file
-
-    try:
-        return read_key_file(path) if path else None
-    except KeyFileError as exc:
-        raise UsageError(str(exc)) from None
-
-
 @bench.command("run")
 @click.argument("topology", type=click.Path(dir_okay=False))
 @click.option("--scenario", "-s", "names", multiple=True, help="Run only this scenario (repeat).")
-@click.option(
-    "--out",
-    "out_root",
-    default=BENCH_RUNS_DIR,
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Directory that keeps one folder per run.",
-)
+@runs_dir(BENCH_RUNS_DIR, "run")
 @click.option("--proxy-url", help="Endpoint to load (default: the topology's proxy address).")
 @click.option(
     "--engine-url",
@@ -80,16 +68,8 @@ def _api_key(path: str | None) -> str | None:
     help="Local tokenizer directory (the model's own) for AIPerf; default: AIPerf's built-in "
     "tiktoken encoding, which needs its cache offline.",
 )
-@click.option(
-    "--api-key-file",
-    type=click.Path(dir_okay=False, exists=True),
-    help="File holding the proxy's API key (never put the key on the command line).",
-)
-@click.option(
-    "--metrics-key-file",
-    type=click.Path(dir_okay=False, exists=True),
-    help="File holding the key the proxy's /metrics wants (proxy.auth.metrics_key).",
-)
+@api_key_file("File holding the proxy's API key (never put the key on the command line).")
+@METRICS_KEY_FILE
 @click.option(
     "--release-id",
     help="Release the hosts run, recorded with the results (default: read from the hosts "
@@ -116,13 +96,7 @@ def _api_key(path: str | None) -> str | None:
     help="Seconds to wait for the proxy and engines to be idle before a round "
     "(default: the bench section's drain_timeout_s).",
 )
-@click.option(
-    "--round-timeout",
-    type=click.FloatRange(1, 86400),
-    default=3600,
-    show_default=True,
-    help="Seconds one round (one AIPerf run) may take.",
-)
+@round_timeout("Seconds one round (one AIPerf run) may take.")
 @click.option(
     "--no-telemetry",
     is_flag=True,
@@ -148,14 +122,9 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     from hgxserve.bench import report
     from hgxserve.bench.api import BenchRequest, exit_code_for, run_deployed
     from hgxserve.bench.scenario import load_bench
-    from hgxserve.topology import TopologyError
 
-    try:
+    with topology_problems_exit():
         load_bench(topology)
-    except TopologyError as exc:
-        for problem in exc.problems:
-            click.echo(problem.text(), err=True)
-        sys.exit(ExitCode.USAGE)
     if tokenizer is not None and not Path(tokenizer, "tokenizer_config.json").is_file():
         raise UsageError(f"{tokenizer}: no tokenizer_config.json (want the model's directory)")
     urls = {}
@@ -164,8 +133,7 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
         if not sep or not url.startswith(("http://", "https://")):
             raise UsageError(f"--engine-url {item!r}: want ENGINE=http://HOST:PORT")
         urls[name] = url
-    api_key = _api_key(api_key_file)
-    register_secret(api_key)
+    api_key = read_api_key(api_key_file)
     metrics_key = Path(metrics_key_file).read_text().strip() if metrics_key_file else None
     register_secret(metrics_key)
     req = BenchRequest(
@@ -184,7 +152,7 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
         drain_timeout_s=timeouts["drain_timeout"],
         telemetry=not timeouts["no_telemetry"],
     )
-    run_dir, result = run_deployed(req, _progress)
+    run_dir, result = run_deployed(req, progress)
     path = run_dir / "report.md"
     click.echo(path.read_text())
     click.echo(f"run: {run_dir}\nreport: {path}")
@@ -195,13 +163,6 @@ def run_cmd(  # noqa: PLR0913 - a click command: one parameter per option
     code = exit_code_for(result)
     if code:
         sys.exit(code)
-
-
-def _running_releases(topo: object, inventory: str) -> tuple[str, dict[str, Any]]:
-    """hgxserve.bench.api.running_releases (kept under its old name)."""
-    from hgxserve.bench.api import running_releases
-
-    return running_releases(topo, inventory)
 
 
 @bench.command("compare")

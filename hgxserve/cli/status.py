@@ -218,22 +218,6 @@ def _since(value: str | None) -> str | None:
     return value
 
 
-def journal_argv(
-    unit: str | list[str], lines: int | None, since: str | None, follow: bool
-) -> list[str]:
-    """journalctl of `unit` (or of several units, merged by time)."""
-    units = [unit] if isinstance(unit, str) else unit
-    argv = ["journalctl", *(w for u in units for w in ("-u", u))]
-    argv += ["--no-pager", "-o", "short-iso", "--no-hostname"]
-    if lines is not None:
-        argv += ["-n", str(lines)]
-    if since is not None:
-        argv += ["--since", since]
-    if follow:
-        argv.append("-f")
-    return argv
-
-
 @click.command("logs")
 @click.argument("topology", type=click.Path(dir_okay=False))
 @click.argument("target", metavar="ENGINE|proxy")
@@ -281,6 +265,7 @@ def logs(  # noqa: PLR0913 - a click command: one parameter per option
     hgxserve logs t.yml decode-0 --diagnose
     """
     from hgxserve.remote.ssh import Sessions, quote_argv
+    from hgxserve.status.journal import journal_argv
 
     if follow and diagnose:
         raise click.UsageError("--diagnose reads the journal once; it cannot --follow")

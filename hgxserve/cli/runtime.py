@@ -6,6 +6,8 @@ hgxserve runtime check-files /etc/hgxserve/files/t.jinja=<sha256>   # ExecStartP
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -74,15 +76,7 @@ def _s3_fetch_options(what: str) -> Callable[[Callable[..., None]], Callable[...
 @click.argument("digest")
 @_s3_fetch_options("Archive path.")
 @cli_errors
-def fetch_image(  # noqa: PLR0913 - a click command: one parameter per option
-    url: str,
-    digest: str,
-    out: str,
-    env_file: str | None,
-    endpoint_url: str | None,
-    region: str | None,
-    addressing: str,
-) -> None:
+def fetch_image(url: str, digest: str, out: str, **s3: Any) -> None:
     """Download an OCI image archive from S3 and verify it holds manifest DIGEST.
 
     Nothing is left at --out unless the archive is the pinned image; an archive already there
@@ -92,26 +86,14 @@ def fetch_image(  # noqa: PLR0913 - a click command: one parameter per option
     hgxserve runtime fetch-image s3://models/images/sha256-ab12....oci.tar sha256:ab12... \\
         --out /var/lib/hgxserve/images/sha256-ab12....oci.tar --env-file /etc/hgxserve/s3.env
     """
-    from pathlib import Path
-
-    from hgxserve.runtime.images import ImageArchiveError, fetch_archive, verify_archive
-    from hgxserve.weights.credentials import apply_env_file
+    from hgxserve.runtime.images import S3Fetch
+    from hgxserve.runtime.images import fetch_image as fetch
 
     dest = Path(out)
-    if dest.is_file():
-        try:
-            verify_archive(dest, digest)
-            click.echo(f"{dest}: already holds {digest}")
-            return
-        except ImageArchiveError:
-            dest.unlink()
-    apply_env_file(env_file)
-    size = fetch_archive(url, dest, endpoint_url=endpoint_url, region=region, addressing=addressing)
-    try:
-        verify_archive(dest, digest)
-    except ImageArchiveError:
-        dest.unlink(missing_ok=True)
-        raise
+    size = fetch(url, digest, dest, S3Fetch(**s3))
+    if size is None:
+        click.echo(f"{dest}: already holds {digest}")
+        return
     click.echo(f"{dest}: {size} bytes from {url}, holds {digest}")
 
 
@@ -120,15 +102,7 @@ def fetch_image(  # noqa: PLR0913 - a click command: one parameter per option
 @click.argument("sha256")
 @_s3_fetch_options("Wheel path.")
 @cli_errors
-def fetch_wheel(  # noqa: PLR0913 - a click command: one parameter per option
-    url: str,
-    sha256: str,
-    out: str,
-    env_file: str | None,
-    endpoint_url: str | None,
-    region: str | None,
-    addressing: str,
-) -> None:
+def fetch_wheel(url: str, sha256: str, out: str, **s3: Any) -> None:
     """Download a wheel (`runtime.wheels[].url`) from S3 and check its SHA256.
 
     Nothing is left at --out unless the file has the pinned sha256; one already there with it
@@ -138,25 +112,14 @@ def fetch_wheel(  # noqa: PLR0913 - a click command: one parameter per option
     hgxserve runtime fetch-wheel s3://wheels/deep_ep-1.2.1-cp312-cp312-linux_x86_64.whl \\
         <sha256> --out /var/tmp/hgxserve-runtime/wheels/deep_ep-1.2.1-....whl
     """
-    from pathlib import Path
-
-    from hgxserve.runtime.images import fetch_archive
-    from hgxserve.weights.credentials import apply_env_file
+    from hgxserve.runtime.images import S3Fetch, fetch_file
 
     dest = Path(out)
-    if dest.is_file():
-        with open(dest, "rb") as fh:
-            if file_sha256(fh) == sha256:
-                click.echo(f"{dest}: already holds sha256 {sha256}")
-                return
-        dest.unlink()
-    apply_env_file(env_file)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fetch_archive(url, dest, endpoint_url=endpoint_url, region=region, addressing=addressing)
-    with open(dest, "rb") as fh:
-        got = file_sha256(fh)
+    got = fetch_file(url, sha256, dest, S3Fetch(**s3))
+    if got is None:
+        click.echo(f"{dest}: already holds sha256 {sha256}")
+        return
     if got != sha256:
-        dest.unlink(missing_ok=True)
         click.echo(f"{url}: sha256 {got}, the topology pins {sha256}", err=True)
         raise SystemExit(1)
     click.echo(f"{dest}: from {url}, sha256 {sha256}")

@@ -18,25 +18,21 @@ from typing import Any
 import click
 
 from hgxserve.base.defaults import TUNE_DEPLOY_TIMEOUT_S, TUNE_RUNS_DIR
-from hgxserve.base.errors import ExitCode, UsageError, cli_errors, register_secret
-
-
-def _progress(message: str) -> None:
-    click.echo(message, err=True)
+from hgxserve.base.errors import ExitCode, HgxserveError, UsageError, cli_errors
+from hgxserve.cli.options import (
+    IN_FILE,
+    METRICS_KEY_FILE,
+    api_key_file,
+    progress,
+    read_api_key,
+    round_timeout,
+    runs_dir,
+    topology_problems_exit,
+)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
-
-
-def _api_key(path: str | None) -> str | None:
-    """The proxy's key from --api-key-file: a private file with a full-length key."""
-    from hgxserve.base.apikeys import KeyFileError, read_key_file
-
-    try:
-        return read_key_file(path) if path else None
-    except KeyFileError as exc:
-        raise UsageError(str(exc)) from None
 
 
 def _run_dir(spec: Any, out_root: Path, resume: str | None) -> tuple[Path, dict[str, Any]]:
@@ -48,7 +44,7 @@ def _run_dir(spec: Any, out_root: Path, resume: str | None) -> tuple[Path, dict[
         return run_dir, state.load(run_dir, spec.digest)
     found = state.unfinished(out_root, spec.digest)
     if found is not None:
-        _progress(f"resuming the unfinished tune {found} (same SPEC)")
+        progress(f"resuming the unfinished tune {found} (same SPEC)")
         return found, state.load(found, spec.digest)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     run_dir = out_root / f"{stamp}-{Path(spec.file).stem.split('.')[0]}"
@@ -66,39 +62,18 @@ def _run_dir(spec: Any, out_root: Path, resume: str | None) -> tuple[Path, dict[
     help="Carry on a stopped tune in this run directory (finished candidates are not run again). "
     "Without it, an unfinished run of the same SPEC under --out is resumed.",
 )
-@click.option(
-    "--out",
-    "out_root",
-    default=TUNE_RUNS_DIR,
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Directory that keeps one folder per tune.",
-)
+@runs_dir(TUNE_RUNS_DIR, "tune")
 @click.option(
     "--inventory",
     "-i",
-    type=click.Path(dir_okay=False, exists=True),
+    type=IN_FILE,
     help="pyinfra inventory (default: the SPEC's `inventory`).",
 )
 @click.option("--tokenizer", help="Local tokenizer directory for the bench (the model's own).")
-@click.option(
-    "--api-key-file",
-    type=click.Path(dir_okay=False, exists=True),
-    help="File holding the proxy's API key, for the bench.",
-)
-@click.option(
-    "--metrics-key-file",
-    type=click.Path(dir_okay=False, exists=True),
-    help="File holding the key the proxy's /metrics wants (proxy.auth.metrics_key).",
-)
+@api_key_file("File holding the proxy's API key, for the bench.")
+@METRICS_KEY_FILE
 @click.option("--from", "from_host", metavar="HOST", help="Send the bench load from this host.")
-@click.option(
-    "--round-timeout",
-    type=click.FloatRange(1, 86400),
-    default=3600,
-    show_default=True,
-    help="Seconds one bench round may take.",
-)
+@round_timeout("Seconds one bench round may take.")
 @click.option(
     "--deploy-timeout",
     type=click.FloatRange(60, 86400),
@@ -137,34 +112,27 @@ def tune(  # noqa: PLR0913 - a click command: one parameter per option
     deploy, each with every reason. Results, the state file, report.md / report.json and plots
     are kept in the tune's run directory under --out (docs/tune.md).
     """
-    from hgxserve.topology import TopologyError
     from hgxserve.tune import loop, prune, report
     from hgxserve.tune.spec import load_spec
 
-    try:
+    with topology_problems_exit():
         spec = load_spec(spec_file)
         scenarios = loop.scenarios_of(spec)
-    except TopologyError as exc:
-        for problem in exc.problems:
-            click.echo(problem.text(), err=True)
-        sys.exit(ExitCode.USAGE)
     inv = Path(inventory) if inventory else spec.inventory
     if inv is None:
         raise UsageError(f"{spec_file}: no inventory: set `inventory:` or give --inventory")
     if dry_run:
         _dry_run(spec, prune, scenarios[1])
         return
-    api_key = _api_key(api_key_file)
-    register_secret(api_key)
-    metrics_key = _api_key(metrics_key_file)
-    register_secret(metrics_key)
+    api_key = read_api_key(api_key_file)
+    metrics_key = read_api_key(metrics_key_file)
     signal.signal(signal.SIGTERM, _interrupt)
     run_dir, state = _run_dir(spec, Path(out_root), resume)
-    _progress(f"tune {run_dir}")
+    progress(f"tune {run_dir}")
     opts = loop.TuneOptions(
         run_dir=run_dir,
         inventory=inv.resolve(),
-        progress=_progress,
+        progress=progress,
         tokenizer=tokenizer,
         api_key=api_key,
         metrics_key=metrics_key,
@@ -178,15 +146,11 @@ def tune(  # noqa: PLR0913 - a click command: one parameter per option
     click.echo(path.read_text())
     click.echo(f"run: {run_dir}\nreport: {path}")
     if not final["deployed"]:
-        raise_failed(f"the final release of {final['left_on']} failed: {final.get('reason')}")
+        raise HgxserveError(
+            f"the final release of {final['left_on']} failed: {final.get('reason')}"
+        )
     if final["winner"] is None:
         sys.exit(ExitCode.FOUND)
-
-
-def raise_failed(message: str) -> None:
-    from hgxserve.base.errors import HgxserveError
-
-    raise HgxserveError(message)
 
 
 def _dry_run(spec: Any, prune: Any, scenarios: list[Any]) -> None:

@@ -10,27 +10,17 @@ Example:
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import sys
 from typing import Any
 
 import click
 
-from hgxserve.base.cachelayout import DEFAULT_ROOT, ENV_SUBDIRS, valid_key
-from hgxserve.base.errors import ExitCode, HgxserveError, UsageError, cli_errors
-from hgxserve.caches.archive import (
-    mark_packed,
-    pack_dir,
-    read_marker,
-    restore_archive,
-)
+from hgxserve.base.cachelayout import DEFAULT_ROOT
+from hgxserve.base.errors import ExitCode, UsageError, cli_errors
+from hgxserve.caches.archive import cache_state, mark_packed, pack_dir, restore_archive
 from hgxserve.caches.hostfacts import load_facts_file, probe_host_facts
-
-
-def _dump(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, sort_keys=True))
+from hgxserve.cli.options import dump_json
 
 
 def _load(topology: str) -> Any:
@@ -99,7 +89,7 @@ def key_command(
     if not as_json:
         click.echo(full)
         return
-    _dump(
+    dump_json(
         {
             "key": full,
             "render_key": cache_key(topo, eng),
@@ -142,7 +132,7 @@ def facts_command(
         manifest = manifest or os.path.join(topo.model.path, topo.model.manifest)
     if not python or not engine_kind:
         raise UsageError("give --python and --engine, or --topology and --engine-name")
-    _dump(probe_host_facts(python, engine_kind, manifest))
+    dump_json(probe_host_facts(python, engine_kind, manifest))
 
 
 @cache.command("pack")
@@ -159,7 +149,7 @@ def pack_command(src: str, out: str, key: str | None, level: int) -> None:
     result = pack_dir(src, out, level=level)
     if key:
         mark_packed(src, result, full_key=key)
-    _dump(result.as_dict())
+    dump_json(result.as_dict())
 
 
 @cache.command("restore")
@@ -177,7 +167,7 @@ def restore_command(
     Example: hgxserve cache restore --archive /srv/<sha256>.tar.zst --dir /var/cache/hgxserve/<key>
     """
     result = restore_archive(archive, dest, sha256=sha256, force=force, full_key=full_key)
-    _dump(result.as_dict())
+    dump_json(result.as_dict())
 
 
 @cache.command("state")
@@ -188,18 +178,7 @@ def state_command(root: str) -> None:
 
     Example: hgxserve cache state --root /var/cache/hgxserve
     """
-    _dump(cache_state(root))
-
-
-def cache_state(root: str) -> dict[str, Any]:
-    """{render key: restore marker} for every key directory with a marker."""
-    state: dict[str, Any] = {}
-    for path in sorted(glob.glob(os.path.join(root, "*", ".hgxserve-cache.json"))):
-        key = os.path.basename(os.path.dirname(path))
-        marker = read_marker(os.path.dirname(path))
-        if marker and valid_key(key):
-            state[key] = marker
-    return state
+    dump_json(cache_state(root))
 
 
 @cache.command("scan")
@@ -213,7 +192,7 @@ def scan_command(log: Any) -> None:
     from hgxserve.caches.logscan import scan
 
     hits = [h.as_dict() for h in scan(log.read())]
-    _dump(hits)
+    dump_json(hits)
     if hits:
         sys.exit(ExitCode.FOUND)
 
@@ -254,73 +233,24 @@ def bake_command(  # noqa: PLR0913 - a click command: one parameter per option
 
     Example: hgxserve cache bake --topology t.yml --engine combined-0 --pack-to /srv/caches/
     """
-    from hgxserve.caches.bake import BakeSpec, bake
-    from hgxserve.caches.key import cache_key
-    from hgxserve.caches.warmup import Shape, warmup_plan
-    from hgxserve.render import render_host
-    from hgxserve.render.types import ENGINE_KEY_VAR
+    from hgxserve.render.bake import BakeOptions, bake_engine
 
     topo = _load(topology)
     eng, host = _engine_and_host(topo, engine, host)
-    if eng.is_multi_node:
-        raise UsageError(
-            f"engine {engine} spans {len(eng.place)} hosts; bake a single-host engine with the "
-            "same settings (a multi-node bake needs every node started together)"
-        )
-    units = render_host(topo, host).units
-    unit = next((u for u in units if u.engine == engine), None)
-    if unit is None:
-        raise HgxserveError(f"no unit for engine {engine} on {host}")
-    pinned = {unit.env[v] for v in ENV_SUBDIRS if v in unit.env}
-    parents = {os.path.dirname(p) for p in pinned}
-    if len(parents) != 1:
-        raise HgxserveError(f"unit {unit.name}: cache variables do not share one key dir")
-    cache_dir = parents.pop()
-    facts = _facts(facts_path)
-    full_key = cache_key(topo, eng, host_facts=facts)
-    max_len = eng.args.get("max_model_len")
-    shapes = warmup_plan(
-        [Shape(w.input, w.output, w.concurrency, w.api) for w in topo.warmup],
-        int(max_len) if max_len else None,
-    )
-    bind = eng.bind if eng.bind and eng.bind not in ("0.0.0.0", "::") else "127.0.0.1"
-    spec = BakeSpec(
-        argv=list(unit.argv),
-        env=dict(unit.env),
-        cache_dir=cache_dir,
-        base_url=base_url or f"http://{bind}:{eng.port}",
-        shapes=shapes,
-        engine=eng.engine,
-        key=os.path.basename(cache_dir),
-        unit=unit.name,
-        log_path=log_path,
+    opts = BakeOptions(
+        base_url=base_url,
+        host_facts=_facts(facts_path),
+        max_rounds=max_rounds,
         ready_timeout=ready_timeout,
         stop_timeout=stop_timeout,
-        max_rounds=max_rounds,
+        log_path=log_path,
         compile_deep_gemm=not no_deep_gemm,
-        model=topo.model.served_name,
-        extra={"full_key": full_key, "host": host, "host_facts": facts},
-        # the unit's secrets (a keyed engine's VLLM_API_KEY): the engine gets them as in its
-        # unit, and the warm-up sends the key, or a keyed engine answers every shape 401
-        secret_env=dict(unit.secret_env),
-        api_key_var=ENGINE_KEY_VAR if ENGINE_KEY_VAR in unit.secret_env else None,
+        pack_to=pack_to,
         user=user,
     )
-    record = bake(spec)
-    summary: dict[str, Any] = {
-        "dir": cache_dir,
-        "full_key": full_key,
-        "settled": record["settled"],
-        "ready_seconds": record["ready_seconds"],
-        "rounds": [{k: r[k] for k in ("round", "requests", "jit_lines")} for r in record["rounds"]],
-        "log": record["log"],
-    }
-    if pack_to:
-        packed = pack_dir(cache_dir, pack_to if pack_to.endswith("/") else pack_to + "/")
-        mark_packed(cache_dir, packed, full_key=full_key)
-        summary["archive"] = packed.as_dict()
-    _dump(summary)
-    if not record["settled"]:
+    summary = bake_engine(topo, eng, host, opts)
+    dump_json(summary)
+    if not summary["settled"]:
         click.echo(
-            f"warning: JIT still fired after {max_rounds} rounds; see {record['log']}", err=True
+            f"warning: JIT still fired after {max_rounds} rounds; see {summary['log']}", err=True
         )

@@ -9,46 +9,13 @@ h20-a  3 units  4 files  tree 9cdc26667fcc
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import click
 
 from hgxserve.base.errors import UsageError, cli_errors
-
-# Files written by the last render of a host tree, so a re-render removes what it no longer has.
-MANIFEST = ".hgxserve-render.json"
-
-
-def write_tree(out: Path, host_render: object) -> list[str]:
-    """Write one HostRender under `out` (paths below it mirror the host); return the paths."""
-    from hgxserve.render import HostRender
-
-    assert isinstance(host_render, HostRender)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = out / MANIFEST
-    previous: list[str] = []
-    if manifest.is_file():
-        try:
-            previous = list(json.loads(manifest.read_text()).get("files", []))
-        except (ValueError, AttributeError):
-            previous = []
-    for path, item in sorted(host_render.files.items()):
-        target = out / path.lstrip("/")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(item.content)
-        os.chmod(tmp, item.mode)
-        tmp.replace(target)
-    for stale in set(previous) - set(host_render.files):
-        stale_path = out / stale.lstrip("/")
-        if stale_path.is_file():
-            stale_path.unlink()
-    manifest.write_text(
-        json.dumps({"files": sorted(host_render.files), "digest": host_render.digest}) + "\n"
-    )
-    return sorted(host_render.files)
+from hgxserve.cli.options import topology_to_render
+from hgxserve.render.tree import write_tree
 
 
 @click.command()
@@ -65,7 +32,6 @@ def render(file: str, out_dir: str, only_host: str | None) -> None:
     hgxserve render topologies/h20-v4flash-4p4d.yml --out build/render --host h20-a
     """
     from hgxserve.render import RenderError, render_host
-    from hgxserve.topology import topology_to_render
 
     topo = topology_to_render(file)
     hosts = topo.hosts_in_use()

@@ -1,7 +1,10 @@
-"""The `hgxserve` command line.
+"""The `hgxserve` command line: the root group, and one module per command group beside it.
 
-Each command group lives in the module that owns its concern and is imported only when that
-command runs, so `hgxserve validate` does not pay for boto3 or aiohttp imports.
+Each module here parses its options, calls the library, prints, and maps errors to exit codes
+(`hgxserve.base.errors`); the options several commands share are declared once in `options.py`.
+A command's module is imported only when that command runs, so `hgxserve validate` does not pay
+for boto3 or aiohttp imports. Only this package imports its modules; no library module imports
+it (tests/structure/test_layers.py).
 """
 
 from __future__ import annotations
@@ -16,28 +19,28 @@ from hgxserve import __version__
 
 # command name -> "module:attribute" of a click command or group
 COMMANDS: dict[str, tuple[str, str]] = {
-    "validate": ("hgxserve.topology.cli:validate", "Check topology files: schema and rules."),
-    "plan": ("hgxserve.topology.cli:plan", "Show per-host GPU map, ports, commands, wiring."),
-    "render": ("hgxserve.render.cli:render", "Write the units and files each host will get."),
-    "weights": ("hgxserve.weights.cli:weights", "Build manifests, sync and verify model weights."),
-    "cache": ("hgxserve.caches.cli:cache", "Key, bake, pack and restore JIT/compile caches."),
-    "proxy": ("hgxserve.proxy.cli:proxy", "Run the P/D proxy (OpenAI-compatible endpoint)."),
-    "release": ("hgxserve.release.cli:release", "Host-side release switch, health gate, rollback."),
-    "engine": ("hgxserve.release.cli:engine", "Watch a multi-node engine (run by its units)."),
-    "facts": ("hgxserve.facts.cli:facts", "Print this host's GPU/RDMA/shm facts as JSON."),
-    "bench": ("hgxserve.bench.cli:bench", "SLA load tests of a deployed topology; compare runs."),
-    "gpus": ("hgxserve.gpus.cli:gpus", "Check or wait until GPUs hold no memory (used by units)."),
-    "status": ("hgxserve.status.cli:status", "What runs where, healthy or not, on every host."),
-    "logs": ("hgxserve.status.cli:logs", "An engine's or the proxy's journal on all its hosts."),
-    "inspect": ("hgxserve.status.host:inspect", "This host's serving state as JSON (for status)."),
-    "runtime": ("hgxserve.runtime.cli:runtime", "Check the files the runtime stage shipped."),
+    "validate": ("hgxserve.cli.topology:validate", "Check topology files: schema and rules."),
+    "plan": ("hgxserve.cli.topology:plan", "Show per-host GPU map, ports, commands, wiring."),
+    "render": ("hgxserve.cli.render:render", "Write the units and files each host will get."),
+    "weights": ("hgxserve.cli.weights:weights", "Build manifests, sync and verify model weights."),
+    "cache": ("hgxserve.cli.caches:cache", "Key, bake, pack and restore JIT/compile caches."),
+    "proxy": ("hgxserve.cli.proxy:proxy", "Run the P/D proxy (OpenAI-compatible endpoint)."),
+    "release": ("hgxserve.cli.release:release", "Host-side release switch, health gate, rollback."),
+    "engine": ("hgxserve.cli.release:engine", "Watch a multi-node engine (run by its units)."),
+    "facts": ("hgxserve.cli.facts:facts", "Print this host's GPU/RDMA/shm facts as JSON."),
+    "bench": ("hgxserve.cli.bench:bench", "SLA load tests of a deployed topology; compare runs."),
+    "gpus": ("hgxserve.cli.gpus:gpus", "Check or wait until GPUs hold no memory (used by units)."),
+    "status": ("hgxserve.cli.status:status", "What runs where, healthy or not, on every host."),
+    "logs": ("hgxserve.cli.status:logs", "An engine's or the proxy's journal on all its hosts."),
+    "inspect": ("hgxserve.cli.inspect:inspect", "This host's serving state as JSON (for status)."),
+    "runtime": ("hgxserve.cli.runtime:runtime", "Check the files the runtime stage shipped."),
     "tune": (
-        "hgxserve.tune.cli:tune",
+        "hgxserve.cli.tune:tune",
         "Deploy candidate topologies, bench each, keep the best under the SLA.",
     ),
-    "deploy-data": ("hgxserve.deploy.cli:deploy_data", "The --data keys the deploys read."),
+    "deploy-data": ("hgxserve.cli.deploy:deploy_data", "The --data keys the deploys read."),
     "monitoring": (
-        "hgxserve.monitoring.cli:monitoring",
+        "hgxserve.cli.monitoring:monitoring",
         "Prometheus config, rules and Grafana dashboard from a topology.",
     ),
 }

@@ -8,13 +8,13 @@ Example:
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 import click
 
 from hgxserve.base.errors import ExitCode, UsageError, cli_errors
+from hgxserve.cli.options import dump_json
 from hgxserve.facts import HOST_FACTS
 from hgxserve.facts.local import DEFAULT_MODEL_PATH, collect
 from hgxserve.parsers import outputs as parsers
@@ -31,10 +31,6 @@ PARSERS = {
     "ibstat": parsers.parse_ibstat,
     "ibdev2netdev": parsers.parse_ibdev2netdev,
 }
-
-
-def _dump(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, sort_keys=True))
 
 
 @click.group(invoke_without_command=True)
@@ -58,7 +54,7 @@ def facts(ctx: click.Context, only: tuple[str, ...], model_path: str) -> None:
     Example: hgxserve facts --only gpu --only fabric_manager
     """
     if ctx.invoked_subcommand is None:
-        _dump(collect(list(only) or None, model_path))
+        dump_json(collect(list(only) or None, model_path))
 
 
 @facts.command("parse")
@@ -72,7 +68,7 @@ def parse(kind: str, capture: Any) -> None:
     """
     text = capture.read()
     try:
-        _dump(PARSERS[kind](text))
+        dump_json(PARSERS[kind](text))
     except ValueError as exc:
         raise UsageError(f"{capture.name}: not `{kind}` output: {exc}") from exc
 
@@ -85,6 +81,6 @@ def diagnose(log: Any) -> None:
     Example: journalctl -u hgxserve-decode-0 | hgxserve facts diagnose -
     """
     found = parsers.diagnose_errors(log.read())
-    _dump(found)
+    dump_json(found)
     if found:
         sys.exit(ExitCode.FOUND)
