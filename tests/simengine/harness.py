@@ -21,10 +21,20 @@ from typing import Any
 SIMENGINE = Path(__file__).resolve().parents[2] / "testbed" / "simengine.py"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, and not one this process was handed before: the kernel
+    may give the same free port to two binds in a row, and an engine's HTTP port and its side
+    channel port asked for back to back then collide (`address already in use`)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def http(
