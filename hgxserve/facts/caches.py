@@ -13,21 +13,22 @@ import json
 import shlex
 from typing import Any
 
-from pyinfra.api import FactBase
-
 from hgxserve.base.cachelayout import DEFAULT_ROOT, RESTORE_MARKER
 from hgxserve.base.defaults import ENGINE_USER
 from hgxserve.caches.hostfacts import normalize_host_facts, probe_command
+from hgxserve.facts.common import Fact, NameList
 from hgxserve.parsers.probes import parse_cache_state
 
 
-class CacheState(FactBase):
+class CacheState(Fact):
     """Cache keys present under a root: {key: restore marker (full_key, archive_sha256, ...)}.
 
     Example:
         >>> host.get_fact(CacheState, root="/var/cache/hgxserve")  # doctest: +SKIP
         {'vllm-0.26.0-h20-8207acaeed1c8efe': {'archive_sha256': 'c0ffee...', ...}}
     """
+
+    empty = {}
 
     def command(self, root: str = DEFAULT_ROOT) -> str:
         pattern = shlex.quote(root.rstrip("/")) + "/*/" + RESTORE_MARKER
@@ -36,15 +37,11 @@ class CacheState(FactBase):
             'printf "##%s\\n" "$f"; cat "$f"; echo; done; true'
         )
 
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {}
-
     def process(self, output: list[str]) -> dict[str, Any]:
         return parse_cache_state(output)
 
 
-class CacheNotOwned(FactBase):
+class CacheNotOwned(NameList):
     """Cache keys under a root holding anything `user` does not own (all of them while the
     user does not exist yet): their engines, which run as `user`, could not write there.
 
@@ -65,15 +62,8 @@ class CacheNotOwned(FactBase):
             f'else for d in {keys}; do [ -d "$d" ] && basename "$d"; done; fi; true'
         )
 
-    @staticmethod
-    def default() -> list[str]:
-        return []
 
-    def process(self, output: list[str]) -> list[str]:
-        return sorted(line.strip() for line in output if line.strip())
-
-
-class CacheKeyFacts(FactBase):
+class CacheKeyFacts(Fact):
     """The host facts that go into the full cache key, probed with the engine's own Python.
 
     Example:
@@ -82,6 +72,8 @@ class CacheKeyFacts(FactBase):
         {'driver_version': '570.158.01', 'engine_version': '0.26.0', ...}
     """
 
+    empty = {}
+
     def command(self, python: str, engine: str, manifest: str = "") -> str:
         probe = " ".join(shlex.quote(a) for a in probe_command(python, engine))
         digest = ""
@@ -89,10 +81,6 @@ class CacheKeyFacts(FactBase):
             m = shlex.quote(manifest)
             digest = f'; [ -f {m} ] && echo "##manifest $(sha256sum {m} | cut -d" " -f1)"'
         return f"if [ -x {shlex.quote(python)} ]; then {probe}; else echo '{{}}'; fi{digest}; true"
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         facts: dict[str, Any] = {}

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pyinfra.api import FactBase
-
+from hgxserve.facts.common import Fact, keyed_values
 from hgxserve.parsers.outputs import GPU_QUERY_FIELDS
 from hgxserve.parsers.probes import (
     gpu_inventory_default,
@@ -32,7 +31,7 @@ def _run_section(name: str, command: str) -> str:
     return f"echo '##{name}'; {command} 2>&1; echo \"##rc $?\";"
 
 
-class GpuInventory(FactBase):
+class GpuInventory(Fact):
     """GPUs as nvidia-smi sees them: count, names, memory, UUIDs, driver, persistence, MIG.
 
     Uses `--query-gpu ... --format=csv,noheader,nounits`; if that query fails it falls back to
@@ -45,6 +44,8 @@ class GpuInventory(FactBase):
         {'status': 'ok', 'count': 8, 'driver_version': '570.158.01', 'gpus': [...]}
     """
 
+    empty = gpu_inventory_default()
+
     def command(self) -> str:
         return (
             "if ! command -v nvidia-smi >/dev/null 2>&1; then echo '##absent nvidia-smi'; else "
@@ -56,15 +57,11 @@ class GpuInventory(FactBase):
             + " fi; fi"
         )
 
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return gpu_inventory_default()
-
     def process(self, output: list[str]) -> dict[str, Any]:
         return gpu_inventory_from_sections(split_sections(output))
 
 
-class NvSwitchPresent(FactBase):
+class NvSwitchPresent(Fact):
     """Whether the host has NVSwitches (HGX 8-GPU boards), from the driver and from PCI.
 
     NVSwitches show in `/proc/driver/nvidia-nvswitch/devices/` once the driver is loaded and
@@ -75,6 +72,8 @@ class NvSwitchPresent(FactBase):
         {'present': True, 'proc_devices': 4, 'pci_bridges': 4}
     """
 
+    empty = {"present": False, "proc_devices": 0, "pci_bridges": None}
+
     def command(self) -> str:
         return (
             "n=0; for d in /proc/driver/nvidia-nvswitch/devices/*; do "
@@ -83,10 +82,6 @@ class NvSwitchPresent(FactBase):
             "echo \"pci $(lspci -n -d 10de: 2>/dev/null | grep -c ' 0680: ')\"; "
             "else echo 'pci absent'; fi"
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"present": False, "proc_devices": 0, "pci_bridges": None}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         result = self.default()
@@ -100,7 +95,7 @@ class NvSwitchPresent(FactBase):
         return result
 
 
-class FabricManagerState(FactBase):
+class FabricManagerState(Fact):
     """Fabric Manager package version(s), binary version and service state.
 
     The binary's own version is reported too: some distribution `nvidia-fabricmanager-<branch>`
@@ -112,6 +107,14 @@ class FabricManagerState(FactBase):
         {'packages': {'nvidia-fabricmanager-570': '570.158.01-1'}, 'version': '570.158.01',
          'binary_version': '570.158.01', 'active': 'active', 'enabled': 'enabled'}
     """
+
+    empty = {
+        "packages": {},
+        "version": None,
+        "binary_version": None,
+        "active": "unknown",
+        "enabled": "unknown",
+    }
 
     def requires_command(self) -> str:
         return "dpkg-query"
@@ -125,16 +128,6 @@ class FabricManagerState(FactBase):
             'echo "active $(systemctl is-active nvidia-fabricmanager.service 2>/dev/null)"; '
             'echo "enabled $(systemctl is-enabled nvidia-fabricmanager.service 2>/dev/null)"'
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {
-            "packages": {},
-            "version": None,
-            "binary_version": None,
-            "active": "unknown",
-            "enabled": "unknown",
-        }
 
     def process(self, output: list[str]) -> dict[str, Any]:
         result = self.default()
@@ -162,7 +155,7 @@ class FabricManagerState(FactBase):
         return result
 
 
-class NvidiaKernelModule(FactBase):
+class NvidiaKernelModule(Fact):
     """The loaded `nvidia` module's version and the version installed for the running kernel.
 
     They differ after a driver upgrade until the host reboots (or the module is reloaded).
@@ -172,6 +165,8 @@ class NvidiaKernelModule(FactBase):
         {'loaded': '550.90.12', 'installed': '570.158.01', 'reboot_required': True}
     """
 
+    empty = {"loaded": None, "installed": None, "reboot_required": False}
+
     def command(self) -> str:
         return (
             'echo "loaded $(cat /sys/module/nvidia/version 2>/dev/null)"; '
@@ -179,16 +174,8 @@ class NvidiaKernelModule(FactBase):
             'echo "installed $(modinfo -F version nvidia 2>/dev/null)"; fi'
         )
 
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"loaded": None, "installed": None, "reboot_required": False}
-
     def process(self, output: list[str]) -> dict[str, Any]:
-        result = self.default()
-        for line in output:
-            key, _, value = line.partition(" ")
-            if key in ("loaded", "installed"):
-                result[key] = value.strip() or None
+        result = {**self.default(), **keyed_values(output, ("loaded", "installed"))}
         result["reboot_required"] = bool(
             result["loaded"] and result["installed"] and result["loaded"] != result["installed"]
         )

@@ -15,9 +15,8 @@ import re
 import shlex
 from typing import Any
 
-from pyinfra.api import FactBase
-
 from hgxserve.base.paths import FIREWALL_FILE, FIREWALL_TABLE, NFT
+from hgxserve.facts.common import Fact, NameList, keyed_values
 from hgxserve.parsers.outputs import parse_ibv_devinfo, parse_os_release
 from hgxserve.parsers.sections import split_sections
 
@@ -32,7 +31,7 @@ _SYSFS_STATE = {
 }
 
 
-class RdmaDevices(FactBase):
+class RdmaDevices(Fact):
     """RDMA devices with per-port state, rate and link layer (sysfs, then ibv_devinfo).
 
     sysfs is the kernel's own view and wins; `ibv_devinfo` adds firmware and board fields and
@@ -42,6 +41,8 @@ class RdmaDevices(FactBase):
         >>> host.get_fact(RdmaDevices)["devices"]["mlx5_0"]["ports"]["1"]["state"]  # doctest: +SKIP
         'PORT_ACTIVE'
     """
+
+    empty = {"devices": {}, "ibv_devinfo": "absent"}
 
     def command(self) -> str:
         return (
@@ -53,10 +54,6 @@ class RdmaDevices(FactBase):
             "echo '##ibv_devinfo'; ibv_devinfo 2>&1; echo \"##rc $?\"; "
             "else echo '##absent ibv_devinfo'; fi"
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"devices": {}, "ibv_devinfo": "absent"}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         result = self.default()
@@ -91,7 +88,7 @@ class RdmaDevices(FactBase):
         return result
 
 
-class PeermemLoaded(FactBase):
+class PeermemLoaded(Fact):
     """Whether the `nvidia_peermem` module (GPUDirect RDMA) is loaded.
 
     Example:
@@ -99,21 +96,19 @@ class PeermemLoaded(FactBase):
         True
     """
 
+    empty = False
+
     def command(self) -> str:
         return (
             "if grep -q '^nvidia_peermem ' /proc/modules 2>/dev/null "
             "|| [ -d /sys/module/nvidia_peermem ]; then echo loaded; else echo not-loaded; fi"
         )
 
-    @staticmethod
-    def default() -> bool:
-        return False
-
     def process(self, output: list[str]) -> bool:
         return bool(output) and output[-1].strip() == "loaded"
 
 
-class ShmSize(FactBase):
+class ShmSize(Fact):
     """Size, free space and filesystem type of /dev/shm, in bytes.
 
     Example:
@@ -121,15 +116,13 @@ class ShmSize(FactBase):
         {'fstype': 'tmpfs', 'size_bytes': 137438953472, 'avail_bytes': 137438953472}
     """
 
+    empty = {"fstype": None, "size_bytes": None, "avail_bytes": None}
+
     def command(self) -> str:
         return (
             "if [ -d /dev/shm ]; then df -B1 --output=fstype,size,avail /dev/shm | tail -n 1; "
             "else echo absent; fi"
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"fstype": None, "size_bytes": None, "avail_bytes": None}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         parts = output[-1].split() if output else []
@@ -138,7 +131,7 @@ class ShmSize(FactBase):
         return {"fstype": parts[0], "size_bytes": int(parts[1]), "avail_bytes": int(parts[2])}
 
 
-class UnitMemlock(FactBase):
+class UnitMemlock(Fact):
     """The memlock limit a systemd service really gets, not what a login shell sees.
 
     `default` is systemd's DefaultLimitMEMLOCK (`infinity` or bytes); `unit` is `ulimit -l`
@@ -150,6 +143,8 @@ class UnitMemlock(FactBase):
         {'default': 'infinity', 'unit': 'unlimited', 'infinity': True}
     """
 
+    empty = {"default": None, "unit": None, "infinity": False}
+
     def command(self) -> str:
         return (
             "if command -v systemctl >/dev/null 2>&1; then "
@@ -160,16 +155,8 @@ class UnitMemlock(FactBase):
             "sh -c 'ulimit -l' 2>/dev/null | tail -n 1)\"; fi"
         )
 
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"default": None, "unit": None, "infinity": False}
-
     def process(self, output: list[str]) -> dict[str, Any]:
-        result = self.default()
-        for line in output:
-            key, _, value = line.partition(" ")
-            if key in ("default", "unit"):
-                result[key] = value.strip() or None
+        result = {**self.default(), **keyed_values(output, ("default", "unit"))}
         if result["unit"] is not None:
             result["infinity"] = result["unit"] == "unlimited"
         else:
@@ -177,7 +164,7 @@ class UnitMemlock(FactBase):
         return result
 
 
-class HostResources(FactBase):
+class HostResources(Fact):
     """The CPUs this host offers (`nproc`) and its RAM (/proc/meminfo MemTotal, in bytes).
 
     Example:
@@ -185,12 +172,10 @@ class HostResources(FactBase):
         {'cpus': 128, 'mem_total_bytes': 2163760152576}
     """
 
+    empty = {"cpus": None, "mem_total_bytes": None}
+
     def command(self) -> str:
         return 'echo "nproc $(nproc 2>/dev/null)"; grep "^MemTotal:" /proc/meminfo; true'
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"cpus": None, "mem_total_bytes": None}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         result = self.default()
@@ -204,7 +189,7 @@ class HostResources(FactBase):
         return result
 
 
-class DiskFree(FactBase):
+class DiskFree(Fact):
     """Free and total bytes of the filesystem that holds `path` (or would, once created).
 
     Also reports `present_bytes`, what is already stored under `path`, so a re-sync of a model
@@ -215,6 +200,8 @@ class DiskFree(FactBase):
         {'path': '/models/DeepSeek-V3.2', 'mount': '/models', 'avail_bytes': ..., ...}
     """
 
+    empty = {"mount": None, "avail_bytes": None, "size_bytes": None, "present_bytes": 0}
+
     def command(self, path: str) -> str:
         quoted = shlex.quote(path)
         return (
@@ -222,10 +209,6 @@ class DiskFree(FactBase):
             'echo "df $(df -B1 --output=target,avail,size "$p" | tail -n 1)"; '
             f'if [ -e {quoted} ]; then echo "du $(du -sb {quoted} 2>/dev/null | cut -f1)"; fi'
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"mount": None, "avail_bytes": None, "size_bytes": None, "present_bytes": 0}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         result = self.default()
@@ -239,7 +222,7 @@ class DiskFree(FactBase):
         return result
 
 
-class OsRelease(FactBase):
+class OsRelease(Fact):
     """/etc/os-release as a dict (`ID`, `VERSION_ID`, `VERSION_CODENAME`, ...).
 
     Example:
@@ -247,18 +230,16 @@ class OsRelease(FactBase):
         'ubuntu'
     """
 
+    empty = {}
+
     def command(self) -> str:
         return "cat /etc/os-release 2>/dev/null || true"
-
-    @staticmethod
-    def default() -> dict[str, str]:
-        return {}
 
     def process(self, output: list[str]) -> dict[str, str]:
         return parse_os_release("\n".join(output))
 
 
-class HeldPackages(FactBase):
+class HeldPackages(NameList):
     """Packages on hold in dpkg (`apt-mark showhold`).
 
     Example:
@@ -272,15 +253,8 @@ class HeldPackages(FactBase):
     def command(self) -> str:
         return "apt-mark showhold"
 
-    @staticmethod
-    def default() -> list[str]:
-        return []
 
-    def process(self, output: list[str]) -> list[str]:
-        return sorted(line.strip() for line in output if line.strip())
-
-
-class ControllerAddress(FactBase):
+class ControllerAddress(Fact):
     """The controller's address as this host sees it: the client address of the SSH connection
     the deploy runs over (`$SSH_CONNECTION`: client address, client port, server address, server
     port). The host firewall allows it on the engines' HTTP APIs (hgxserve.topology.firewall).
@@ -292,12 +266,10 @@ class ControllerAddress(FactBase):
         '10.77.0.1'
     """
 
+    empty = None
+
     def command(self) -> str:
         return 'printf "%s\\n" "${SSH_CONNECTION:-}"'
-
-    @staticmethod
-    def default() -> str | None:
-        return None
 
     def process(self, output: list[str]) -> str | None:
         words = " ".join(output).split()
@@ -309,7 +281,7 @@ class ControllerAddress(FactBase):
             return None
 
 
-class HostFirewall(FactBase):
+class HostFirewall(Fact):
     """Whether the host firewall the installed release carries is loaded: `loaded`, `missing`
     (the release file is installed but the table is gone: a `flush ruleset`, an nftables
     service restart) or `none` (no firewall file installed).
@@ -319,16 +291,14 @@ class HostFirewall(FactBase):
         'loaded'
     """
 
+    empty = "none"
+
     def command(self) -> str:
         return (
             f"if [ -f {shlex.quote(FIREWALL_FILE)} ]; then "
             f"if {shlex.quote(NFT)} list table {FIREWALL_TABLE} >/dev/null 2>&1; "
             "then echo loaded; else echo missing; fi; else echo none; fi"
         )
-
-    @staticmethod
-    def default() -> str:
-        return "none"
 
     def process(self, output: list[str]) -> str:
         word = " ".join(output).strip()

@@ -18,9 +18,8 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from pyinfra.api import FactBase
-
 from hgxserve.base.paths import RUNTIME_MARKER
+from hgxserve.facts.common import Fact
 from hgxserve.parsers.probes import (
     driver_cuda_default,
     driver_cuda_from_lines,
@@ -71,7 +70,7 @@ print("##json " + json.dumps(out))
 """
 
 
-class VenvRuntimeState(FactBase):
+class VenvRuntimeState(Fact):
     """A runtime venv as its own Python sees it (`present: False` when it has no Python).
 
     Example:
@@ -79,6 +78,8 @@ class VenvRuntimeState(FactBase):
         ... # doctest: +SKIP
         {'present': True, 'engine_version': '0.26.0+sim', 'torch_version': None, ...}
     """
+
+    empty = {"present": False}
 
     def command(self, venv: str, dist: str, imports: tuple[str, ...] = ()) -> str:
         python = f"{venv.rstrip('/')}/bin/python"
@@ -89,15 +90,11 @@ class VenvRuntimeState(FactBase):
             "else echo '##absent'; fi"
         )
 
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"present": False}
-
     def process(self, output: list[str]) -> dict[str, Any]:
         return venv_state_from_lines(output)
 
 
-class DriverCuda(FactBase):
+class DriverCuda(Fact):
     """The driver version and the highest CUDA version it supports, from nvidia-smi's header.
 
     `status` is `ok`, `absent` (no nvidia-smi) or `error` (it ran and failed).
@@ -107,21 +104,19 @@ class DriverCuda(FactBase):
         {'status': 'ok', 'driver_version': '570.158.01', 'cuda_version': '12.8'}
     """
 
+    empty = driver_cuda_default()
+
     def command(self) -> str:
         return (
             "if command -v nvidia-smi >/dev/null 2>&1; then out=$(nvidia-smi 2>&1); rc=$?; "
             "printf '%s\\n' \"$out\" | head -n 8; echo \"##rc $rc\"; else echo '##absent'; fi"
         )
 
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return driver_cuda_default()
-
     def process(self, output: list[str]) -> dict[str, Any]:
         return driver_cuda_from_lines(output)
 
 
-class HostPython(FactBase):
+class HostPython(Fact):
     """The host's python3 as pip sees platforms: version, machine, glibc (for wheel tags).
 
     Example:
@@ -129,16 +124,14 @@ class HostPython(FactBase):
         {'version': '3.11', 'machine': 'x86_64', 'glibc': '2.36'}
     """
 
+    empty = {"version": None, "machine": None, "glibc": None}
+
     def command(self) -> str:
         return (
             "python3 -c 'import platform, sys; "
             'print("%d.%d" % sys.version_info[:2], platform.machine(), '
             'platform.libc_ver()[1] or "-")\' 2>/dev/null || echo absent'
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"version": None, "machine": None, "glibc": None}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         words = " ".join(output).split()
@@ -148,7 +141,7 @@ class HostPython(FactBase):
         return {"version": version, "machine": machine, "glibc": None if glibc == "-" else glibc}
 
 
-class CdiSpecState(FactBase):
+class CdiSpecState(Fact):
     """Whether the CDI spec exists and which driver version it was generated for (its stamp).
 
     Example:
@@ -157,15 +150,13 @@ class CdiSpecState(FactBase):
         {'present': True, 'driver': '570.158.01'}
     """
 
+    empty = {"present": False, "driver": None}
+
     def command(self, spec: str, stamp: str) -> str:
         return (
             f"if [ -s {shlex.quote(spec)} ]; then echo present; else echo absent; fi; "
             f"cat {shlex.quote(stamp)} 2>/dev/null || true"
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"present": False, "driver": None}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         lines = [line.strip() for line in output if line.strip()]
@@ -175,7 +166,7 @@ class CdiSpecState(FactBase):
         }
 
 
-class ContainerImage(FactBase):
+class ContainerImage(Fact):
     """An image as the container tool knows it: its manifest digest, or absent.
 
     `tool` is None when the container tool itself is not installed.
@@ -186,16 +177,14 @@ class ContainerImage(FactBase):
         {'tool': True, 'digest': 'sha256:...'}
     """
 
+    empty = {"tool": False, "digest": None}
+
     def command(self, tool: str, image: str) -> str:
         inspect = shlex.join([tool, "image", "inspect", "--format", "{{.Digest}}", image])
         return (
             f"if [ -x {shlex.quote(tool)} ]; then echo tool; {inspect} 2>/dev/null || true; "
             "else echo notool; fi"
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"tool": False, "digest": None}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         lines = [line.strip() for line in output if line.strip()]
@@ -205,7 +194,7 @@ class ContainerImage(FactBase):
         return {"tool": True, "digest": digest}
 
 
-class ContainerImageCheck(FactBase):
+class ContainerImageCheck(Fact):
     """What an engine image sees when run as the engine runs (hgxserve.runtime.image_check):
     the output lines of `image_check_argv` (the HCAs it lists, which kernel modules its python3
     imports), for `image_check_problems` to judge. It runs the image with `--rm --pull=never`,
@@ -217,6 +206,8 @@ class ContainerImageCheck(FactBase):
         ['hgxserve-fabric: hcas=mlx5_0 ; uverbs=uverbs0 ; missing=', 'hgxserve-import: deep_ep ok']
     """
 
+    empty = []
+
     def command(
         self,
         tool: str,
@@ -227,10 +218,6 @@ class ContainerImageCheck(FactBase):
     ) -> str:
         argv = image_check_argv(tool, image, tuple(devices), tuple(modules), gpu)
         return shlex.join(argv) + " 2>&1 || true"
-
-    @staticmethod
-    def default() -> list[str]:
-        return []
 
     def process(self, output: list[str]) -> list[str]:
         return [line for line in output if line.strip()]

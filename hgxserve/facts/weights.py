@@ -13,16 +13,15 @@ import json
 import shlex
 from typing import Any
 
-from pyinfra.api import FactBase
-
 from hgxserve.base.paths import AGENT
+from hgxserve.facts.common import Fact
 from hgxserve.parsers.probes import parse_manifest_state
 from hgxserve.weights.state import STATE_DIR_NAME
 
 _MANIFEST_HEAD = "##manifest "
 
 
-class ModelManifestState(FactBase):
+class ModelManifestState(Fact):
     """The marker, the state record's source/digest, and a stat-only marker check of a tree.
 
     Example:
@@ -30,6 +29,8 @@ class ModelManifestState(FactBase):
         {'marker': 'sha256:9f2c...', 'source': 's3://models/x/', 'manifest_digest':
          'sha256:9f2c...', 'files': 55, 'check': 'ok'}
     """
+
+    empty = {}
 
     def command(self, dest: str, state_dir: str | None = None, agent: str = AGENT) -> str:
         directory = state_dir or f"{dest.rstrip('/')}/{STATE_DIR_NAME}"
@@ -45,15 +46,11 @@ class ModelManifestState(FactBase):
             "&& echo ok || echo stale; else echo absent; fi"
         )
 
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {}
-
     def process(self, output: list[str]) -> dict[str, Any]:
         return parse_manifest_state(output)
 
 
-class ManifestSize(FactBase):
+class ManifestSize(Fact):
     """The bytes the manifest already on the host lists for the tree at `dest`: the tree's own
     manifest file (`manifest`, hgxserve-manifest.json by default) or the copy a sync keeps in its
     state directory. `None` when neither is there or readable.
@@ -64,6 +61,8 @@ class ManifestSize(FactBase):
         {'bytes': 740881858560, 'files': 163, 'file': '/models/x/hgxserve-manifest.json'}
     """
 
+    empty = {"bytes": None, "files": 0, "file": None}
+
     def command(self, dest: str, manifest: str) -> str:
         base = dest.rstrip("/")
         candidates = [f"{base}/{manifest}", f"{base}/{STATE_DIR_NAME}/manifest.json"]
@@ -72,10 +71,6 @@ class ManifestSize(FactBase):
             f'for f in {quoted}; do if [ -f "$f" ] && [ -r "$f" ]; then '
             f'echo "{_MANIFEST_HEAD}$f"; cat "$f"; echo; break; fi; done; true'
         )
-
-    @staticmethod
-    def default() -> dict[str, Any]:
-        return {"bytes": None, "files": 0, "file": None}
 
     def process(self, output: list[str]) -> dict[str, Any]:
         return manifest_size(output)
