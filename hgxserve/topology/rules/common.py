@@ -1,5 +1,6 @@
-"""What several rule modules share: version parsing, GPU kinds, the P/D pairs the proxy joins,
-and the accept-by-path hint of the code-loading rules (`ITEM_ACCEPTABLE`). Registers no rule.
+"""What several rule modules share: version parsing and comparison, GPU kinds, the P/D pairs the
+proxy joins, and the accept-by-path hint of the code-loading rules (`ITEM_ACCEPTABLE`). Registers
+no rule.
 
 A topology is untrusted input: environment variables, engine flags, packages and shipped files
 that run code inside the engine (as the user the engine runs as), or ship any controller file,
@@ -35,6 +36,18 @@ def parse_version(text: str | None) -> tuple[int, ...] | None:
     if not match:
         return None
     return tuple(int(g or 0) for g in match.groups())
+
+
+def older_than(engine: Engine, release: tuple[int, ...]) -> bool:
+    """Whether the engine states a version, older than `release` (no stated version: False)."""
+    version = parse_version(engine.version)
+    return version is not None and version < release
+
+
+def at_least(engine: Engine, release: tuple[int, ...]) -> bool:
+    """Whether the engine states a version, `release` or newer (no stated version: False)."""
+    version = parse_version(engine.version)
+    return version is not None and version >= release
 
 
 def show_version(version: tuple[int, ...]) -> str:

@@ -18,7 +18,7 @@ from hgxserve.topology.model import Engine, Proxy, Topology, is_loopback
 from hgxserve.topology.ports import UNSPECIFIED, setting_path, uses_nixl_side_channel
 from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.registry import Finding, engine_rule, proxy_rule, rule
-from hgxserve.topology.rules.common import cross_host, parse_version, pd_pairs, show_version
+from hgxserve.topology.rules.common import at_least, cross_host, pd_pairs, show_version
 from hgxserve.topology.wiring import proxy_protocol
 
 FAMILY = ("pd-", "side-channel-")
@@ -148,8 +148,7 @@ def pd_tp(topo: Topology) -> Iterator[Finding]:
         if d.tp >= p.tp and d.tp % p.tp == 0:
             continue
         where = setting_path(topo, d.name, "tp")
-        version = parse_version(d.version)
-        if d.tp > p.tp or version is None or version < VLLM_NIXL_P_TP_GT_D:
+        if d.tp > p.tp or not at_least(d, VLLM_NIXL_P_TP_GT_D):
             shown = f"vLLM {d.version}" if d.version else "vLLM of an unstated version"
             newer = (
                 f"; vLLM >= {show_version(VLLM_NIXL_P_TP_GT_D)} also takes a decode tp that "

@@ -16,7 +16,7 @@ from hgxserve.topology import fit
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import setting_path
 from hgxserve.topology.registry import Finding, data_parallel, engine_rule, sparse_attention
-from hgxserve.topology.rules.common import HOPPER, gpu_kinds, parse_version, show_version
+from hgxserve.topology.rules.common import HOPPER, at_least, gpu_kinds, older_than, show_version
 
 FAMILY = (
     "vllm-",
@@ -139,8 +139,7 @@ def dcp_sparse(topo: Topology, engine: Engine) -> Iterator[Finding]:
 def vllm_attention_backend_env(topo: Topology, engine: Engine) -> Iterator[Finding]:
     if "VLLM_ATTENTION_BACKEND" not in engine.env:
         return
-    version = parse_version(engine.version)
-    if version is not None and version < VLLM_ATTENTION_ENV_REMOVED:
+    if older_than(engine, VLLM_ATTENTION_ENV_REMOVED):
         return
     shown = f"vLLM {engine.version}" if engine.version else "vLLM of an unstated version"
     value = engine.env["VLLM_ATTENTION_BACKEND"]
@@ -237,8 +236,7 @@ def tokenizer_mode(topo: Topology, engine: Engine) -> Iterator[Finding]:
 def async_scheduling_dp(topo: Topology, engine: Engine) -> Iterator[Finding]:
     if engine.args.get("async_scheduling") is not False:
         return
-    version = parse_version(engine.version)
-    if version is not None and version < VLLM_NCCL_DP_SYNC:
+    if older_than(engine, VLLM_NCCL_DP_SYNC):
         return
     yield (
         setting_path(topo, engine.name, "args", "async_scheduling"),
@@ -262,8 +260,7 @@ def mtp_pd_version(topo: Topology, engine: Engine) -> Iterator[Finding]:
         return
     if not engine.args.get("speculative_config"):
         return
-    version = parse_version(engine.version)
-    if version is not None and version >= VLLM_MTP_PD_FIX:
+    if at_least(engine, VLLM_MTP_PD_FIX):
         return
     shown = f"version {engine.version}" if engine.version else "an unstated version"
     yield (
@@ -309,8 +306,7 @@ def dp_nccl_sync(topo: Topology, engine: Engine) -> Iterator[Finding]:
     async_on = engine.args.get("async_scheduling")
     if async_on is False:
         return  # async-scheduling-dp covers dropping the async scheduler
-    version = parse_version(engine.version)
-    if async_on is None and version is not None and version < VLLM_ASYNC_DEFAULT:
+    if async_on is None and older_than(engine, VLLM_ASYNC_DEFAULT):
         return  # async scheduling is off by default there
     if engine.args.get("disable_nccl_for_dp_synchronization") is False:
         return
@@ -321,7 +317,7 @@ def dp_nccl_sync(topo: Topology, engine: Engine) -> Iterator[Finding]:
         "coordinate_batch_across_dp takes 9 ms instead of 1 ms per step (seeds 000/001 "
         "§4.4.1)"
     )
-    if version is not None and version < VLLM_NCCL_DP_SYNC:
+    if older_than(engine, VLLM_NCCL_DP_SYNC):
         yield (
             setting_path(topo, engine.name, "args", "async_scheduling"),
             f"dp {engine.dp} with async scheduling on vLLM {engine.version}: {evidence}; "
