@@ -48,6 +48,13 @@ def _row(title: str) -> dict[str, Any]:
     return {"type": "row", "title": title, "collapsed": False, "panels": []}
 
 
+def _each(record: str) -> list[tuple[str, str]]:
+    """One line per series of a recording rule, named by the label the rule sums by (its first
+    part: `role:...` draws one line per role)."""
+    label = record.split(":", 1)[0]
+    return [(f"{record}{{{T}}}", f"{{{{{label}}}}}")]
+
+
 def _percentiles(metric: str) -> list[tuple[str, str]]:
     return [
         (f"role:hgxserve_{metric}_seconds:p{q}{{{T}}}", f"{{{{role}}}} P{q}") for q in (50, 90, 99)
@@ -61,18 +68,18 @@ def panels(topo: Topology) -> list[dict[str, Any]]:
     out += [
         _panel(
             "Output tokens/s per role",
-            [(f"role:hgxserve_generation_tokens:rate{{{T}}}", "{{role}}")],
+            _each("role:hgxserve_generation_tokens:rate"),
             "short",
             "Generated tokens per second, summed over the role's engines.",
         ),
         _panel(
             "Prompt tokens/s per role",
-            [(f"role:hgxserve_prompt_tokens:rate{{{T}}}", "{{role}}")],
+            _each("role:hgxserve_prompt_tokens:rate"),
             "short",
         ),
         _panel(
             "Output tok/s per GPU",
-            [(f"role:hgxserve_generation_tokens_per_gpu:rate{{{T}}}", "{{role}}")],
+            _each("role:hgxserve_generation_tokens_per_gpu:rate"),
             "short",
         ),
         _panel(
@@ -94,7 +101,7 @@ def panels(topo: Topology) -> list[dict[str, Any]]:
         _row("Engines"),
         _panel(
             "KV cache usage",
-            [(f"engine:hgxserve_kv_cache_usage:ratio{{{T}}}", "{{engine}}")],
+            _each("engine:hgxserve_kv_cache_usage:ratio"),
             "percentunit",
         ),
         _panel(
@@ -118,20 +125,20 @@ def panels(topo: Topology) -> list[dict[str, Any]]:
             out += [
                 _panel(
                     "KV transfers/s",
-                    [(f"engine:hgxserve_kv_transfers:rate{{{T}}}", "{{engine}}")],
+                    _each("engine:hgxserve_kv_transfers:rate"),
                     "short",
                     "NIXL transfers per second (one per TP rank and request).",
                 ),
                 _panel(
                     "KV bytes/s",
-                    [(f"engine:hgxserve_kv_transfer_bytes:rate{{{T}}}", "{{engine}}")],
+                    _each("engine:hgxserve_kv_transfer_bytes:rate"),
                     "Bps",
                 ),
             ]
         out.append(
             _panel(
                 "KV transfer failures",
-                [(f"engine:hgxserve_kv_transfer_failures:increase{{{T}}}", "{{engine}}")],
+                _each("engine:hgxserve_kv_transfer_failures:increase"),
                 "short",
                 "Failed KV transfers in the last window; anything above 0 is an alert.",
             )
@@ -140,12 +147,7 @@ def panels(topo: Topology) -> list[dict[str, Any]]:
             out.append(
                 _panel(
                     "Decode prompt tokens computed locally",
-                    [
-                        (
-                            f"engine:hgxserve_decode_recomputed_prompt_tokens:rate{{{T}}}",
-                            "{{engine}}",
-                        )
-                    ],
+                    _each("engine:hgxserve_decode_recomputed_prompt_tokens:rate"),
                     "short",
                     "A decode that computes prompts itself is not doing P/D (seed 003 §11.4).",
                 )
@@ -196,7 +198,7 @@ def panels(topo: Topology) -> list[dict[str, Any]]:
             ),
             _panel(
                 "Engine GPU utilisation",
-                [(f"engine:hgxserve_gpu_util:avg{{{T}}}", "{{engine}}")],
+                _each("engine:hgxserve_gpu_util:avg"),
                 "percent",
             ),
         ]
