@@ -19,6 +19,7 @@ from hgxserve.base.paths import TOPOLOGY_FILES_DIR
 from hgxserve.base.routing import is_kv_aware
 from hgxserve.base.sizes import parse_size
 from hgxserve.topology.engine_args import EngineArgs, EngineKind
+from hgxserve.topology.engine_flags import read_extra_args
 
 LOOPBACK = ("127.", "localhost", "::1")
 # Engine flags whose value is a file or directory the engine reads on its host.
@@ -319,14 +320,13 @@ class Engine:
         return self.gpus_per_dp_rank * self.dp
 
     def extra_arg(self, *flags: str) -> str | None:
-        """The value one of `flags` sets in extra_args (`--flag v` or `--flag=v`), if any."""
-        args = self.extra_args
-        for i, arg in enumerate(args):
-            for flag in flags:
-                if arg == flag and i + 1 < len(args):
-                    return args[i + 1]
-                if arg.startswith(flag + "="):
-                    return arg.split("=", 1)[1]
+        """The value one of `flags` sets in extra_args (`--flag v` or `--flag=v`), if any, in
+        any spelling the engine's parser takes for it (hgxserve.topology.engine_flags)."""
+        wanted = set(flags)
+        for found in read_extra_args(self.engine, self.extra_args):
+            names = {found.written, found.name, found.flag}
+            if not found.subkey and found.value and wanted & names:
+                return found.value
         return None
 
     def host_paths(self) -> list[tuple[tuple[str, ...], str, str]]:
@@ -335,15 +335,12 @@ class Engine:
         template = self.args.get("chat_template")
         if template is not None and template.startswith("/"):
             found.append((("args", "chat_template"), "chat_template", template))
-        args = list(self.extra_args)
-        for i, arg in enumerate(args):
-            flag, eq, value = arg.partition("=")
-            if flag not in PATH_FLAGS:
+        for arg in read_extra_args(self.engine, self.extra_args):
+            flag = arg.flag or arg.name
+            if flag not in PATH_FLAGS or not arg.value.startswith("/"):
                 continue
-            if not eq:
-                value = args[i + 1] if i + 1 < len(args) else ""
-            if value.startswith("/"):
-                found.append((("extra_args", str(i if eq else i + 1)), flag, value))
+            eq = "=" in self.extra_args[arg.index]
+            found.append((("extra_args", str(arg.index if eq else arg.index + 1)), flag, arg.value))
         return found
 
     def dp_ranks_on(self, host: str) -> range:

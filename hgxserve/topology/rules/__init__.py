@@ -11,7 +11,8 @@ One module per rule family, named by what its rules check; each declares the ids
     vllm        vllm-*, and the vLLM-only attention-backend, dcp-sparse, tokenizer-mode,
                 dp-nccl-sync, async-scheduling-dp, mtp-pd-version, ray-single-node
     sglang      sglang-*
-    engine      eplb-*, heads-per-rank, max-num-seqs-unset, served-name, extra-args-typed
+    engine      eplb-*, heads-per-rank, max-num-seqs-unset, served-name, extra-args-typed,
+                extra-args-known
     fit         fit-*, model-config
     code        remote-code-*, args-load-code, package-known
     env         env-*

@@ -14,7 +14,7 @@ from hgxserve.topology.model import Engine, Topology, normalize_dist
 from hgxserve.topology.ports import setting_path
 from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.registry import Finding, engine_rule
-from hgxserve.topology.rules.common import accept_hint
+from hgxserve.topology.rules.common import accept_hint, extra_flags
 
 FAMILY = ("remote-code-", "args-load-code", "package-known")
 
@@ -64,8 +64,10 @@ def remote_code_pin(topo: Topology, engine: Engine) -> Iterator[Finding]:
         )
 
 
-# Engine flags whose value is code to import (a class or module path) or that let requests
-# carry code (SGLang's custom logit processors arrive serialized in the request).
+# Engine flags whose value is code to import (a class or module path), a file that can name code
+# or more flags past these rules, or that let requests carry code or read the host's files
+# (SGLang's custom logit processors arrive serialized in the request). extra_args are matched as
+# the engine's parser reads them (hgxserve.topology.engine_flags: `_` or `-`, any prefix).
 CODE_FLAGS = {
     "--worker-extension-cls": "imports the named class into every worker",
     "--worker-cls": "imports the named worker class",
@@ -76,44 +78,53 @@ CODE_FLAGS = {
     "--reasoning-parser-plugin": "executes the named Python file",
     "--enable-custom-logit-processor": "runs logit processors that requests send serialized",
     "--custom-weight-loader": "imports the named weight loader functions",
+    "--config": "reads more flags from a YAML file, which no rule sees",
+    "--log-config-file": (
+        "loads a logging dictConfig, which can construct any callable (`()`: module.factory)"
+    ),
+    "--logging-config": (
+        "configures logging from a file or dictConfig, which can construct any callable"
+    ),
+    "--allowed-local-media-path": (
+        "lets every request read the host's files under that path (file:// media URLs)"
+    ),
 }
 # Packages a runtime may add without an accept: the kernels hgxserve knows (their preflight
 # imports them) and the P/D transfer extras (hgxserve.runtime.spec.KV_EXTRAS).
 KV_EXTRA_DISTS = ("nixl", "mooncake-transfer-engine")
+SUBKEY_LOADS = (
+    "sets one key of a JSON config flag, past the typed fields and the rules that check them "
+    "(a key such as kv_connector_module_path or an inductor pass names code to import)"
+)
 
 
-def _flag_paths(topo: Topology, engine: Engine) -> Iterator[tuple[JsonPath, str, str]]:
-    """(path, flag, value) of each extra arg that names code, where the user wrote it."""
-    args = list(engine.extra_args)
-    inherited = len(topo.raw.get("defaults", {}).get("extra_args", []))
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if flag not in CODE_FLAGS:
-            continue
-        if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value = args[i + 1]
-        path: JsonPath = (
-            ("defaults", "extra_args", i)
-            if i < inherited
-            else ("engines", engine.name, "extra_args", i - inherited)
-        )
-        yield path, flag, value
+def _code_flags(topo: Topology, engine: Engine) -> Iterator[tuple[JsonPath, str, str]]:
+    """(path, what, why) of each extra arg that names code, where the user wrote it."""
+    for path, flag in extra_flags(topo, engine):
+        if flag.subkey:
+            yield path, f"{flag.written}={flag.value}".rstrip("="), SUBKEY_LOADS
+        elif flag.flag in CODE_FLAGS:
+            spelled = (
+                "" if flag.written == flag.flag else f" ({engine.engine} reads it as {flag.flag})"
+            )
+            yield path, f"{flag.written}{spelled} {flag.value}".strip(), CODE_FLAGS[flag.flag]
 
 
 @engine_rule(
     "args-load-code",
     "error",
     "No engine flag that imports code the topology names (--worker-extension-cls, "
-    "--middleware, ...), unless accepted by its path.",
+    "--middleware, --config, a logging config, a dotted sub-key, ...), in any spelling the "
+    "engine takes, unless accepted by its path.",
     why=(
         "--worker-extension-cls, --middleware, --tool-parser-plugin and the like import code "
-        "by name; SGLang's --enable-custom-logit-processor runs code that requests carry"
+        "by name, --config and a dictConfig bring in what no rule saw; SGLang's "
+        "--enable-custom-logit-processor runs code that requests carry"
     ),
 )
 def args_load_code(topo: Topology, engine: Engine) -> Iterator[Finding]:
-    for path, flag, value in _flag_paths(topo, engine):
-        what = f"{flag} {value}".strip()
-        yield path, f"{what} {CODE_FLAGS[flag]}; {accept_hint(path)}"
+    for path, what, why in _code_flags(topo, engine):
+        yield path, f"{what} {why}; {accept_hint(path)}"
 
 
 def _known_dists() -> set[str]:

@@ -17,7 +17,9 @@ time; no other error can be accepted.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
+from hgxserve.topology.engine_flags import ExtraFlag, read_extra_args
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.problems import JsonPath, format_path
 
@@ -25,7 +27,7 @@ HOPPER = ("H20", "H20-3e", "H100", "H800", "H200")
 BLACKWELL = ("B200",)
 
 ITEM_ACCEPTABLE = ("env-loads-code", "env-family", "args-load-code", "package-known",
-                   "file-source-place")  # fmt: skip
+                   "file-source-place", "extra-args-known")  # fmt: skip
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
@@ -93,3 +95,17 @@ def cross_host(a: Engine, b: Engine) -> bool:
 def accept_hint(path: JsonPath) -> str:
     """The end of a code-loading finding's message: how to accept it by its path."""
     return f"to keep it, accept it with a reason: accept: {{{format_path(path)!r}: why}}"
+
+
+def extra_flags(topo: Topology, engine: Engine) -> Iterator[tuple[JsonPath, ExtraFlag]]:
+    """(path, flag) of each flag of an engine's extra_args as its parser reads it, at the path
+    where the user wrote it (`defaults.extra_args` come first in the merged list)."""
+    inherited = len(topo.raw.get("defaults", {}).get("extra_args", []))
+    for flag in read_extra_args(engine.engine, engine.extra_args):
+        i = flag.index
+        path: JsonPath = (
+            ("defaults", "extra_args", i)
+            if i < inherited
+            else ("engines", engine.name, "extra_args", i - inherited)
+        )
+        yield path, flag

@@ -1,24 +1,32 @@
 """Rules on any engine's args, vLLM and SGLang alike: eplb-*, heads-per-rank, max-num-seqs-unset,
-served-name, extra-args-typed.
+served-name, extra-args-typed, extra-args-known.
 
 EPLB settings the seeds measured, DSA heads per TP rank (with advice from the fit estimate),
 CUDA-graph capture bounded by max_num_seqs, the served name the proxy routes by, and extra_args
-that would bypass the typed fields and the rules that check them.
+that would bypass the typed fields and the rules that check them, read as the engine's parser
+reads them (hgxserve.topology.engine_flags), each a flag the engine takes, written in full.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from hgxserve.topology import fit
 from hgxserve.topology.engine_args import arg_of_flag
+from hgxserve.topology.engine_flags import ExtraFlag, flags_source
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import proxy_targets, setting_path
-from hgxserve.topology.registry import Finding, engine_rule, rule
-from hgxserve.topology.rules.common import BLACKWELL, HOPPER, gpu_kinds
+from hgxserve.topology.registry import Finding, engine_rule
+from hgxserve.topology.rules.common import BLACKWELL, HOPPER, accept_hint, extra_flags, gpu_kinds
 
-FAMILY = ("eplb-", "heads-per-rank", "max-num-seqs-unset", "served-name", "extra-args-typed")
+FAMILY = (
+    "eplb-",
+    "heads-per-rank",
+    "max-num-seqs-unset",
+    "served-name",
+    "extra-args-typed",
+    "extra-args-known",
+)
 
 
 @engine_rule(
@@ -217,27 +225,72 @@ TYPED_FLAGS = {
 }
 
 
-@rule(
+@engine_rule(
     "extra-args-typed",
     "error",
-    "extra_args do not repeat flags that typed fields render.",
-    why="a flag in extra_args bypasses the GPU, port and P/D checks",
+    "extra_args do not repeat flags that typed fields render, in any spelling the engine takes "
+    "(`_` for `-`, a prefix, a dotted sub-key).",
+    why="a flag in extra_args bypasses the GPU, port, P/D and remote-code checks",
 )
-def extra_args_typed(topo: Topology) -> Iterator[Finding]:
-    sources: list[tuple[tuple[str | int, ...], list[Any]]] = []
-    defaults = topo.raw.get("defaults", {})
-    sources.append((("defaults", "extra_args"), defaults.get("extra_args", [])))
-    for name, data in topo.raw.get("engines", {}).items():
-        sources.append((("engines", name, "extra_args"), data.get("extra_args", [])))
-    for base, args in sources:
-        for i, arg in enumerate(args):
-            if not isinstance(arg, str):
-                continue
-            flag = arg.split("=", 1)[0]
-            field = TYPED_FLAGS.get(flag)
-            if field:
-                yield (
-                    (*base, i),
-                    f"{flag} in extra_args duplicates the typed field {field}; set {field} "
-                    "instead (extra_args bypass the P/D, GPU and port checks)",
-                )
+def extra_args_typed(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    for path, flag in extra_flags(topo, engine):
+        names = (flag.written, flag.name, flag.flag)
+        field = next((TYPED_FLAGS[n] for n in names if n in TYPED_FLAGS), None)
+        if field is None:
+            continue
+        shown = flag.written
+        if flag.written != flag.flag:
+            shown += f" ({_taken_as(engine, flag)})"
+        yield (
+            path,
+            f"{shown} in extra_args duplicates the typed field {field}; set {field} "
+            "instead (extra_args bypass the P/D, GPU and port checks)",
+        )
+
+
+def _taken_as(engine: Engine, flag: ExtraFlag) -> str:
+    seen = flag.flag or flag.name
+    sub = f" sub-key {flag.subkey}" if flag.subkey else ""
+    return f"{engine.engine} reads it as {seen}{sub}"
+
+
+@engine_rule(
+    "extra-args-known",
+    "error",
+    "Every flag in extra_args is one the engine's serve parser takes, written in full "
+    "(hgxserve/topology/engine_flags.json); a flag the list lacks is accepted by its path.",
+    why=(
+        "argparse takes any unambiguous prefix and vLLM `_` for `-`: a flag the rules do not "
+        "know by name could be one they refuse (`--trust-remote`, `--worker-extension`), and "
+        "a prefix means another flag once a new engine version adds one"
+    ),
+)
+def extra_args_known(topo: Topology, engine: Engine) -> Iterator[Finding]:
+    for path, flag in extra_flags(topo, engine):
+        if flag.flag is not None and not flag.abbreviated:
+            continue
+        if flag.abbreviated:
+            yield (
+                path,
+                f"{flag.written} is an abbreviation: {engine.engine}'s parser takes it for "
+                f"{flag.flag}; write {flag.flag} in full",
+            )
+        elif flag.candidates:
+            few = ", ".join(flag.candidates[:4]) + (", ..." if len(flag.candidates) > 4 else "")
+            yield (
+                path,
+                f"{flag.written} is a prefix of {len(flag.candidates)} {engine.engine} flags "
+                f"({few}): {engine.engine} refuses it at start; write the flag in full",
+            )
+        else:
+            yield (
+                path,
+                f"{flag.written} is not a flag of {engine.engine}'s serve parser (the flags of "
+                f"{_versions(engine)}, hgxserve/topology/engine_flags.json): check its "
+                f"spelling; a flag of another engine version: {accept_hint(path)}",
+            )
+
+
+def _versions(engine: Engine) -> str:
+    source = flags_source(engine.engine)
+    return source.split(" (", 1)[0].removeprefix("PyPI ")

@@ -74,14 +74,22 @@ ENV_FAMILIES = (
     "TOKENIZERS_", "TIKTOKEN_", "OMP_", "MKL_", "KMP_", "GLOO_", "TP_", "OUTLINES_",
     "XGRAMMAR_",
 )  # fmt: skip
-# Read by the dynamic loader, an interpreter or a shell: each names code to run.
+# Read by the dynamic loader, an interpreter or a shell: each names code to run (or, for the
+# engines' own, opens a route that runs what a request names).
 LOADER_PREFIXES = ("LD_", "PYTHON", "PERL5", "RUBY", "DYLD_")
 LOADER_NAMES = frozenset(
     {"BASH_ENV", "ENV", "PATH", "GCONV_PATH", "GLIBC_TUNABLES", "NODE_OPTIONS",
      "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "IFS", "SHELLOPTS", "PS4", "HOSTALIASES",
      # in the families, yet each names a library or directory of plugins to load
      "NCCL_NET_PLUGIN", "NCCL_TUNER_PLUGIN", "NCCL_PROFILER_PLUGIN", "NCCL_ENV_PLUGIN",
-     "UCX_MODULE_DIR", "NIXL_PLUGIN_DIR", "CUDA_INJECTION64_PATH"}
+     "UCX_MODULE_DIR", "NIXL_PLUGIN_DIR", "CUDA_INJECTION64_PATH",
+     # a logging dictConfig file: its `()` keys construct any callable (module.factory)
+     "VLLM_LOGGING_CONFIG_PATH", "SGLANG_LOGGING_CONFIG_PATH",
+     # open routes or decoders that run what a request sends: vLLM's dev-mode endpoints
+     # (/reset_prefix_cache, /sleep, /collective_rpc: a method call in every worker), pickle on
+     # the engine's sockets, LoRA adapters loaded from a request's path
+     "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION",
+     "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
 )  # fmt: skip
 # Python's own variables that change no code that runs
 PYTHON_HARMLESS = frozenset(

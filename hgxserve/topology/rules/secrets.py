@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from hgxserve.base.paths import CONFIG_DIR
+from hgxserve.topology.engine_args import EngineKind
+from hgxserve.topology.engine_flags import read_extra_args
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import setting_path
 from hgxserve.topology.registry import Finding, engine_rule, rule
@@ -110,14 +112,24 @@ def secret_env(topo: Topology) -> Iterator[Finding]:
                     f"`systemctl show`; use secret_env with a reference, e.g. secret_env: "
                     f"{{{key}: {{env: {key}}}}} or {{file: {CONFIG_DIR}/{key.lower()}}}",
                 )
-        for i, arg in enumerate(extra):
-            if isinstance(arg, str) and arg.split("=", 1)[0] in _SECRET_FLAGS:
-                yield (
-                    (*base, "extra_args", i),
-                    f"{arg.split('=', 1)[0]} puts a secret on the command line (visible in ps "
-                    "and the unit); use secret_env with a reference (e.g. VLLM_API_KEY: "
-                    "{env: VLLM_API_KEY}) or proxy.auth",
-                )
+        for i, flag in _secret_flags(extra):
+            yield (
+                (*base, "extra_args", i),
+                f"{flag} puts a secret on the command line (visible in ps "
+                "and the unit); use secret_env with a reference (e.g. VLLM_API_KEY: "
+                "{env: VLLM_API_KEY}) or proxy.auth",
+            )
+
+
+def _secret_flags(extra: list[Any]) -> list[tuple[int, str]]:
+    """(index, flag as written) of each secret flag in extra_args, in any spelling either
+    engine's parser takes for it (`--api_key`, a prefix such as `--hf-tok`)."""
+    hits: dict[int, str] = {}
+    for engine in ("vllm", "sglang"):
+        for found in read_extra_args(cast(EngineKind, engine), extra):
+            if {found.written, found.name, found.flag} & set(_SECRET_FLAGS):
+                hits.setdefault(found.index, found.written)
+    return sorted(hits.items())
 
 
 def _shown(cred: LoadedCredential) -> str:
