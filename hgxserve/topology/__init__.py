@@ -81,7 +81,7 @@ def check_topology(path: str | Path) -> CheckResult:
 
 def _accepted(problems: list[Problem], doc: Document) -> list[Problem]:
     """Drop the warnings of rules the topology accepts (`accept: {rule: why}`) and the
-    findings of code-loading rules it accepts one by one (`accept: {"$.path": why}`,
+    findings of the rules of ITEM_ACCEPTABLE it accepts one by one (`accept: {"$.path": why}`,
     hgxserve.topology.rules.common); an accepted id that is no warning rule, or a path that no
     such finding has, is an error itself."""
     from hgxserve.topology.rules import RULES
@@ -98,7 +98,7 @@ def _accepted(problems: list[Problem], doc: Document) -> list[Problem]:
     ]
     for key in sorted(items - lifted):
         why = (
-            "no finding of a code-loading rule has this path "
+            "no finding of a rule accepted by its path has this path "
             f"({', '.join(ITEM_ACCEPTABLE)}); copy the path from validate's message"
         )
         kept.append(doc.problem(("accept", key), why, rule="accept", key=True))

@@ -27,6 +27,7 @@ A host is named by its address and its side_channel_address (KV may leave from e
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,17 +65,36 @@ class Access:
     controller: bool = False  # the controller (its address as the host sees it) may reach it
 
 
+# A zone after `%` (fe80::1%eth0) must be an interface name as Linux takes one (at most 15
+# characters, no `/`, `:` or space) or a zone index. nftables matches no zone, so the source is
+# the address itself, from any link.
+ZONE = re.compile(r"\A(?:[A-Za-z0-9_][A-Za-z0-9_.-]{0,14}|[0-9]{1,10})\Z")
+# The widest network one firewall.allow entry may name unless accepted: a /8 of IPv4 (16.7
+# million addresses), a /32 of IPv6 (a regional registry's allocation to one network); an
+# IPv4-mapped IPv6 network counts as the IPv4 network it maps.
+MIN_PREFIX = {4: 8, 6: 32}
+
+
 def ip_source(text: str, what: str) -> str:
     """`text` as one canonical IP address or network, else FirewallError.
 
     >>> ip_source("10.0.0.11", "x"), ip_source("10.0.0.0/24", "x"), ip_source("fd00::1", "x")
     ('10.0.0.11', '10.0.0.0/24', 'fd00::1')
+    >>> ip_source("fe80::1%eth0", "x")
+    'fe80::1'
     >>> ip_source("h20-a.lab", "host h20-a")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     hgxserve.topology.firewall.FirewallError: host h20-a: 'h20-a.lab' is not an IP address ...
     """
+    address, pct, zone = text.partition("%")
+    if pct and (not ZONE.match(zone) or "/" in address or ":" not in address):
+        raise FirewallError(
+            f"{what}: {text[:80]!r} is not an IP address or network: the text after % must "
+            "be the interface name of an IPv6 address (fe80::1%eth0); nftables matches no "
+            "interface there, so write the address alone"
+        )
     try:
-        network = ipaddress.ip_network(text, strict=False)
+        network = ipaddress.ip_network(address, strict=False)
     except ValueError:
         raise FirewallError(
             f"{what}: {text[:80]!r} is not an IP address or network (the firewall names "
@@ -83,6 +103,23 @@ def ip_source(text: str, what: str) -> str:
     if network.num_addresses == 1:
         return str(network.network_address)
     return str(network)
+
+
+def too_wide(text: str) -> str | None:
+    """Why a firewall.allow entry opens too much (shorter than MIN_PREFIX), else None; the
+    entry is a valid source (ip_source)."""
+    network = ipaddress.ip_network(ip_source(text, ""), strict=False)
+    version, prefix = network.version, network.prefixlen
+    mapped = network.version == 6 and network.network_address.ipv4_mapped is not None
+    if mapped and prefix >= 96:
+        version, prefix = 4, prefix - 96
+    if prefix >= MIN_PREFIX[version]:
+        return None
+    written = f"{network}:" if str(network) == text else f"{text[:80]!r} is {network}:"
+    return (
+        f"{written} it lets {network.num_addresses:.3g} addresses reach every port the "
+        f"firewall filters; an IPv{version} entry may be no wider than /{MIN_PREFIX[version]}"
+    )
 
 
 def is_filtered(listener: Listener) -> bool:

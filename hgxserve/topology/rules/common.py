@@ -1,6 +1,6 @@
 """What several rule modules share: version parsing and comparison, GPU kinds, the P/D pairs the
-proxy joins, and the accept-by-path hint of the code-loading rules (`ITEM_ACCEPTABLE`). Registers
-no rule.
+proxy joins, and the accept-by-path hint of the rules whose findings are accepted one by one
+(`ITEM_ACCEPTABLE`). Registers no rule.
 
 A topology is untrusted input: environment variables, engine flags, packages and shipped files
 that run code inside the engine (as the user the engine runs as), or ship any controller file,
@@ -11,7 +11,8 @@ are refused unless the topology accepts each one by its path, with a reason (`ac
       "$.engines.decode-0.env.LD_PRELOAD": "jemalloc, reviewed by the platform team"
 
 `ITEM_ACCEPTABLE` names the rules whose errors an `accept:` entry may lift, one finding at a
-time; no other error can be accepted.
+time: the code-loading rules, a flag the engine's flag list lacks (`extra-args-known`) and a
+firewall.allow network wider than the bound (`firewall-wide`); no other error can be accepted.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ HOPPER = ("H20", "H20-3e", "H100", "H800", "H200")
 BLACKWELL = ("B200",)
 
 ITEM_ACCEPTABLE = ("env-loads-code", "env-family", "args-load-code", "package-known",
-                   "file-source-place", "extra-args-known")  # fmt: skip
+                   "file-source-place", "extra-args-known", "firewall-wide")  # fmt: skip
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:

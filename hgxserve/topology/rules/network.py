@@ -1,20 +1,22 @@
 """Rules on addresses, ports and who can reach whom: address-*, port-*, reachable, firewall-config,
-exposed-listener.
+firewall-wide, exposed-listener.
 
 Addresses as what they are (hgxserve.topology.addresses): IP syntax or a hostname, ports inside
 URLs and `host:port` pairs within 1..65535, one address per host name; no two listeners on one
 host share a port, and no derived port passes 65535; every listener a peer on another host dials
-is bound where that peer can reach it; the host firewall's sources are IP addresses, and with the
-firewall off no listener is left open unguarded.
+is bound where that peer can reach it; the host firewall's sources are IP addresses, none wider
+than a /8 (IPv4) or a /32 (IPv6) unless accepted, and with the firewall off no listener is left
+open unguarded.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from hgxserve.topology.addresses import address_problem, canonical, hostport_problem, url_problem
-from hgxserve.topology.firewall import FirewallError, exposed, ip_source
+from hgxserve.topology.firewall import MIN_PREFIX, FirewallError, exposed, ip_source, too_wide
 from hgxserve.topology.model import CephfsSource, Engine, S3Source, Topology, is_loopback
 from hgxserve.topology.ports import (
     KV_EVENTS,
@@ -27,9 +29,10 @@ from hgxserve.topology.ports import (
 )
 from hgxserve.topology.problems import JsonPath
 from hgxserve.topology.registry import Finding, rule
+from hgxserve.topology.rules.common import accept_hint
 from hgxserve.topology.wiring import ENGINE_KEY_VAR, engine_secret_env
 
-FAMILY = ("address-", "port-", "reachable", "firewall-config", "exposed-listener")
+FAMILY = ("address-", "port-", "reachable", "firewall-config", "firewall-wide", "exposed-listener")
 
 
 def _engine_addresses(topo: Topology) -> Iterator[tuple[JsonPath, str]]:
@@ -291,6 +294,48 @@ def firewall_config(topo: Topology) -> Iterator[Finding]:
             ip_source(text, "firewall.allow")
         except FirewallError as exc:
             yield ("firewall", "allow", i), str(exc)
+
+
+@rule(
+    "firewall-wide",
+    "error",
+    "No firewall.allow entry is wider than a /8 (IPv4) or a /32 (IPv6), nor all of them "
+    "together than four such, unless accepted by its path.",
+    why=(
+        "one entry such as 0.0.0.0/0, ::/0 or 10.0.0.1/0 (which is 0.0.0.0/0) opens every "
+        "port the firewall filters to everyone: the firewall is off with no reason given"
+    ),
+)
+def firewall_wide(topo: Topology) -> Iterator[Finding]:
+    wall = topo.firewall
+    if not wall.enabled:
+        return
+    narrow: dict[int, list[Any]] = {4: [], 6: []}
+    for i, text in enumerate(wall.allow):
+        try:
+            source = ip_source(text, "")
+        except FirewallError:
+            continue  # firewall-config reports it
+        why = too_wide(text)
+        path: JsonPath = ("firewall", "allow", i)
+        if why:
+            yield path, f"{why}; {accept_hint(path)}"
+            continue
+        network = ipaddress.ip_network(source)
+        narrow[network.version].append(network)
+    for version, networks in narrow.items():
+        bits = 32 if version == 4 else 128
+        total = sum(n.num_addresses for n in ipaddress.collapse_addresses(networks))
+        # four of the widest entries (all of 10/8, 172.16/12 and 192.168/16 fit), so that
+        # 0.0.0.0/0 split into narrower pieces is refused as well
+        if total > 4 * 2 ** (bits - MIN_PREFIX[version]):
+            path = ("firewall", "allow")
+            yield (
+                path,
+                f"together the IPv{version} entries let {total:.3g} addresses reach every port "
+                f"the firewall filters, more than four /{MIN_PREFIX[version]} networks; "
+                f"{accept_hint(path)}",
+            )
 
 
 def _is_ip(text: str) -> bool:
