@@ -72,9 +72,9 @@ def _normal_name(written: str) -> tuple[str, str]:
     """(name, subkey): `_` -> `-` in a long flag's name before the first `.` (vLLM does it; an
     SGLang parser would refuse the `_` spelling, which is then read as vLLM would) and the
     dotted sub-key cut off."""
-    if not written.startswith("--"):
-        return written, ""
     name, _, subkey = written.partition(".")
+    if not written.startswith("--"):
+        return name, subkey  # vLLM takes `-cc.key=value` too
     return name.replace("_", "-"), subkey
 
 
@@ -82,7 +82,8 @@ def resolve(engine: EngineKind, name: str) -> tuple[str | None, tuple[str, ...]]
     """(the flag the parser takes `name` for, or None; the flags it could be).
 
     An exact flag is itself; otherwise argparse takes a prefix of exactly one flag as that flag
-    (a prefix of several is an error at start, of none an unknown flag)."""
+    (a prefix of several is an error at start, of none an unknown flag); vLLM takes `-O3` for
+    `--optimization-level 3`."""
     known = known_flags(engine)
     if name in known:
         return name, (name,)

@@ -125,6 +125,10 @@ def _rules(tmp_path: Path, text: str) -> set[str]:
         (["--logging_config.pylogging_config_file=/srv/l.json"], "args-load-code"),
         (["--log_config_file", "/srv/l.json"], "args-load-code"),
         (["--allowed-local-media-path", "/"], "args-load-code"),
+        (["-cc.inductor_passes.post_grad_custom_post_pass=evil.p"], "args-load-code"),
+        (["--ec-transfer-config", '{"ec_connector_module_path": "evil"}'], "args-load-code"),
+        (["--compilation_config", '{"inductor_passes": {"x": "evil.p"}}'], "args-load-code"),
+        (["--additional-config", '{"a": [{"worker_cls": "evil.W"}]}'], "args-load-code"),
         (["--api_key", "sk-1"], "secret-env"),
         (["--hf-tok", "hf_1"], "secret-env"),
         (["--enable"], "extra-args-known"),
@@ -144,6 +148,12 @@ def test_hostile_extra_args_are_refused(tmp_path: Path, extra_args: list[str], r
         "VLLM_SERVER_DEV_MODE",
         "VLLM_ALLOW_INSECURE_SERIALIZATION",
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        "VLLM_NCCL_SO_PATH",
+        "VLLM_CUDART_SO_PATH",
+        "VLLM_RUST_FRONTEND_PATH",
+        "SGLANG_TEST_SCRIPTED_RUNTIME_SYS_PATH_ENTRY",
+        "SGLANG_NEW_LIB_SO_PATH",
+        "NIXL_EXTRA_PLUGIN_DIR",
     ],
 )
 def test_variables_that_load_code_or_open_routes_are_refused(tmp_path: Path, name: str) -> None:

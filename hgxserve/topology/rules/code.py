@@ -7,6 +7,8 @@ only where `accept:` names the finding by its path (hgxserve.topology.rules.comm
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 
 from hgxserve.topology.kernels import KERNELS
@@ -98,11 +100,42 @@ SUBKEY_LOADS = (
 )
 
 
+# Keys of a JSON config flag's value that name code to import or run (KVTransferConfig's and
+# ECTransferConfig's *_connector_module_path, CompilationConfig's inductor passes, a
+# dictConfig's `()` factory, class and plugin names).
+CODE_KEY = re.compile(r"(module_path|module|_cls|_class|class|passes|pass|plugins?|factory|\(\))$")
+
+
+def _code_keys(value: str) -> list[str]:
+    """The keys of a JSON object (at any depth) that name code, for a config flag's value."""
+    try:
+        data = json.loads(value)
+    except ValueError:
+        return []
+    found: list[str] = []
+    todo = [data]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            found += [str(k) for k in item if CODE_KEY.search(str(k))]
+            todo += list(item.values())
+        elif isinstance(item, list):
+            todo += item
+    return sorted(set(found))
+
+
 def _code_flags(topo: Topology, engine: Engine) -> Iterator[tuple[JsonPath, str, str]]:
     """(path, what, why) of each extra arg that names code, where the user wrote it."""
     for path, flag in extra_flags(topo, engine):
+        keys = _code_keys(flag.value) if (flag.flag or "").endswith("-config") else []
         if flag.subkey:
             yield path, f"{flag.written}={flag.value}".rstrip("="), SUBKEY_LOADS
+        elif keys:
+            yield (
+                path,
+                flag.written,
+                (f"sets {', '.join(keys)} in its JSON value, which names code to import"),
+            )
         elif flag.flag in CODE_FLAGS:
             spelled = (
                 "" if flag.written == flag.flag else f" ({engine.engine} reads it as {flag.flag})"

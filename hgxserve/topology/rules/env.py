@@ -89,8 +89,13 @@ LOADER_NAMES = frozenset(
      # (/reset_prefix_cache, /sleep, /collective_rpc: a method call in every worker), pickle on
      # the engine's sockets, LoRA adapters loaded from a request's path
      "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION",
-     "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+     "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+     # a library or binary the engine loads or runs instead of its own (vllm/envs.py)
+     "VLLM_NCCL_SO_PATH", "VLLM_CUDART_SO_PATH", "VLLM_RUST_FRONTEND_PATH",
+     "VLLM_CUDA_COMPATIBILITY_PATH", "SGLANG_TEST_SCRIPTED_RUNTIME_SYS_PATH_ENTRY"}
 )  # fmt: skip
+# name endings that name a library to load or a directory for sys.path, in any family
+LOADER_SUFFIXES = ("_SO_PATH", "_SYS_PATH", "_SYS_PATH_ENTRY", "_PLUGIN_PATH", "_PLUGIN_DIR")
 # Python's own variables that change no code that runs
 PYTHON_HARMLESS = frozenset(
     {"PYTHONUNBUFFERED", "PYTHONHASHSEED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE",
@@ -101,7 +106,7 @@ PYTHON_HARMLESS = frozenset(
 def loads_code(name: str) -> bool:
     """True for an environment variable that names code for the loader, an interpreter, a
     shell or a library to load."""
-    if name in LOADER_NAMES:
+    if name in LOADER_NAMES or name.endswith(LOADER_SUFFIXES):
         return True
     if name.startswith("PYTHON"):
         return name not in PYTHON_HARMLESS
