@@ -71,13 +71,19 @@ BENCH_DATASET_MAX_LINES = 1_000_000
 # release (the units' `gpus wait-free --timeout 120`). Between two failed recoveries the watcher
 # waits WATCH_BACKOFF_S, so a broken engine is not restarted in a tight loop (its full start takes
 # 4-25 min on real GPUs and is bounded by the engine's start_timeout_s). Each GET /state read is
-# bounded by WATCH_READ_TIMEOUT_S and WATCH_READ_LIMIT bytes.
+# bounded by WATCH_READ_TIMEOUT_S (in all, not per recv) and WATCH_READ_LIMIT bytes. The
+# watcher's own GET /state (root, on every address) serves only loopback and the engine's hosts,
+# WATCH_MAX_CONNECTIONS at once (an engine spans at most a handful of hosts, each polling once
+# every WATCH_POLL_S, plus `hgxserve status`), each request read within WATCH_READ_TIMEOUT_S and
+# WATCH_REQUEST_LIMIT bytes (a GET /state request is about 100).
 WATCH_POLL_S = 2.0
 WATCH_DOWN_AFTER_S = 10.0
 WATCH_FOLLOWER_RESTART_S = 180.0 + 120.0
 WATCH_BACKOFF_S = 60.0
 WATCH_READ_TIMEOUT_S = 3.0
 WATCH_READ_LIMIT = 1 << 16
+WATCH_MAX_CONNECTIONS = 16
+WATCH_REQUEST_LIMIT = 8192
 # Fabric preflight (docs/releases.md "Fabric preflight"). Each rail's expected line rate by GPU
 # kind, the seeds' figures: the H20 hosts carry 4 x 200 Gb/s RDMA devices per side (seed 003
 # §11.4), the H200 hosts one 400 Gb/s NIC per GPU (ConnectX-7 NDR, h100_ibstat.txt's CX-7 rate
