@@ -76,6 +76,15 @@ BENCH_DATASET_MAX_LINES = 1_000_000
 # WATCH_MAX_CONNECTIONS at once (an engine spans at most a handful of hosts, each polling once
 # every WATCH_POLL_S, plus `hgxserve status`), each request read within WATCH_READ_TIMEOUT_S and
 # WATCH_REQUEST_LIMIT bytes (a GET /state request is about 100).
+# One S3 request's attempts together, backoffs included (hgxserve.weights.s3, docs/weights.md
+# "Bounds"). Before, only the attempts were counted: 9 (8 retries), each up to its own budget
+# (60 s plus its size at 1 MiB/s: 92 s for a 32 MiB part) plus up to 10 s of backoff, so one
+# request against a store that accepts and stalls retried for ~11 min (measured) and up to ~15
+# by the bounds. The AWS SDKs' standard retry mode stops after 3 attempts with at most 20 s of
+# backoff; 300 s holds three attempts of a 32 MiB part with their backoffs. A request whose one
+# attempt may take longer (a larger part) gets that attempt's budget instead. Changed by
+# `weights sync --request-deadline` and `--data weights_request_deadline=`.
+S3_REQUEST_DEADLINE_S = 300.0
 WATCH_POLL_S = 2.0
 WATCH_DOWN_AFTER_S = 10.0
 WATCH_FOLLOWER_RESTART_S = 180.0 + 120.0

@@ -29,6 +29,7 @@ from pyinfra import logger
 from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 
+from hgxserve.base.defaults import S3_REQUEST_DEADLINE_S
 from hgxserve.base.paths import AGENT, RDMA_SYSFS
 from hgxserve.base.runstate import per_run
 from hgxserve.deploy.stages import STAGES
@@ -201,6 +202,13 @@ KEYS: tuple[DataKey, ...] = (
         "hosts (comma-separated); any other is refused before anything runs. Set it in the "
         "inventory (inventory/lab.yml `allow_env:`).",
         (*_TOPOLOGY_STAGES, "monitoring"), shown_default="none",
+    ),
+    DataKey(
+        "weights_request_deadline", "float", S3_REQUEST_DEADLINE_S,
+        "Seconds all attempts of one S3 request of the weights sync may take together, "
+        "backoffs included (at least one attempt's own budget); past it the sync stops with a "
+        "source error (docs/weights.md \"Bounds\").",
+        ("weights",),
     ),
     DataKey(
         "agent", "path", AGENT,
