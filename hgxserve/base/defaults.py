@@ -146,6 +146,12 @@ SWITCH_OVERHEAD_S = 180 + GPU_FREE_TIMEOUT_S + 60
 # value is shorter. Key files are also refused unless regular and without group/other permission
 # bits (0600 or 0400), and larger than API_KEY_MAX_BYTES is not a key.
 MIN_API_KEY_LENGTH = 32
+# ... and is one word of printable ASCII (a line break inside a key file made two keys of one,
+# or a header no client sends) of at least MIN_API_KEY_DISTINCT distinct characters and no
+# shorter pattern repeated: 32 identical characters or `abcd` x 8 are placeholders, not keys. A
+# generated key (`openssl rand -hex 32`: 64 characters of 16) has fewer than 8 distinct with a
+# probability below 1e-20.
+MIN_API_KEY_DISTINCT = 8
 API_KEY_MAX_BYTES = 4096
 # A `runtime_index_lock` file (hgxserve.runtime.indexlock): vLLM 0.15's full dependency set
 # hash-locked by pip-compile is about 150 requirements and 60 KB; 1 MiB leaves room for many
