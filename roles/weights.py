@@ -63,6 +63,7 @@ def weights(*, plan: WeightsPlan | None = None, **fields: Any) -> None:
                 env_file=ref if kind == "env_file" else None,
                 profile=ref if kind == "profile" else None,
                 require_sha256=model.integrity == "sha256",
+                request_deadline_s=plan.request_deadline_s,
             ),
             digest=digest,
             agent=agent,

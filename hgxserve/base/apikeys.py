@@ -3,8 +3,9 @@ or pushes one (the proxy at start, the release gate, `hgxserve bench --api-key-f
 the controller pushes from its environment).
 
 A key file must be a regular file with no group or other permission bits (0600 or stricter),
-and the key at least MIN_API_KEY_LENGTH characters (hgxserve.base.defaults says why). Messages
-name the file and what is wrong, never the key.
+and the key at least MIN_API_KEY_LENGTH characters of printable ASCII, of at least
+MIN_API_KEY_DISTINCT distinct characters and no shorter pattern repeated (hgxserve.base.defaults
+says why). Messages name the file and what is wrong, never the key.
 
     key = read_key_file("/run/credentials/hgxserve-proxy.service/api-key", "API key")
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 import os
 import stat
 
-from hgxserve.base.defaults import API_KEY_MAX_BYTES, MIN_API_KEY_LENGTH
+from hgxserve.base.defaults import API_KEY_MAX_BYTES, MIN_API_KEY_DISTINCT, MIN_API_KEY_LENGTH
+
+_GENERATE = "generate one: openssl rand -hex 32"
 
 
 class KeyFileError(ValueError):
@@ -22,14 +25,36 @@ class KeyFileError(ValueError):
 
 
 def key_problem(key: str) -> str | None:
-    """Why `key` is not an acceptable API key (None when it is); the key itself is not said."""
+    """Why `key` is not an acceptable API key (None when it is); the key itself is not said.
+
+    >>> key_problem("k" * 32)[:30]
+    'only 1 distinct characters, fe'
+    >>> key_problem("0123456789abcdef" + chr(10) + "0123456789abcdef")[:30]
+    'a character inside it that is '
+    >>> key_problem("0123456789abcdef0123456789abcdef")[:26]
+    'a shorter pattern repeated'
+    >>> key_problem("hgxserve-demo-api-key-0123456789") is None
+    True
+    """
     if not key:
         return "empty"
     if len(key) < MIN_API_KEY_LENGTH:
         return (
-            f"{len(key)} characters, shorter than the {MIN_API_KEY_LENGTH} required "
-            "(generate one: openssl rand -hex 32)"
+            f"{len(key)} characters, shorter than the {MIN_API_KEY_LENGTH} required ({_GENERATE})"
         )
+    if any(not "!" <= c <= "~" for c in key):
+        return (
+            "a character inside it that is not printable ASCII (a line break, a space, a "
+            "control or non-ASCII character): a key is one word of a request header"
+        )
+    distinct = len(set(key))
+    if distinct < MIN_API_KEY_DISTINCT:
+        return (
+            f"only {distinct} distinct characters, fewer than the {MIN_API_KEY_DISTINCT} a "
+            f"generated key has ({_GENERATE})"
+        )
+    if (key + key).find(key, 1) < len(key):
+        return f"a shorter pattern repeated ({_GENERATE})"
     return None
 
 

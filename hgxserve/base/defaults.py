@@ -71,13 +71,28 @@ BENCH_DATASET_MAX_LINES = 1_000_000
 # release (the units' `gpus wait-free --timeout 120`). Between two failed recoveries the watcher
 # waits WATCH_BACKOFF_S, so a broken engine is not restarted in a tight loop (its full start takes
 # 4-25 min on real GPUs and is bounded by the engine's start_timeout_s). Each GET /state read is
-# bounded by WATCH_READ_TIMEOUT_S and WATCH_READ_LIMIT bytes.
+# bounded by WATCH_READ_TIMEOUT_S (in all, not per recv) and WATCH_READ_LIMIT bytes. The
+# watcher's own GET /state (root, on every address) serves only loopback and the engine's hosts,
+# WATCH_MAX_CONNECTIONS at once (an engine spans at most a handful of hosts, each polling once
+# every WATCH_POLL_S, plus `hgxserve status`), each request read within WATCH_READ_TIMEOUT_S and
+# WATCH_REQUEST_LIMIT bytes (a GET /state request is about 100).
+# One S3 request's attempts together, backoffs included (hgxserve.weights.s3, docs/weights.md
+# "Bounds"). Before, only the attempts were counted: 9 (8 retries), each up to its own budget
+# (60 s plus its size at 1 MiB/s: 92 s for a 32 MiB part) plus up to 10 s of backoff, so one
+# request against a store that accepts and stalls retried for ~11 min (measured) and up to ~15
+# by the bounds. The AWS SDKs' standard retry mode stops after 3 attempts with at most 20 s of
+# backoff; 300 s holds three attempts of a 32 MiB part with their backoffs. A request whose one
+# attempt may take longer (a larger part) gets that attempt's budget instead. Changed by
+# `weights sync --request-deadline` and `--data weights_request_deadline=`.
+S3_REQUEST_DEADLINE_S = 300.0
 WATCH_POLL_S = 2.0
 WATCH_DOWN_AFTER_S = 10.0
 WATCH_FOLLOWER_RESTART_S = 180.0 + 120.0
 WATCH_BACKOFF_S = 60.0
 WATCH_READ_TIMEOUT_S = 3.0
 WATCH_READ_LIMIT = 1 << 16
+WATCH_MAX_CONNECTIONS = 16
+WATCH_REQUEST_LIMIT = 8192
 # Fabric preflight (docs/releases.md "Fabric preflight"). Each rail's expected line rate by GPU
 # kind, the seeds' figures: the H20 hosts carry 4 x 200 Gb/s RDMA devices per side (seed 003
 # §11.4), the H200 hosts one 400 Gb/s NIC per GPU (ConnectX-7 NDR, h100_ibstat.txt's CX-7 rate
@@ -131,6 +146,12 @@ SWITCH_OVERHEAD_S = 180 + GPU_FREE_TIMEOUT_S + 60
 # value is shorter. Key files are also refused unless regular and without group/other permission
 # bits (0600 or 0400), and larger than API_KEY_MAX_BYTES is not a key.
 MIN_API_KEY_LENGTH = 32
+# ... and is one word of printable ASCII (a line break inside a key file made two keys of one,
+# or a header no client sends) of at least MIN_API_KEY_DISTINCT distinct characters and no
+# shorter pattern repeated: 32 identical characters or `abcd` x 8 are placeholders, not keys. A
+# generated key (`openssl rand -hex 32`: 64 characters of 16) has fewer than 8 distinct with a
+# probability below 1e-20.
+MIN_API_KEY_DISTINCT = 8
 API_KEY_MAX_BYTES = 4096
 # A `runtime_index_lock` file (hgxserve.runtime.indexlock): vLLM 0.15's full dependency set
 # hash-locked by pip-compile is about 150 requirements and 60 KB; 1 MiB leaves room for many

@@ -11,13 +11,17 @@ Two formats, named by the scenario's `dataset.format`:
   estimates tokens) unless the scenario fixes `output`; conversations without both are skipped,
   as `vllm bench serve --dataset-name sharegpt` skips them.
 
-Reads are bounded (BENCH_DATASET_MAX_BYTES, BENCH_DATASET_MAX_LINES); every error names the file
-and its line (and column).
+Reads are bounded (BENCH_DATASET_MAX_BYTES, BENCH_DATASET_MAX_LINES), only regular files are read
+(a FIFO or device is refused, not waited on) and JSON nested past the recursion limit is an
+error, not a traceback; every error names the file and its line (and column).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,22 +38,48 @@ class DatasetError(UsageError):
 
 
 def _read(path: Path) -> str:
+    """The dataset's text: a regular file (opened without blocking: a FIFO or a device is
+    refused, never waited on or read forever) of at most BENCH_DATASET_MAX_BYTES, UTF-8."""
     try:
-        size = path.stat().st_size
-        if size > BENCH_DATASET_MAX_BYTES:
-            raise DatasetError(
-                f"{path}: {size} bytes, more than the {BENCH_DATASET_MAX_BYTES} a dataset may have"
-            )
-        with path.open("rb") as f:
-            data = f.read(BENCH_DATASET_MAX_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise DatasetError(f"{path}: cannot read the dataset ({exc.strerror or exc})") from None
-    if len(data) > BENCH_DATASET_MAX_BYTES:
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DatasetError(
+                f"{path}: not a regular file (a FIFO, device, directory or socket); a dataset "
+                "is a file"
+            )
+        if info.st_size > BENCH_DATASET_MAX_BYTES:
+            raise DatasetError(
+                f"{path}: {info.st_size} bytes, more than the {BENCH_DATASET_MAX_BYTES} a "
+                "dataset may have"
+            )
+        chunks, size = [], 0
+        while size <= BENCH_DATASET_MAX_BYTES:
+            chunk = os.read(fd, min(1 << 24, BENCH_DATASET_MAX_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read the dataset ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+    if size > BENCH_DATASET_MAX_BYTES:
         raise DatasetError(f"{path}: more than {BENCH_DATASET_MAX_BYTES} bytes")
     try:
-        return data.decode("utf-8")
+        return b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{path}: not UTF-8 at byte {exc.start}") from None
+
+
+def _too_deep(where: str) -> DatasetError:
+    return DatasetError(
+        f"{where}: JSON nested too deeply to read (Python's recursion limit, "
+        f"{sys.getrecursionlimit()}); a dataset entry is an object of strings and numbers"
+    )
 
 
 def _output_length(where: str, value: Any) -> int:
@@ -63,6 +93,8 @@ def _prompt_entry(where: str, line: str) -> dict[str, Any]:
         obj = json.loads(line)
     except ValueError as exc:
         raise DatasetError(f"{where}:{getattr(exc, 'colno', 1)}: not JSON ({exc})") from None
+    except RecursionError:
+        raise _too_deep(where) from None
     if not isinstance(obj, dict):
         raise DatasetError(f'{where}: want an object with "text"')
     text = obj.get("text", obj.get("prompt"))
@@ -121,6 +153,10 @@ def sharegpt_entries(path: Path, limit: int | None) -> tuple[list[dict[str, Any]
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DatasetError(f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg})") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise DatasetError(f"{path}: not usable JSON ({exc})") from None
+    except RecursionError:
+        raise _too_deep(str(path)) from None
     if not isinstance(data, list):
         raise DatasetError(f"{path}:1: want a JSON array of conversations (ShareGPT)")
     entries, skipped = [], 0

@@ -13,7 +13,12 @@ from typing import Any
 
 import click
 
-from hgxserve.base.defaults import NATIVE_MIN_SIZE, S3_CONCURRENCY, S3_PART_SIZE
+from hgxserve.base.defaults import (
+    NATIVE_MIN_SIZE,
+    S3_CONCURRENCY,
+    S3_PART_SIZE,
+    S3_REQUEST_DEADLINE_S,
+)
 from hgxserve.base.errors import cli_errors
 from hgxserve.base.sizes import parse_size
 from hgxserve.weights.errors import EXIT_VERIFY_FAILED
@@ -80,6 +85,15 @@ def _s3_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             help="Retries per request on 5xx/SlowDown/connection errors (backoff).",
         ),
+        click.option(
+            "--request-deadline",
+            "request_deadline_s",
+            type=click.FloatRange(1, 86400),
+            default=S3_REQUEST_DEADLINE_S,
+            show_default=True,
+            help="Seconds all attempts of one request may take together, backoffs included "
+            "(at least one attempt's own budget: 60 s plus its size at 1 MiB/s).",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -97,6 +111,7 @@ def _make_s3_options(kwargs: dict[str, Any]) -> Any:
         addressing=kwargs.pop("addressing", "auto"),
         profile=kwargs.pop("profile", None),
         retries=kwargs.pop("retries", 8),
+        request_deadline_s=kwargs.pop("request_deadline_s", S3_REQUEST_DEADLINE_S),
     )
 
 

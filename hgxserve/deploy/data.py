@@ -29,6 +29,7 @@ from pyinfra import logger
 from pyinfra.api import DeployError
 from pyinfra.api.host import Host
 
+from hgxserve.base.defaults import S3_REQUEST_DEADLINE_S
 from hgxserve.base.paths import AGENT, RDMA_SYSFS
 from hgxserve.base.runstate import per_run
 from hgxserve.deploy.stages import STAGES
@@ -54,6 +55,10 @@ class DataKey:
     choices: tuple[str, ...] = ()  # a choice's values; a list's allowed items
     shown_default: str | None = None  # what an unset key means, where `default` is not it
     env: str | None = None  # the environment variable read when the key is not given
+    # A tune SPEC (`deploy.data`) may set it: it changes how engines are started and judged,
+    # never what is trusted (keys, pins, sources, hosts) or what runs where. Every other key
+    # is the inventory's or the command line's alone.
+    tunable: bool = False
 
     def default_text(self) -> str:
         if self.shown_default is not None:
@@ -199,6 +204,13 @@ KEYS: tuple[DataKey, ...] = (
         (*_TOPOLOGY_STAGES, "monitoring"), shown_default="none",
     ),
     DataKey(
+        "weights_request_deadline", "float", S3_REQUEST_DEADLINE_S,
+        "Seconds all attempts of one S3 request of the weights sync may take together, "
+        "backoffs included (at least one attempt's own budget); past it the sync stops with a "
+        "source error (docs/weights.md \"Bounds\").",
+        ("weights",),
+    ),
+    DataKey(
         "agent", "path", AGENT,
         "Where the hgxserve agent lives on the hosts.",
         ("weights",),
@@ -211,12 +223,12 @@ KEYS: tuple[DataKey, ...] = (
     DataKey(
         "health_timeout", "float", None,
         "Seconds an engine has to become healthy.",
-        ("engines", "rollback"), shown_default="each engine's start_timeout_s",
+        ("engines", "rollback"), shown_default="each engine's start_timeout_s", tunable=True,
     ),
     DataKey(
         "confirm_within", "int", CONFIRM_WITHIN_S,
         "Seconds the gate has, once every host switched, before a pending host reverts.",
-        ("engines", "rollback"),
+        ("engines", "rollback"), tunable=True,
     ),
     DataKey(
         "rdma_sysfs", "path", RDMA_SYSFS,
@@ -249,6 +261,7 @@ KEYS: tuple[DataKey, ...] = (
 )  # fmt: skip
 
 TABLE: dict[str, DataKey] = {key.name: key for key in KEYS}
+TUNABLE: tuple[str, ...] = tuple(key.name for key in KEYS if key.tunable)
 
 
 def _bad(name: str, value: object, want: str) -> DeployError:
@@ -310,6 +323,27 @@ def convert(key: DataKey, value: object) -> Any:
     if key.kind == "url" and "://" not in text:
         raise _bad(key.name, value, "not a URL (scheme://...)")
     return text
+
+
+def untunable(name: str, value: object) -> str | None:
+    """Why a tune SPEC may not set `--data name=value`, or None where it may.
+
+    >>> untunable("health_timeout", 900) is None
+    True
+    >>> untunable("allow_env", "AWS_SECRET_ACCESS_KEY")  # doctest: +ELLIPSIS
+    'allow_env: a tune SPEC may not set it (only confirm_within, health_timeout: ...'
+    """
+    key = TABLE.get(name)
+    if key is None or not key.tunable:
+        return (
+            f"{name}: a tune SPEC may not set it (only {', '.join(sorted(TUNABLE))}: the keys "
+            "`hgxserve deploy-data` marks tunable); set it in the inventory or on the command line"
+        )
+    try:
+        convert(key, value)
+    except DeployError as exc:
+        return str(exc)
+    return None
 
 
 class DataSource(Protocol):

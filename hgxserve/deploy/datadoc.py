@@ -29,6 +29,11 @@ the value.
   where there are some).
 - **url**: `scheme://...`; **path**, **str**: as given. An empty value counts as unset.
 
+A key marked **tune: yes** is one a tune SPEC's `deploy.data` may set (docs/tune.md): it
+changes how engines are started and judged, never what is trusted or what runs where. Any
+other key in a SPEC is refused when the SPEC is read; it is the inventory's or the command
+line's.
+
 A `--data` key that no stage reads but that looks like one that does (`health_timout`) gets a
 warning naming the key it resembles.
 
@@ -57,6 +62,7 @@ def as_json(keys: tuple[DataKey, ...] = KEYS) -> str:
             "default_text": k.default_text(),
             "env": k.env,
             "stages": list(k.stages),
+            "tunable": k.tunable,
             "doc": k.doc,
         }
         for k in keys
@@ -71,11 +77,12 @@ def _cell(text: str) -> str:
 def as_markdown(keys: tuple[DataKey, ...] = KEYS) -> str:
     lines = [
         MARKDOWN_HEAD,
-        "| key | type | default | stages | what it does |",
-        "|---|---|---|---|---|",
+        "| key | type | default | stages | tune | what it does |",
+        "|---|---|---|---|---|---|",
     ]
     for k in keys:
-        cells = (f"`{k.name}`", _type(k), k.default_text(), ", ".join(k.stages), k.doc)
+        tune = "yes" if k.tunable else "no"
+        cells = (f"`{k.name}`", _type(k), k.default_text(), ", ".join(k.stages), tune, k.doc)
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -84,7 +91,7 @@ def as_text(keys: tuple[DataKey, ...] = KEYS) -> str:
     out = []
     for k in keys:
         out.append(f"{k.name}  ({_type(k)}; default: {k.default_text()})")
-        out.append(f"    stages: {', '.join(k.stages)}")
+        out.append(f"    stages: {', '.join(k.stages)}" + ("; tunable" if k.tunable else ""))
         out.extend(textwrap.wrap(k.doc, 96, initial_indent="    ", subsequent_indent="    "))
     return "\n".join(out) + "\n"
 

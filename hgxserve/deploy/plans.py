@@ -23,7 +23,7 @@ from pyinfra.api.host import Host
 from pyinfra.api.inventory import Inventory
 
 from hgxserve.base.cachelayout import DEFAULT_ROOT as CACHE_ROOT
-from hgxserve.base.defaults import SWITCH_OVERHEAD_S
+from hgxserve.base.defaults import S3_REQUEST_DEADLINE_S, SWITCH_OVERHEAD_S
 from hgxserve.base.paths import AGENT
 from hgxserve.base.runstate import per_run
 from hgxserve.bench.releasegate import BenchStep, bench_step_for
@@ -442,6 +442,7 @@ class WeightsPlan:
     model: Model
     digest: str | None = None  # `--data weights_digest=` over the topology's `model.digest`
     agent: str = AGENT
+    request_deadline_s: float = S3_REQUEST_DEADLINE_S  # `--data weights_request_deadline=`
 
 
 def weights_plan(host: Host) -> WeightsPlan:
@@ -451,6 +452,7 @@ def weights_plan(host: Host) -> WeightsPlan:
         model=topology.model,
         digest=data.get("weights_digest") or topology.model.digest,
         agent=data.get("agent"),
+        request_deadline_s=data.get("weights_request_deadline"),
     )
 
 

@@ -15,14 +15,19 @@ a whole instead:
 - a follower restarts its worker unit when the leader's generation differs from its own.
 
 The watchers take no command from the network: GET /state is all they serve, and all a follower
-reads from its leader is the generation. Every event is kept in a state file for `hgxserve
-status` (and printed to the watcher's journal for `hgxserve logs`).
+reads from its leader is the generation. They serve it to loopback and the engine's own hosts
+only (the addresses of the config's peer URLs, or `allow_from`), at most WATCH_MAX_CONNECTIONS
+at once, each request read within WATCH_READ_TIMEOUT_S and WATCH_REQUEST_LIMIT bytes; their own
+reads of a peer are bounded the same way in all, not per recv. Every event is kept in a state
+file for `hgxserve status` (and printed to the watcher's journal for `hgxserve logs`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -34,19 +39,27 @@ from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from hgxserve.base.defaults import (
     WATCH_BACKOFF_S,
     WATCH_DOWN_AFTER_S,
     WATCH_FOLLOWER_RESTART_S,
+    WATCH_MAX_CONNECTIONS,
     WATCH_POLL_S,
     WATCH_READ_LIMIT,
     WATCH_READ_TIMEOUT_S,
+    WATCH_REQUEST_LIMIT,
 )
 
 Role = Literal["leader", "follower"]
 EVENTS_KEPT = 20
 RUNNING = ("active", "activating", "reloading")
+# A generation is a count of recoveries: far below this, whatever a peer claims.
+MAX_GENERATION = 1 << 31
+# How often a refused peer is named in the journal, and a peer name resolved again.
+REFUSED_LOG_S = 60.0
+RESOLVE_EVERY_S = 30.0
 
 
 @dataclass
@@ -67,6 +80,16 @@ class WatchConfig:
     down_after_s: float = WATCH_DOWN_AFTER_S
     follower_restart_s: float = WATCH_FOLLOWER_RESTART_S
     backoff_s: float = WATCH_BACKOFF_S
+    # who besides loopback may read GET /state (addresses or names); empty: the hosts of
+    # leader_url and followers, the engine's other hosts
+    allow_from: list[str] = field(default_factory=list)
+
+    def peer_names(self) -> list[str]:
+        """The hosts (addresses or names) whose watchers read this one's GET /state."""
+        if self.allow_from:
+            return list(self.allow_from)
+        urls = [self.leader_url, *self.followers.values()]
+        return sorted({urlsplit(url).hostname or "" for url in urls if url} - {""})
 
     @classmethod
     def load(cls, path: str) -> WatchConfig:
@@ -99,11 +122,24 @@ class Members:
             return False
 
     def peer_state(self, url: str) -> dict[str, Any] | None:
-        """A peer watcher's GET /state, or None when it does not answer in time."""
+        """A peer watcher's GET /state, or None when it does not answer in time: at most
+        WATCH_READ_LIMIT bytes within WATCH_READ_TIMEOUT_S in all (a peer trickling its answer
+        does not hold the poll loop)."""
+        deadline = time.monotonic() + WATCH_READ_TIMEOUT_S
+        body = b""
         try:
             with urllib.request.urlopen(url, timeout=WATCH_READ_TIMEOUT_S) as resp:
-                data = json.loads(resp.read(WATCH_READ_LIMIT))
-        except (urllib.error.URLError, OSError, ValueError):
+                while len(body) <= WATCH_READ_LIMIT:
+                    if time.monotonic() > deadline:
+                        return None
+                    chunk = resp.read1(WATCH_READ_LIMIT + 1 - len(body))
+                    if not chunk:
+                        break
+                    body += chunk
+            if len(body) > WATCH_READ_LIMIT:
+                return None
+            data = json.loads(body)
+        except (urllib.error.URLError, OSError, ValueError, RecursionError):
             return None
         return data if isinstance(data, dict) else None
 
@@ -194,7 +230,7 @@ class Watcher:
     def _follow(self, now: float) -> None:
         assert self.config.leader_url is not None
         leader = self.members.peer_state(self.config.leader_url)
-        if leader is None or not isinstance(leader.get("generation"), int):
+        if leader is None or not _is_generation(leader.get("generation")):
             return
         generation = int(leader["generation"])
         if not self.adopted:
@@ -342,14 +378,130 @@ class Watcher:
         self.backoff_until = now + self.config.backoff_s
 
 
+def _is_generation(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_GENERATION
+
+
+class Peers:
+    """Who may read GET /state: loopback and the addresses of the engine's other hosts (names
+    resolved at start and again at most every RESOLVE_EVERY_S, when an unknown address calls)."""
+
+    def __init__(self, names: list[str], log: Callable[[str], None] = print) -> None:
+        self.names = names
+        self.log = log
+        self.addresses: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+        self.resolved_at = -RESOLVE_EVERY_S
+        self.refused_at: dict[str, float] = {}
+        self.lock = threading.Lock()
+        self._resolve(time.monotonic())
+
+    def _resolve(self, now: float) -> None:
+        found = set()
+        for name in self.names:
+            try:
+                found.add(_canonical(name))
+                continue
+            except ValueError:
+                pass
+            try:
+                infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            except OSError:
+                continue  # not resolvable now: tried again on the next unknown caller
+            found.update(_canonical(str(info[4][0])) for info in infos)
+        self.addresses = found
+        self.resolved_at = now
+
+    def allows(self, address: str) -> bool:
+        try:
+            ip = _canonical(address)
+        except ValueError:
+            return False
+        if ip.is_loopback or ip in self.addresses:
+            return True
+        with self.lock:
+            now = time.monotonic()
+            if now - self.resolved_at >= RESOLVE_EVERY_S:
+                self._resolve(now)
+                if ip in self.addresses:
+                    return True
+            if now - self.refused_at.get(address, -REFUSED_LOG_S) >= REFUSED_LOG_S:
+                self.refused_at[address] = now
+                self.log(
+                    f"refused GET /state from {address}: not loopback nor one of the engine's "
+                    f"hosts ({', '.join(self.names) or 'none'})"
+                )
+        return False
+
+
+def _canonical(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+class _Bounded:
+    """A request's bytes as the handler reads them: at most `limit` in all (then end of file)
+    and all within `seconds` (then TimeoutError, which http.server answers by closing), so a
+    trickled or endless request holds its thread for `seconds` at most."""
+
+    def __init__(self, sock: socket.socket, limit: int, seconds: float) -> None:
+        self.sock = sock
+        self.left = limit
+        self.deadline = time.monotonic() + seconds
+        self.buf = b""
+
+    def _fill(self) -> bool:
+        if self.left <= 0:
+            return False
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("request not read in time")
+        self.sock.settimeout(remaining)
+        chunk = self.sock.recv(min(4096, self.left))
+        self.left -= len(chunk)
+        self.buf += chunk
+        return bool(chunk)
+
+    def readline(self, size: int = -1) -> bytes:
+        while b"\n" not in self.buf and (size < 0 or len(self.buf) < size):
+            if not self._fill():
+                break
+        end = self.buf.find(b"\n") + 1 or len(self.buf)
+        if size >= 0:
+            end = min(end, size)
+        line, self.buf = self.buf[:end], self.buf[end:]
+        return line
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self.buf) < size:
+            if not self._fill():
+                break
+        end = len(self.buf) if size < 0 else size
+        out, self.buf = self.buf[:end], self.buf[end:]
+        return out
+
+    def close(self) -> None:
+        self.buf = b""
+
+
 class _Handler(BaseHTTPRequestHandler):
     watcher: Watcher
+    timeout = WATCH_READ_TIMEOUT_S  # the socket's, until the request is read
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.rfile = _Bounded(  # type: ignore[assignment]
+            self.connection, WATCH_REQUEST_LIMIT, WATCH_READ_TIMEOUT_S
+        )
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.path.split("?", 1)[0] != "/state":
             self.send_error(404)
             return
         body = json.dumps(self.watcher.snapshot(), sort_keys=True).encode()
+        self.connection.settimeout(WATCH_READ_TIMEOUT_S)  # a reader that stops is dropped
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -360,6 +512,50 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
 
+class StateServer(ThreadingHTTPServer):
+    """GET /state for loopback and the engine's hosts (`peers`), at most `max_connections` at
+    once: a connection past them, or from another address, is closed before a byte is read."""
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[_Handler],
+        peers: Peers,
+        max_connections: int = WATCH_MAX_CONNECTIONS,
+    ) -> None:
+        super().__init__(address, handler)
+        self.peers = peers
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.refused_full = 0
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.peers.allows(str(client_address[0]))
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused_full += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def state_server(watcher: Watcher, address: tuple[str, int]) -> StateServer:
+    handler = type("Handler", (_Handler,), {"watcher": watcher})
+    return StateServer(address, handler, Peers(watcher.config.peer_names(), watcher.log))
+
+
 def serve(config: WatchConfig, members: Members | None = None) -> None:
     """Run a watcher: GET /state on its port, one `step` every `poll_s`, until killed."""
 
@@ -367,9 +563,7 @@ def serve(config: WatchConfig, members: Members | None = None) -> None:
         print(message, flush=True)
 
     watcher = Watcher(config, members or Members(), log)
-    handler = type("Handler", (_Handler,), {"watcher": watcher})
-    server = ThreadingHTTPServer(("0.0.0.0", config.port), handler)  # noqa: S104 - peers read it
-    server.daemon_threads = True
+    server = state_server(watcher, ("0.0.0.0", config.port))  # noqa: S104 - peers read it
     threading.Thread(target=server.serve_forever, daemon=True).start()
     log(
         f"{config.engine}: watching as {config.role} on {config.host} "

@@ -53,6 +53,15 @@ def pyinfra_command() -> str:
 
 
 def deploy_argv(spec: TuneSpec, topology: Path, inventory: Path) -> list[str]:
+    """The pyinfra command of one candidate's release: each `key=value` one argv word, only the
+    keys the deploy table marks tunable (load_spec refused the others; checked again here for a
+    TuneSpec built another way)."""
+    from hgxserve.base.errors import UsageError
+    from hgxserve.deploy.data import untunable
+
+    refused = [why for key, value in spec.data.items() if (why := untunable(key, value))]
+    if refused:
+        raise UsageError("; ".join(refused))
     argv = [pyinfra_command(), "-y", str(inventory), str(SITE)]
     argv += [
         "--data",

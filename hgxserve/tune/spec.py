@@ -12,7 +12,8 @@
     baseline: demo-baseline.yml       # what `leave: baseline` (or no winner) deploys; default base
     deploy: {stages: [runtime, weights, engines], data: {health_timeout: 900}}
 
-Every number is bounded; a matrix expands to at most MAX_CANDIDATES candidates.
+Every number is bounded; a matrix expands to at most MAX_CANDIDATES candidates. `deploy.data`
+sets only the `--data` keys hgxserve/deploy/data.py marks tunable (`hgxserve deploy-data`).
 """
 
 from __future__ import annotations
@@ -173,6 +174,20 @@ def _matrix_problems(doc: Document) -> list[Problem]:
     ]
 
 
+def _data_problems(doc: Document) -> list[Problem]:
+    """`deploy.data` sets only the keys the deploy table marks tunable, with values that fit:
+    a SPEC never sets what the inventory trusts (allow_env, pins, sources, hosts, topology)."""
+    from hgxserve.deploy.data import untunable
+
+    data = (doc.data.get("deploy") or {}).get("data") or {}
+    out = []
+    for name, value in data.items():
+        why = untunable(name, value)
+        if why is not None:
+            out.append(doc.problem(("deploy", "data", name), why))
+    return out
+
+
 def load_spec(path: str | Path) -> TuneSpec:
     """The checked SPEC; TopologyError with every problem (and its position) otherwise."""
     from hgxserve.topology.schema import _problems_for
@@ -184,7 +199,7 @@ def load_spec(path: str | Path) -> TuneSpec:
             problems.extend(_problems_for(doc, error))
     spec_file = Path(path)
     if not problems:
-        problems = _file_problems(doc, spec_file) + _matrix_problems(doc)
+        problems = _file_problems(doc, spec_file) + _matrix_problems(doc) + _data_problems(doc)
     if problems:
         raise TopologyError(sort_problems(problems))
     data = doc.data

@@ -20,7 +20,7 @@ import shlex
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hgxserve.base.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES
+from hgxserve.base.defaults import S3_CONCURRENCY, S3_PART_SIZE_BYTES, S3_REQUEST_DEADLINE_S
 from hgxserve.base.paths import AGENT
 from hgxserve.weights.manifest import MANIFEST_NAME
 
@@ -41,6 +41,8 @@ class SyncArgs:
     addressing: str = "auto"
     env_file: str | None = None  # a 0600 file on the host; the secret never passes here
     profile: str | None = None
+    # all attempts of one S3 request together (given on the command line only when changed)
+    request_deadline_s: float = S3_REQUEST_DEADLINE_S
     # False is the explicit opt-out (model.integrity: size-etag): --allow-size-etag
     require_sha256: bool = True
 
@@ -62,6 +64,8 @@ class SyncArgs:
             ):
                 if value:
                     argv += [flag, value]
+            if self.request_deadline_s != S3_REQUEST_DEADLINE_S:
+                argv += ["--request-deadline", f"{self.request_deadline_s:g}"]
         if self.manifest:
             argv += ["--manifest", self.manifest]
         if self.state_dir:

@@ -30,6 +30,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from hgxserve.base.defaults import S3_REQUEST_DEADLINE_S
 from hgxserve.base.errors import scrub
 from hgxserve.weights.credentials import Credentials
 from hgxserve.weights.errors import CredentialsError, SourceError, VerifyError, WeightsError
@@ -135,19 +136,27 @@ class S3Call:
     kind: str = "object"  # what the answer is, for the error naming a bound
 
     def budget_s(self) -> float:
-        """Seconds the whole request may take: REQUEST_BASE_S plus its body at MIN_RATE."""
+        """Seconds one attempt may take: REQUEST_BASE_S plus its body at MIN_RATE."""
         size = len(self.into) if self.into is not None else self.limit
         return REQUEST_BASE_S + (0 if self.method == "HEAD" else size) / MIN_RATE
+
+    def deadline_s(self, request_deadline_s: float) -> float:
+        """Seconds all attempts together may take, backoffs included: the client's request
+        deadline, or one attempt's budget where that is longer."""
+        return max(request_deadline_s, self.budget_s())
 
 
 class _Watchdog:
     """Shuts a connection's socket down when a request runs past its budget, so a blocked or
     trickling read ends; `fired` says it did."""
 
-    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
+    def __init__(
+        self, conn: http.client.HTTPConnection, seconds: float, why: str | None = None
+    ) -> None:
         self.conn = conn
         self.fired = False
         self.seconds = seconds
+        self.why = why
         self._timer = threading.Timer(seconds, self._fire)
         self._timer.daemon = True
         self._timer.start()
@@ -163,6 +172,8 @@ class _Watchdog:
         self._timer.cancel()
 
     def reason(self) -> str:
+        if self.why:
+            return self.why
         return (
             f"no complete answer within {self.seconds:.0f}s (slower than "
             f"{MIN_RATE >> 20} MiB/s after {REQUEST_BASE_S:.0f}s)"
@@ -342,6 +353,7 @@ class S3Client:
         self.signer = signer
         self.bucket = bucket
         self.retries = retries
+        self.request_deadline_s = S3_REQUEST_DEADLINE_S  # all attempts of one request
         self.timeout = 60.0
         self.on_retry = on_retry
         self._local = threading.local()
@@ -408,19 +420,26 @@ class S3Client:
         key = call.key
         path = self.object_path(key) if key is not None else (self.endpoint.path_prefix or "") + "/"
         what = self._what(key)
+        total = call.deadline_s(self.request_deadline_s)
+        deadline = time.monotonic() + total
         attempt = 0
         while True:
             attempt += 1
             try:
-                return self._request_once(call, path, what)
+                return self._request_once(call, path, what, deadline)
             except _Retry as retry:
-                if attempt > self.retries:
-                    raise SourceError(
-                        f"{what}: giving up after {attempt} attempts: {scrub(retry.reason)}",
-                        hint=self._connect_hint(retry.reason),
-                    ) from None
                 # Full-jitter exponential backoff: spreads many workers hitting SlowDown at once.
                 delay = random.uniform(0, min(10.0, 0.1 * 2**attempt))
+                left = deadline - time.monotonic()
+                if attempt > self.retries or left <= delay:
+                    bound = (
+                        f" (the request deadline, {total:.0f}s)" if attempt <= self.retries else ""
+                    )
+                    raise SourceError(
+                        f"{what}: giving up after {attempt} attempts in "
+                        f"{total - max(0.0, left):.0f}s{bound}: {scrub(retry.reason)}",
+                        hint=self._connect_hint(retry.reason),
+                    ) from None
                 if self.on_retry:
                     self.on_retry(f"{what}: {scrub(retry.reason)}; retry {attempt} in {delay:.1f}s")
                 time.sleep(delay)
@@ -433,7 +452,7 @@ class S3Client:
         return None
 
     def _request_once(
-        self, call: S3Call, path: str, what: str
+        self, call: S3Call, path: str, what: str, deadline: float | None = None
     ) -> tuple[int, dict[str, str], bytes]:
         signed = self.signer.sign(self.endpoint.host, path, call)
         query = call.query
@@ -446,7 +465,11 @@ class S3Client:
         with self._count_lock:
             self.request_count += 1
         conn = self._connection()
-        watchdog = _Watchdog(conn, call.budget_s())
+        seconds, why = call.budget_s(), None
+        if deadline is not None and deadline - time.monotonic() < seconds:
+            seconds = max(0.0, deadline - time.monotonic())
+            why = "the request deadline passed during this attempt"
+        watchdog = _Watchdog(conn, seconds, why)
         try:
             conn.request(call.method, url, body=call.body or None, headers=signed)
             resp = conn.getresponse()
@@ -698,6 +721,7 @@ class S3Options:
     addressing: str = "auto"
     profile: str | None = None
     retries: int = 8
+    request_deadline_s: float = S3_REQUEST_DEADLINE_S  # all attempts of one request together
 
     def resolved_region(self) -> str:
         from hgxserve.weights.credentials import profile_setting
@@ -748,7 +772,9 @@ def make_client(
     region = options.resolved_region()
     endpoint = resolve_endpoint(options.resolved_endpoint_url(), bucket, region, options.addressing)
     creds = resolve_credentials(options.profile)
-    return S3Client(endpoint, Signer(creds, region), bucket, options.retries, on_retry=on_retry)
+    client = S3Client(endpoint, Signer(creds, region), bucket, options.retries, on_retry=on_retry)
+    client.request_deadline_s = options.request_deadline_s
+    return client
 
 
 def _parse_error(body: bytes) -> tuple[str, str]:

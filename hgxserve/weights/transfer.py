@@ -153,7 +153,8 @@ def io_error(exc: OSError, what: str, dest: str) -> WeightsError:
 
 
 class _BufferPool:
-    """At most `limit` part buffers, allocated on first use and then reused."""
+    """At most `limit` part buffers of `size` bytes (the largest part of the transfer), allocated
+    on first use and then reused."""
 
     def __init__(self, limit: int, size: int) -> None:
         self._free: list[bytearray] = []
@@ -361,15 +362,21 @@ class Transfer:
         self.source = source
         self.dest = dest
         self.files = files
-        self.concurrency = max(1, options.concurrency)
         self.part_size = part_size = options.part_size
+        # No more workers than parts, and no buffer larger than the largest part: each worker
+        # holds a buffer while it waits for a part, and a buffer is zero-filled (resident) when
+        # it is made, so 32 workers of 32 MiB took 1 GiB to sync a 3 KB tree.
+        parts = sum(-(-f.size // part_size) for f in files)
+        self.concurrency = max(1, min(options.concurrency, parts))
+        largest = max((f.size for f in files), default=0)
+        self.buffer_size = max(1, min(part_size, largest))
         self.progress = options.progress
         self.fsync = options.fsync
         self.on_file = options.on_file
         # Files hashed side by side: enough to keep both cores of a small host hashing, few
         # enough that each file has several parts in flight and its hash rarely waits.
         self.hash_streams = max(1, min(4, self.concurrency // 4))
-        self.pool = _BufferPool(self.concurrency + max(2, self.concurrency // 4), part_size)
+        self.pool = _BufferPool(self.concurrency + max(2, self.concurrency // 4), self.buffer_size)
         self.queue: queue.Queue[tuple[_Job, int, int, bool] | None] = queue.Queue()
         self.fatal: WeightsError | None = None
         self._fatal_lock = threading.Lock()

@@ -199,6 +199,7 @@ def test_an_env_api_key_must_be_long_enough(
         "openssl rand -hex 32)"
     )
     assert "short-key" not in str(err.value)
-    monkeypatch.setenv("PROXY_KEY", "p" * 32)
+    full = "p" * 8 + "0123456789abcdef01234567"  # 32 characters
+    monkeypatch.setenv("PROXY_KEY", full)
     plan = plans.engines_plan(hosts["hgx-c"], inventory)
-    assert plan.secret_values == {"/etc/hgxserve/credentials/api-key": "p" * 32}
+    assert plan.secret_values == {"/etc/hgxserve/credentials/api-key": full}

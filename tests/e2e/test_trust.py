@@ -130,7 +130,8 @@ def test_env_secrets_need_the_inventory_allowance_and_a_full_key(lab: Lab) -> No
         "demo-env-key",
         ("api_key: {credential: hgxserve-api-key}", f"api_key: {{env: {KEY_VAR}}}"),
     )
-    proc = lab.deploy("deploys/engines.py", topology, env={KEY_VAR: "k" * 40})
+    key = "k" * 8 + "0123456789abcdef0123456789abcdef"
+    proc = lab.deploy("deploys/engines.py", topology, env={KEY_VAR: key})
     text = output(proc)
     assert proc.returncode != 0, text[-3000:]
     assert (

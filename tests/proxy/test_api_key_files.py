@@ -31,7 +31,8 @@ def test_a_private_file_with_a_full_length_key_is_read(tmp_path: Path) -> None:
     assert MIN_API_KEY_LENGTH == 32
     assert read_key_file(str(key_file(tmp_path))) == KEY
     assert read_key_file(str(key_file(tmp_path, mode=0o400))) == KEY  # stricter is fine
-    assert read_key_file(str(key_file(tmp_path, "x" * 32))) == "x" * 32  # exactly the minimum
+    minimum = "0123456789abcdef" + "fedcba9876543210"
+    assert read_key_file(str(key_file(tmp_path, minimum))) == minimum  # exactly the minimum
     assert read_api_key(str(key_file(tmp_path))) == KEY
 
 
@@ -56,7 +57,7 @@ def test_a_short_or_empty_key_is_refused_without_saying_it(tmp_path: Path) -> No
     assert short not in str(err.value)
     with pytest.raises(KeyFileError, match="the API key in it: empty"):
         read_key_file(str(key_file(tmp_path, "\n")))
-    assert key_problem("x" * 31) is not None and key_problem("x" * 32) is None
+    assert key_problem(KEY[:31]) is not None and key_problem(KEY[:32]) is None
 
 
 def test_not_a_regular_file_missing_or_too_large_is_refused(tmp_path: Path) -> None:

@@ -114,8 +114,7 @@ def test_deploy_data_goes_to_pyinfra_one_argv_word_each_never_a_shell(tmp_path: 
         write(
             tmp_path,
             "base: demo-pd.yml\ncandidates: [demo-pd.yml]\n"
-            "deploy: {stages: [engines], data: {health_timeout: 900, bench_tokenizer: "
-            "'/x; rm -rf / $(reboot)', confirm: true}}\n",
+            "deploy: {stages: [engines], data: {health_timeout: 900, confirm_within: '300'}}\n",
         )
     )
     argv = deploy_argv(spec, tmp_path / "demo-pd.yml", Path("/inv/lab.py"))
@@ -124,12 +123,66 @@ def test_deploy_data_goes_to_pyinfra_one_argv_word_each_never_a_shell(tmp_path: 
         "--data", f"topology={(tmp_path / 'demo-pd.yml').resolve()}",
         "--data", "stages=engines",
         "--data", "health_timeout=900",
-        "--data", "bench_tokenizer=/x; rm -rf / $(reboot)",
-        "--data", "confirm=true",
+        "--data", "confirm_within=300",
     ]  # fmt: skip
     assert errors(
         tmp_path, "base: demo-pd.yml\ncandidates: [demo-pd.yml]\ndeploy: {data: {'a b': 1}}\n"
     )
+    # shell syntax in a tunable key's value is refused when the SPEC is read, at its position
+    found = errors(
+        tmp_path,
+        "base: demo-pd.yml\ncandidates: [demo-pd.yml]\n"
+        "deploy: {data: {health_timeout: '1; rm -rf / $(reboot)'}}\n",
+    )
+    assert len(found) == 1 and "$.deploy.data.health_timeout" in found[0], found
+    assert "not a number" in found[0]
+
+
+# What the inventory owns: trust (env secrets, pins, digests), sources, hosts, the topology.
+_INVENTORYS = {
+    "allow_env": "AWS_SECRET_ACCESS_KEY",
+    "model_pins": "/tmp/pins.yml",
+    "weights_digest": "sha256:" + "0" * 64,
+    "apt_source": "deb http://evil/ x main",
+    "runtime_index_url": "http://evil/simple",
+    "runtime_index_unpinned": True,
+    "ssh_hostname": "10.9.9.9",
+    "ssh_strict_host_key_checking": "no",
+    "topology": "/tmp/other.yml",
+    "stages": "provision",
+    "nccl_mpirun": "/tmp/x",
+    "bench_tokenizer": "/x",
+    "confirm": True,  # no key at all
+}
+
+
+@pytest.mark.parametrize("key", sorted(_INVENTORYS))
+def test_a_spec_sets_only_the_tunable_data_keys(tmp_path: Path, key: str) -> None:
+    value = _INVENTORYS[key]
+    text = value if isinstance(value, bool) else repr(value)
+    spec = "base: demo-pd.yml\ncandidates: [demo-pd.yml]\ndeploy:\n  data:\n"
+    found = errors(tmp_path, f"{spec}    health_timeout: 900\n    {key}: {text}\n")
+    assert len(found) == 1, found
+    assert f":6:{7 + len(key)}: $.deploy.data.{key}: {key}: a tune SPEC may not set it" in found[0]
+    assert "confirm_within, health_timeout" in found[0]
+
+
+def test_a_tune_spec_built_past_the_loader_is_refused_too(tmp_path: Path) -> None:
+    from hgxserve.base.errors import UsageError
+    from hgxserve.tune.loop import deploy_argv
+    from hgxserve.tune.spec import TuneSpec
+
+    spec = TuneSpec(file="x", digest="0", base=tmp_path, data={"allow_env": "AWS_SECRET"})
+    with pytest.raises(UsageError, match="allow_env: a tune SPEC may not set it"):
+        deploy_argv(spec, tmp_path / "t.yml", Path("/inv/lab.py"))
+
+
+def test_the_shipped_tune_spec_sets_only_tunable_keys() -> None:
+    from hgxserve.deploy.data import TABLE, TUNABLE
+
+    spec = load_spec(DEMO / "demo.tune.yaml")
+    assert set(spec.data) <= set(TUNABLE)
+    assert all(TABLE[name].tunable for name in TUNABLE)
 
 
 def test_the_command_dry_run_prunes_and_estimates_without_deploying() -> None:

@@ -24,6 +24,7 @@ CASES = [
         addressing="virtual",
         env_file="/etc/hgxserve/s3.env",
         profile="models",
+        request_deadline_s=900.0,
         require_sha256=False,
     ),
     SyncArgs("/mnt/hgxserve-models", "/nvme/models/x", manifest="/mnt/hgxserve-models/m.json"),

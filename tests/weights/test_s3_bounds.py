@@ -137,6 +137,35 @@ def test_trickled_ranged_get_ends_at_the_request_budget(
     assert time.monotonic() - started < 6
 
 
+def _stall(conn: socket.socket) -> None:
+    time.sleep(30)  # accepts, reads the request, never answers
+
+
+def test_a_request_and_its_retries_end_at_the_request_deadline(
+    store: dict[str, Answer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each attempt is cut at its own budget, but 8 retries of it (at 92 s for a 32 MiB part,
+    # plus backoffs) kept one request going for ~11 min: all of them end at the deadline.
+    monkeypatch.setattr(s3, "REQUEST_BASE_S", 1.0)
+    monkeypatch.setattr(s3, "MIN_RATE", 1 << 40)
+    store["answer"] = _stall
+    client = make_client("models", S3Options(addressing="path", retries=8, request_deadline_s=2.5))
+    started = time.monotonic()
+    with pytest.raises(SourceError, match=r"attempts in \ds \(the request deadline, 2s\)"):
+        client.get_range_into("m/a.safetensors", 0, memoryview(bytearray(64)), None)
+    assert time.monotonic() - started < 4.0
+
+
+def test_the_request_deadline_is_at_least_one_attempts_budget() -> None:
+    from hgxserve.base.defaults import S3_REQUEST_DEADLINE_S
+
+    part = s3.S3Call("GET", "k", into=memoryview(bytearray(32 << 20)))
+    assert part.deadline_s(S3_REQUEST_DEADLINE_S) == 300.0 > part.budget_s() * 3
+    big = s3.S3Call("GET", "k", into=memoryview(bytearray(512 << 20)))
+    assert big.deadline_s(S3_REQUEST_DEADLINE_S) == big.budget_s() == 60 + 512
+    assert S3Options().request_deadline_s == S3_REQUEST_DEADLINE_S
+
+
 def test_budget_grows_with_the_size_at_the_minimum_rate() -> None:
     part = s3.S3Call("GET", "k", into=memoryview(bytearray(4 << 20)))
     assert part.budget_s() == s3.REQUEST_BASE_S + (4 << 20) / s3.MIN_RATE

@@ -14,7 +14,7 @@ from hgxserve.base.digests import shipped_file_sha256
 from hgxserve.base.paths import TOPOLOGY_FILES_DIR
 from hgxserve.topology.model import Engine, Topology
 from hgxserve.topology.ports import setting_path
-from hgxserve.topology.problems import JsonPath
+from hgxserve.topology.problems import JsonPath, format_path
 from hgxserve.topology.registry import Finding, engine_rule, rule
 from hgxserve.topology.rules.common import accept_hint
 
@@ -44,12 +44,34 @@ def file_source(topo: Topology) -> Iterator[Finding]:
                 "file to the hosts (a path relative to the topology file, or absolute)",
             )
             continue
-        if actual != spec.sha256:
+        if actual == spec.sha256:
+            continue
+        if _outside_folder(topo, spec.source) and not _accepted(topo, name):
+            # file-source-place refuses it: its digest would confirm a guess of its content
             yield (
                 ("files", name, "sha256"),
-                f"{written} has sha256 {actual}, not {spec.sha256}: set sha256: {actual} "
-                "if the new content is intended",
+                f"{written} does not have sha256 {spec.sha256} (its own digest is not shown: the "
+                "file lies outside the topology's folder and is refused by file-source-place)",
             )
+            continue
+        yield (
+            ("files", name, "sha256"),
+            f"{written} has sha256 {actual}, not {spec.sha256}: set sha256: {actual} "
+            "if the new content is intended",
+        )
+
+
+def _outside_folder(topo: Topology, source: str) -> bool:
+    """Whether `source` lies outside the topology file's folder (its links resolved)."""
+    if not topo.source_file:
+        return False
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(topo.source_file)))
+    return os.path.commonpath([os.path.realpath(source), folder]) != folder
+
+
+def _accepted(topo: Topology, name: str) -> bool:
+    """Whether the topology accepts `files.<name>.source` by its path (`accept:`)."""
+    return format_path(("files", name, "source")) in (topo.raw.get("accept") or {})
 
 
 @rule(
