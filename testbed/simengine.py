@@ -22,6 +22,10 @@ Environment knobs (all optional):
   HGXSERVE_SIM_GPU_TOTAL_MIB   per-GPU memory used to size "used_mib" (default 143771, H200)
   HGXSERVE_SIM_TOKEN_SECONDS   time per generated token (default 0.01)
   HGXSERVE_SIM_PREFILL_SECONDS_PER_1K  local prefill time per 1000 prompt tokens (default 0.02)
+  HGXSERVE_SIM_EVENT_BYTES     SIMULATED large stream events: every SSE event of a streamed
+                               answer is padded to at least this many bytes with a
+                               "sim_padding" field no real engine sends (default 0: unpadded),
+                               as logprobs or long tool-call deltas make real events large
   HGXSERVE_SIM_TP_EXPONENT     SIMULATED speed by TP and role (sim_speed, sim_prefill, sim_step):
                                per-token and prefill times are divided by TP**exponent (e.g. 0.8:
                                TP8 is ~5.3x TP1), and the engine has one forward pass: prefills
@@ -1812,8 +1816,13 @@ async def emit(
     if body.get("stream"):
         await conn.start_stream(out_headers)
 
+        pad_to = int(env_float("HGXSERVE_SIM_EVENT_BYTES", 0))
+
         async def sse(payload: dict[str, Any]) -> None:
-            await conn.chunk(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            data = json.dumps(payload).encode()
+            if len(data) < pad_to:  # (simulated large events: a field real engines never send)
+                data = json.dumps({**payload, "sim_padding": "x" * (pad_to - len(data))}).encode()
+            await conn.chunk(b"data: " + data + b"\n\n")
 
         base = {
             "id": rid,

@@ -45,16 +45,26 @@ log = logging.getLogger("hgxserve.proxy")
 MAX_PAYLOAD_BYTES = 16 << 20
 MAX_LIST_LEN = 1 << 21
 MAX_EVENTS_PER_BATCH = 1 << 16
+# block hashes, token ids and extra keys of all a batch's events together: the 1M-token prompt
+# twice over. 16 MiB of small integers is 16M of them, whose checks and index updates held
+# the event loop for seconds per batch; a batch over this is refused (garbage) after decoding
+# (~0.3 s at 16 MiB), one within it costs ~0.1 s
+MAX_BATCH_ITEMS = 1 << 21
 MAX_HASH_BYTES = 64
 MAX_BLOCK_SIZE = 1 << 12
 # replay: vLLM and SGLang keep the last 10,000 batches (buffer_steps); a replay silent for
 # REPLAY_SILENCE_S (the publisher answers from memory in well under a second) is given up
 MAX_REPLAY_MESSAGES = 20_000
 REPLAY_SILENCE_S = 5.0
+# a replay that goes on this long in all is given up too (a publisher trickling its answer
+# under the silence bound held the subscriber for hours)
+REPLAY_MAX_S = 60.0
 # socket re-creation after an error: 0.1 s doubling to 10 s; ZMQ's own reconnect likewise
 RECONNECT_MIN_S = 0.1
 RECONNECT_MAX_S = 10.0
-RCVHWM = 100_000
+# live messages ZMQ queues for one publisher while the subscriber is busy (a replay, a
+# batch); past it ZMQ drops them, which is a gap: replayed, or the index starts over
+RCVHWM = 1_000
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 Hash = int | bytes
@@ -104,14 +114,16 @@ class Batch:
     dp_rank: int | None = None
 
 
+_HASH_TYPES = {int, bytes}
+
+
 def _hashes(value: Any) -> list[Hash]:
     if not isinstance(value, list):
         raise KVEventError("block_hashes is not a list")
-    for h in value:
-        if isinstance(h, bool) or not isinstance(h, (int, bytes)):
-            raise KVEventError("a block hash is neither an integer nor bytes")
-        if isinstance(h, bytes) and len(h) > MAX_HASH_BYTES:
-            raise KVEventError("a block hash is longer than 64 bytes")
+    # (types collected in C: a Python loop over 2M hashes took a second; bytes are at most
+    # MAX_HASH_BYTES long already, msgpack's max_bin_len)
+    if not set(map(type, value)) <= _HASH_TYPES:
+        raise KVEventError("a block hash is neither an integer nor bytes")
     return value
 
 
@@ -132,7 +144,7 @@ def _stored(f: list[Any]) -> Stored:
     ids, size = f[3], f[4]
     if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_BLOCK_SIZE:
         raise KVEventError(f"block_size {size!r} is out of range")
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+    if not isinstance(ids, list) or (ids and set(map(type, ids)) != {int}):
         raise KVEventError("token_ids is not a list of integers")
     if len(ids) != size * len(hashes):
         raise KVEventError("token_ids does not hold block_size tokens per block")
@@ -223,6 +235,12 @@ def decode_batch(payload: bytes) -> Batch:
     rank = raw[2] if len(raw) > 2 else None
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
         raise KVEventError("data_parallel_rank is not an integer")
+    items = 0
+    for e in events:  # counted before anything is checked element by element
+        fields = e.values() if isinstance(e, dict) else e if isinstance(e, list) else ()
+        items += sum(len(f) for f in fields if isinstance(f, list))
+    if items > MAX_BATCH_ITEMS:
+        raise KVEventError(f"more than {MAX_BATCH_ITEMS} hashes and token ids in one batch")
     return Batch(float(ts), [_event(e) for e in events], rank)
 
 
@@ -266,6 +284,12 @@ class Subscriber:
     (re)connect replay from the next expected seq; a seq below the last live one means the
     engine restarted (its cache is empty): the sink is cleared and everything the publisher still
     buffers is replayed. Garbage is counted and skipped, never raised.
+
+    The event loop is never held for more than one batch: the subscriber yields to it after
+    each message, live or replayed. A gap is filled as soon as it is seen: the batches behind
+    it stay in ZMQ's queue as received (RCVHWM of them at most; past it ZMQ drops them, a
+    further gap), not decoded in the proxy's memory while the replay runs (decoded, ~10 times
+    their wire size, they grew the proxy by 357 MiB in one gap).
     """
 
     def __init__(self, endpoint: str, replay: str | None, topic: str, sink: Sink) -> None:
@@ -275,7 +299,7 @@ class Subscriber:
         self.sink = sink
         self.stats = SubscriberStats()
         self.live_last = -1  # the last seq seen on the live stream
-        self.pending: list[tuple[int, Batch]] = []  # live batches after a gap, until replayed
+        self.pending: list[tuple[int, Batch]] = []  # the live batch past a gap, until replayed
         self.ctx = zmq.asyncio.Context.instance()
 
     async def run(self) -> None:
@@ -316,11 +340,14 @@ class Subscriber:
                     await self._connected(monitor)
                 if sub in ready:
                     self._live(await sub.recv_multipart())
-                    # drain what queued without another poll round trip
-                    while await sub.poll(0):
+                    # drain what queued without another poll round trip, one batch at a time
+                    # (others run between them), until a gap is to be filled
+                    while not self.pending and await sub.poll(0):
+                        await asyncio.sleep(0)
                         self._live(await sub.recv_multipart())
                 if self.pending:
                     await self._fill_gap()
+                await asyncio.sleep(0)
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
@@ -410,8 +437,12 @@ class Subscriber:
 
     async def _replayed(self, dealer: zmq.asyncio.Socket, start: int) -> None:
         first = True
+        until = time.monotonic() + REPLAY_MAX_S
         for _ in range(MAX_REPLAY_MESSAGES):
-            frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_SILENCE_S)
+            left = until - time.monotonic()
+            if left <= 0:
+                raise KVEventError(f"a replay of more than {REPLAY_MAX_S:g} s")
+            frames = await asyncio.wait_for(dealer.recv_multipart(), min(REPLAY_SILENCE_S, left))
             if len(frames) != 3:
                 raise KVEventError(f"a replay message of {len(frames)} frames")
             if frames[1] == END_SEQ:
@@ -430,4 +461,5 @@ class Subscriber:
             first = False
             self.stats.replayed += 1
             self._apply(seq, batch)
+            await asyncio.sleep(0)  # one batch at a time: others run between them
         raise KVEventError(f"a replay of more than {MAX_REPLAY_MESSAGES} messages")

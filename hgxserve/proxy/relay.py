@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -182,20 +182,44 @@ class Relay:
     async def _write(self, request: web.BaseRequest, out: web.StreamResponse, data: bytes) -> None:
         """Write to the client; one that stopped reading (its socket buffer full for
         `client_write_timeout_s`) is cut: ClientStalled ends the request, which releases its
-        in-flight slot and closes the engine's connection (the engine aborts the request)."""
+        in-flight slot and closes the engine's connection (the engine aborts the request).
+
+        Every write that could wait is bounded, whatever its size: only one that cannot
+        (nothing waiting to go out, and small enough that what the socket does not take stays
+        under the transport's high-water mark, so the transport is not paused) skips the
+        timer. A large write with nothing waiting before it used to skip it too, and when the
+        socket was full its wait for the drain was unbounded."""
         transport = request.transport
-        if transport is None or not transport.get_write_buffer_size():
-            await out.write(data)  # nothing waits to go out: this write does not block
+        if (
+            transport is None
+            or not transport.get_write_buffer_size()
+            and len(data) <= transport.get_write_buffer_limits()[1] // 2
+        ):
+            await out.write(data)  # this write does not wait
             return
+        await self._bounded(request, out.write(data))
+
+    async def _bounded(self, request: web.BaseRequest, write: Awaitable[None]) -> None:
+        """Await a write to the client within `client_write_timeout_s`; past it the client is
+        cut (ClientStalled, counted in hgxserve_proxy_client_stalled_total)."""
         try:
             async with timeout(self.limits.client_write_timeout_s):
-                await out.write(data)
+                await write
         except TimeoutError:
             self.metrics.stalled += 1
-            transport.abort()
+            if request.transport is not None:
+                request.transport.abort()
             raise ClientStalled(
                 f"client stopped reading for {self.limits.client_write_timeout_s:g}s"
             ) from None
+
+    async def _end(self, request: web.BaseRequest, out: web.StreamResponse) -> None:
+        """End the stream (its last chunk, then a wait for the drain), bounded like a write."""
+        transport = request.transport
+        if transport is None or not transport.get_write_buffer_size():
+            await out.write_eof()  # a few bytes, nothing waiting: this does not wait
+            return
+        await self._bounded(request, out.write_eof())
 
     async def _stream(
         self, call: Call, inst: Instance, up: Response, ctype: str, added: float
@@ -228,10 +252,22 @@ class Relay:
                     "code": 502,
                 }
             }
-            with contextlib.suppress(ConnectionError):
-                await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            with _client_gone():
+                await self._write(request, out, b"data: " + json.dumps(err).encode() + b"\n\n")
         if first:
             await out.prepare(request)
-        with contextlib.suppress(ConnectionError):
-            await out.write_eof()
+        with _client_gone():
+            await self._end(request, out)
         return out
+
+
+@contextlib.contextmanager
+def _client_gone() -> Iterator[None]:
+    """A client that went away at the end of its stream is no error; one cut for stalling
+    still ends the request (ClientStalled)."""
+    try:
+        yield
+    except ClientStalled:
+        raise
+    except ConnectionError:
+        pass

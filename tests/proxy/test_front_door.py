@@ -229,6 +229,43 @@ def test_a_client_that_stops_reading_is_cut_and_its_slot_and_engine_freed(engine
     sock.close()
 
 
+@pytest.mark.timeout(240)
+def test_a_stalled_client_of_large_events_is_cut_and_its_slots_freed(engines, proxy) -> None:
+    """Streams of large events nobody reads (64 KiB events with a 3 s bound held the slots
+    at 30 s, and three such streams answered 429 to everyone): a write that left more than
+    the transport's high-water mark unsent, with nothing waiting before it, waited for the
+    drain unbounded. Every write is bounded now, whatever its size, so each stalled client is
+    cut and the slots come back. (1 MiB events: the proxy then writes 256 KiB and more at
+    once, and every stream met the unbounded wait; with 64 KiB only some did.)"""
+    args = ["serve", "/models/m", "--served-model-name", "m", "--max-model-len", "400000"]
+    # the simulated engine pads each event to 1 MiB
+    env = {"HGXSERVE_SIM_TOKEN_SECONDS": "0.001", "HGXSERVE_SIM_EVENT_BYTES": str(1 << 20)}
+    comb = engines("vllm", args, env=env)
+    limits = {"client_write_timeout_s": 1, "max_in_flight": 3}
+    px = proxy(combined_config(comb, limits=limits))
+    body = json.dumps(
+        {"model": "m", "prompt": "hi", "max_tokens": 300000, "stream": True, "ignore_eos": True}
+    )
+    stalled = []
+    for _ in range(3):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", px.port))
+        sock.sendall(post_head(len(body)) + body.encode())  # and never reads
+        stalled.append(sock)
+    # generous: the bound is 1 s, the old code held the slots until read_timeout_s (600 s)
+    deadline = time.monotonic() + 120
+    while metric(px.metrics(), "hgxserve_proxy_client_stalled_total") < 3:
+        assert time.monotonic() < deadline, f"a stalled client was never cut: {px.metrics()}"
+        time.sleep(0.5)
+    while metric(px.metrics(), "hgxserve_proxy_in_flight_requests") != 0:  # the cuts unwind
+        assert time.monotonic() < deadline, "a stalled client's slot was never freed"
+        time.sleep(0.1)
+    assert completion(px.url)[0] == 200, "the in-flight slots are free again"
+    for sock in stalled:
+        sock.close()
+
+
 def test_a_trickled_body_holds_no_in_flight_slot(engines, proxy) -> None:
     """A body announced and trickled (held the slots for body_timeout_s, 60 s): the slot is
     taken once the body is complete, so others are served meanwhile."""

@@ -9,9 +9,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
-from kvwire import Publisher, batch, cleared, store_prompt
+from kvwire import Publisher, batch, cleared, removed, store_prompt
 
-from hgxserve.proxy.kvevents import Subscriber
+from hgxserve.proxy import kvevents
+from hgxserve.proxy.kvevents import MAX_BATCH_ITEMS, Subscriber
 from hgxserve.proxy.kvindex import BlockIndex, Chain
 
 pytestmark = pytest.mark.timeout(60)
@@ -145,3 +146,81 @@ def test_a_gap_the_publisher_no_longer_holds_starts_over() -> None:
         assert wire.held(A) == 0 and wire.held(B) == 2
 
     run(scenario, pub)
+
+
+async def loop_lag(stop: asyncio.Event, seen: dict[str, float]) -> None:
+    """The longest the event loop went without running this task (seconds)."""
+    seen["max"] = 0.0
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.01)
+        now = time.monotonic()
+        seen["max"] = max(seen["max"], now - last - 0.01)
+        last = now
+
+
+@pytest.mark.timeout(180)
+def test_batches_within_the_wire_bounds_never_hold_the_event_loop() -> None:
+    """A publisher sending batches each within the message bounds (16 MiB, 2M a list) but of
+    millions of hashes: their checks and index updates held the loop for seconds a batch
+    (7.1 s seen), and queued ones were taken one after the other without yielding. Now a batch
+    past MAX_BATCH_ITEMS is refused (garbage), and the subscriber yields after each batch."""
+    n = 1 << 21
+    heavy = batch([removed(list(range(128)) * (n // 128))] * 7)  # 14M hashes in 14 MiB
+    largest = batch([removed(list(range(300, 300 + MAX_BATCH_ITEMS)))])  # within the bound
+
+    async def scenario(wire: Wire) -> None:
+        await until(lambda: wire.stats.connects == 1)
+        await until(lambda: wire.stats.replays == 1)
+        stop, seen = asyncio.Event(), {}
+        ticker = asyncio.create_task(loop_lag(stop, seen))
+        await asyncio.sleep(0.1)
+        for _ in range(3):
+            wire.pub.publish(heavy)
+        for _ in range(4):
+            wire.pub.publish(largest)
+        wire.pub.publish(store_prompt(A))
+        await until(lambda: wire.held(A) == 4, timeout=120)
+        stop.set()
+        await ticker
+        # (live, then again in the replay of the gap they leave)
+        assert wire.stats.garbage >= 3, "the batches over MAX_BATCH_ITEMS are refused"
+        assert wire.stats.events.get("BlockRemoved") == 4, "the ones within it are applied"
+        # generous (a loaded 2-core machine): one batch within the bounds takes ~0.3 s; the
+        # old code held the loop for 10 s and more here
+        assert seen["max"] < 2.5, f"the event loop was held for {seen['max']:.1f} s"
+
+    run(scenario)
+
+
+@pytest.mark.timeout(120)
+def test_batches_behind_a_gap_are_not_held_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gap whose replay takes its time (here: nobody answers it), while the publisher goes
+    on: the batches behind the gap were all decoded into the proxy's memory (~10 times their
+    wire size: 357 MiB seen) until the replay ended. Now the gap is filled as soon as it is
+    seen and the rest stays in ZMQ's bounded queue as received, then is applied in order."""
+    import tracemalloc
+
+    monkeypatch.setattr(kvevents, "REPLAY_SILENCE_S", 0.5)
+    pub = Publisher()
+    ids = list(range(1000, 1000 + (1 << 17)))  # 128K token ids a batch (~384 KiB of msgpack)
+    payloads = [store_prompt(ids)] * 100  # (one prompt: the index itself stays small)
+
+    async def scenario(wire: Wire) -> None:
+        await until(lambda: wire.stats.connects == 1)
+        await until(lambda: wire.stats.replay_failures == 1)  # the connect replay
+        tracemalloc.start()
+        try:
+            pub.publish(batch([]), send=False)  # seq 0, lost: a gap
+            for payload in payloads:
+                pub.publish(payload)
+            await until(lambda: wire.stats.last_seq == 100, timeout=60)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert wire.stats.gaps == 1 and wire.stats.replay_failures == 2
+        assert wire.stats.events.get("BlockStored") == 100, "every batch applied, in order"
+        # the old code: ~100 decoded batches at once (over 100 MiB); now one at a time
+        assert peak < 32 << 20, f"{peak >> 20} MiB of Python objects at the peak"
+
+    run(scenario, pub, replay="tcp://127.0.0.1:9")
