@@ -15,6 +15,7 @@ units (in topology order) and then the proxy unit, each with the argv and enviro
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 
 from hgxserve.base import paths
@@ -242,7 +243,8 @@ def _engine_unit(
     pre_dirs = sorted({env[v] for v in ENV_SUBDIRS if v in env})
     pre_dirs += [f"{rundir}/{d}" for d in ("tmp", "rpc", "cache", "hf")]
     user = None if engine.runtime.is_container else ENGINE_USER
-    execs = _Exec([_make_dirs(user, [key_dir, rundir], pre_dirs)])
+    directories, make_dirs = _make_dirs(user, [key_dir, rundir], pre_dirs)
+    execs = _Exec(make_dirs)
     secrets = engine_secret_env(topo, engine)
     credential_lines, wrapper = secret_wrapper(secrets, name, creds)
     shipped = {f.host_path: f for f in topo.files.values()}
@@ -299,6 +301,11 @@ def _engine_unit(
             exec_stop=execs.stop,
             exec_stop_post=execs.stop_post,
             user=user,
+            directories=directories,
+            # venv engines: nothing of the host writable but what the engine needs (root's
+            # /opt/hgxserve, which the unit's `+` lines run, out of its reach); podman (root)
+            # writes its own state under /var/lib/containers and /run
+            protect_system="strict" if user else "full",
             read_only_paths=path_list([weights_tree], optional=True),
             read_write_paths=path_list(
                 [key_dir, rundir, *([paths.ENGINE_HOME] if user else [])], optional=True
@@ -349,16 +356,58 @@ def _wait_ready(
     return _as_root(user, wait) if keyed else exec_line(wait)
 
 
-def _make_dirs(user: str | None, tops: list[str], dirs: list[str]) -> UnitText:
-    """The ExecStartPre= that creates the engine's cache and run directories (`dirs`, inside
-    `tops`: the key and run directories). For an engine that runs as `user` it runs with full
-    privileges (`+`): the directories are made under root's cache and state roots and handed
-    to the user, the tops included (install -d sets the owner and mode of each directory
-    named, also of one that exists; what is inside stays as it is)."""
+def systemd_directory(path: str) -> tuple[str, str] | None:
+    """(directive, path relative to its root) of a directory systemd makes for the unit's
+    user itself (`CacheDirectory=` under /var/cache, `StateDirectory=` under /var/lib), None
+    for a path elsewhere.
+
+    >>> systemd_directory("/var/cache/hgxserve/k1")
+    ('CacheDirectory', 'hgxserve/k1')
+    >>> systemd_directory("/srv/cache/k1") is None
+    True
+    """
+    norm = posixpath.normpath(path)
+    for directive, root in (("CacheDirectory", "/var/cache"), ("StateDirectory", "/var/lib")):
+        if norm.startswith(root + "/"):
+            return directive, norm[len(root) + 1 :]
+    return None
+
+
+def _make_dirs(
+    user: str | None, tops: list[str], dirs: list[str]
+) -> tuple[list[UnitText], list[str]]:
+    """The unit lines that make the engine's key and run directories (`tops`) and the cache
+    and run directories inside them (`dirs`): (directives of [Service], ExecStartPre= lines).
+
+    For an engine that runs as `user`, root never acts inside a directory the user can write
+    (GNU `install -d`, as root, follows a link the user planted there and hands its target
+    over): systemd makes each top under root's /var/cache or /var/lib for the user
+    (`CacheDirectory=`, `StateDirectory=`; systemd creates it in its root-owned parent and
+    changes the owner of what is inside without following links); a top elsewhere (a
+    `cache.root` outside those) is made by `+install -d` in its parent, which is root's; the
+    directories inside are made by the user (`mkdir -p` without `+`). A container engine's
+    unit runs as root: `mkdir -p`."""
     if user is None:
-        return exec_line([MKDIR, "-p", *dirs])
-    owned = [INSTALL, "-d", "-o", user, "-g", user, "-m", "0750", *tops, *dirs]
-    return UnitText("+" + exec_line(owned))
+        return [], [exec_line([MKDIR, "-p", *dirs])]
+    by_directive: dict[str, list[str]] = {}
+    elsewhere: list[str] = []
+    for top in tops:
+        found = systemd_directory(top)
+        if found is None:
+            elsewhere.append(top)
+        else:
+            by_directive.setdefault(found[0], []).append(found[1])
+    directives: list[UnitText] = []
+    for directive in ("CacheDirectory", "StateDirectory"):
+        if directive in by_directive:
+            directives.append(UnitText(f"{directive}={path_list(by_directive[directive])}"))
+            directives.append(UnitText(f"{directive}Mode=0750"))
+    lines: list[str] = []
+    if elsewhere:
+        owned = [INSTALL, "-d", "-o", user, "-g", user, "-m", "0750", *elsewhere]
+        lines.append(UnitText("+" + exec_line(owned)))
+    lines.append(exec_line([MKDIR, "-p", *dirs]))
+    return directives, lines
 
 
 def _as_root(user: str | None, argv: list[str]) -> UnitText:
