@@ -35,6 +35,7 @@ from typing import Any
 from hgxserve.base.cachelayout import BAKE_RECORD, ENV_SUBDIRS
 from hgxserve.base.credstore import read_credential
 from hgxserve.base.defaults import ENGINE
+from hgxserve.base.enginekey import strip_key_launcher
 from hgxserve.base.errors import HgxserveError
 from hgxserve.caches.logscan import JitHit, read_from, scan
 from hgxserve.caches.warmup import Engine, Shape, run_shape, served_model
@@ -132,6 +133,7 @@ def deep_gemm_argv(argv: list[str]) -> list[str]:
     >>> deep_gemm_argv(["/opt/sg/bin/sglang", "serve", "--model-path", "/m", "--tp", "8"])
     ['/opt/sg/bin/python', '-m', 'sglang.compile_deep_gemm', '--model-path', '/m', '--tp', '8']
     """
+    argv = strip_key_launcher(argv)  # a keyed SGLang engine's launcher: the key is not needed
     program = os.path.basename(argv[0])
     if program == "sglang" and len(argv) > 1 and argv[1] == "serve":
         flags = argv[2:]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from hgxserve.base import paths
 from hgxserve.base.cachelayout import ENV_SUBDIRS, cache_env
 from hgxserve.base.defaults import ENGINE_USER
+from hgxserve.base.enginekey import keyed_sglang_command
 from hgxserve.base.paths import AGENT
 from hgxserve.base.units import (
     UnitText,
@@ -250,10 +251,12 @@ def _engine_unit(
     shipped = {f.host_path: f for f in topo.files.values()}
     used_files = sorted({p for _, _, p in engine.host_paths() if p in shipped})
     command = [*engine_program(engine), *engine_args(topo, engine, plan)]
+    if engine.engine == "sglang" and ENGINE_KEY_VAR in secrets:
+        command = _keyed_sglang(engine, command, plan)
     if engine.runtime.is_container:
         options = _volumes(topo, [key_dir, rundir], used_files)
         options += _container_fabric(topo, engine, plan)
-        argv = _container_argv(engine, plan, env, command, options)
+        argv = _container_argv(engine, plan, [*env, *sorted(secrets)], command, options)
         _container_execs(engine, execs)
     else:
         argv = command
@@ -410,6 +413,19 @@ def _make_dirs(
     return directives, lines
 
 
+def _keyed_sglang(engine: Engine, command: list[str], plan: NodePlan) -> list[str]:
+    """A keyed SGLang engine's command: its own Python runs the key launcher
+    (hgxserve.base.enginekey), which hands SGLang `--api-key` in memory."""
+    runtime = engine.runtime
+    assert runtime is not None
+    python = f"{runtime.venv.rstrip('/')}/bin/python" if runtime.venv else "python3"
+    plan.notes.append(
+        f"SGLang takes its key only as --api-key: {python} adds it from {ENGINE_KEY_VAR} in "
+        "memory, so it is on no command line"
+    )
+    return keyed_sglang_command(python, command)
+
+
 def _as_root(user: str | None, argv: list[str]) -> UnitText:
     """An Exec*= line that runs with full privileges (`+`) in a unit with User=; as written in
     one without (container engines: their podman runs as root)."""
@@ -457,10 +473,12 @@ def _container_fabric(topo: Topology, engine: Engine, plan: NodePlan) -> list[st
 
 
 def _container_argv(
-    engine: Engine, plan: NodePlan, env: dict[str, str], command: list[str], options: list[str]
+    engine: Engine, plan: NodePlan, env_names: list[str], command: list[str], options: list[str]
 ) -> list[str]:
     """`podman|docker run` of the engine's image with CDI GPUs; `options` are the run options
-    after the GPUs (volumes, the fabric's devices)."""
+    after the GPUs (volumes, the fabric's devices). `env_names` go in by name: the unit's
+    environment, then its secrets (the engine's secret_env and the engines' key, which the
+    wrapper exports to the tool)."""
     runtime = engine.runtime
     assert runtime is not None
     tool_name, tool, container = _container_tool(engine)
@@ -482,7 +500,7 @@ def _container_argv(
     for gpu in plan.gpus:
         argv += ["--device", f"nvidia.com/gpu={gpu}"]
     argv += options
-    for var in [*env, *sorted(engine.secret_env)]:
+    for var in dict.fromkeys(env_names):
         # --env NAME passes the value from the unit's environment, never on the command line
         argv += ["--env", var]
     argv += ["--entrypoint", command[0], str(runtime.image), *command[1:]]

@@ -302,3 +302,12 @@ def test_a_link_the_engine_user_planted_hands_nothing_of_root_over():
         assert os.stat(os.path.join(base, "run", "e")).st_uid == run_as.uid
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_deep_gemm_argv_of_a_keyed_sglang_engine_leaves_the_key_launcher_out():
+    from hgxserve.base.enginekey import keyed_sglang_command
+
+    argv = keyed_sglang_command("/opt/sg/bin/python", ["/opt/sg/bin/sglang", "serve", "--tp", "8"])
+    assert deep_gemm_argv(argv) == [
+        "/opt/sg/bin/python", "-m", "sglang.compile_deep_gemm", "--tp", "8"
+    ]  # fmt: skip

@@ -1,23 +1,28 @@
-"""The engine user cannot reach root through its unit.
+"""The engine user cannot reach root through its unit, and every engine gets the proxy's key.
 
 A venv engine runs as `hgxserve-engine`, which can write its key directory, its run directory
 and its home. No line of its unit that runs as root (`+`) may act inside those: GNU `install -d`
 as root follows a link the user planted there and hands the link's target (`/opt/hgxserve/bin`,
-whose `hgxserve` the `+` lines run) to the user.
+whose `hgxserve` the `+` lines run) to the user. The key reaches what the engine process
+itself reads: podman forwards it by name into the container, SGLang gets `--api-key` in memory.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, TEST_TOPOLOGIES, topology
+from test_proxy_unit import keyed
 
+from hgxserve.base.enginekey import ENGINE_KEY_VAR, SGLANG_KEY_LAUNCHER
 from hgxserve.base.paths import AGENT_PREFIX, ENGINE_HOME
 from hgxserve.render import render_host, render_topology
 from hgxserve.topology import load_topology
@@ -148,3 +153,82 @@ def test_a_link_the_engine_user_plants_hands_nothing_of_root_over():
         assert oct(victim.stat().st_mode & 0o777) == "0o755"
     finally:
         shutil.rmtree(base)
+
+
+# --------------------------------------------------------------------------------------------
+# every engine gets its key
+# --------------------------------------------------------------------------------------------
+
+
+def _exported(argv_text: str) -> list[str]:
+    """The variables `exec-with-credentials VAR=name ... --` exports in an ExecStart= value."""
+    words = shlex.split(argv_text)
+    if words[:3] != WRAPPER:
+        return []
+    return [w.split("=", 1)[0] for w in words[3 : words.index("--")]]
+
+
+@pytest.mark.parametrize("path", ALL_TOPOLOGIES, ids=lambda p: p.stem)
+def test_container_engines_receive_every_exported_secret_inside(path: Path):
+    topo = load_topology(path)
+    for rendered in render_topology(topo).values():
+        for unit in rendered.units:
+            runtime = topo.engines[unit.engine].runtime if unit.engine in topo.engines else None
+            if unit.role == "watch" or runtime is None or not runtime.is_container:
+                continue
+            exported = _exported(_values(unit.content, "ExecStart")[0])
+            names = [unit.argv[i + 1] for i, w in enumerate(unit.argv) if w == "--env"]
+            assert set(exported) <= set(names), (unit.name, exported, names)
+            assert all("=" not in n for n in names)
+
+
+def test_a_keyed_container_vllm_engine_gets_vllm_api_key_inside():
+    unit = render_host(topology("h20-v4flash-1p1d-2node.yml"), "h20-a").units[0]
+    assert ENGINE_KEY_VAR in _exported(_values(unit.content, "ExecStart")[0])
+    # podman's own options, before the image: `--env NAME` passes the tool's value inside
+    podman_options = unit.argv[: unit.argv.index("--entrypoint")]
+    assert ("--env", ENGINE_KEY_VAR) in zip(podman_options, podman_options[1:], strict=False)
+
+
+KEY = "k3y-of-the-engines-0123456789abcdef-do-not-leak"
+
+
+def test_a_keyed_sglang_engine_gets_api_key_and_no_command_line_shows_it(tmp_path: Path):
+    topo = keyed("h200-dsv32-sglang-dp8.yml")
+    host = topo.engines["sglang-0"].hosts[0]
+    (unit,) = [u for u in render_host(topo, host).units if u.engine == "sglang-0"]
+    venv = topo.engines["sglang-0"].runtime.venv.rstrip("/")
+    assert unit.argv[:4] == [f"{venv}/bin/python", "-c", SGLANG_KEY_LAUNCHER, f"{venv}/bin/sglang"]
+    assert unit.argv[4] == "serve" and "--api-key" not in unit.argv
+    assert _exported(_values(unit.content, "ExecStart")[0]) == [ENGINE_KEY_VAR]
+    # the launcher, run as the unit runs it, in front of a stand-in `sglang` that reports what
+    # its process received: --api-key with the key, which neither its command line nor its
+    # environment (children inherit that) holds
+    report = tmp_path / "received.json"
+    program = tmp_path / "sglang"
+    program.write_text(
+        "import json, os, sys\n"
+        "cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
+        f"json.dump({{'argv': sys.argv, 'cmdline': cmdline, 'env': dict(os.environ)}}, "
+        f"open({str(report)!r}, 'w'))\n"
+    )
+    argv = [sys.executable, "-c", SGLANG_KEY_LAUNCHER, str(program), *unit.argv[4:]]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin"), ENGINE_KEY_VAR: KEY}
+    subprocess.run(argv, env=env, check=True, timeout=60)
+    got = json.loads(report.read_text())
+    assert got["argv"][-2:] == ["--api-key", KEY]
+    assert got["argv"][1:-2] == unit.argv[4:]
+    assert KEY not in got["cmdline"]
+    assert "--api-key" not in got["cmdline"].split("\0")
+    assert ENGINE_KEY_VAR not in got["env"]
+    assert KEY not in unit.content
+
+
+def test_a_keyed_sglang_container_engine_gets_the_launcher_and_the_key_by_name():
+    topo = keyed("sglang-pd-image.yml", kind="hgxserve")
+    unit = render_host(topo, "h20-a").units[0]
+    i = unit.argv.index("--entrypoint")
+    assert unit.argv[i + 1] == "python3"
+    assert unit.argv[i + 3 : i + 6] == ["-c", SGLANG_KEY_LAUNCHER, "sglang"]
+    assert ("--env", ENGINE_KEY_VAR) in zip(unit.argv[:i], unit.argv[1:i], strict=False)
+    assert ENGINE_KEY_VAR in _exported(_values(unit.content, "ExecStart")[0])
