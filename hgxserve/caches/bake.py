@@ -35,6 +35,7 @@ from typing import Any
 from hgxserve.base.cachelayout import BAKE_RECORD, ENV_SUBDIRS
 from hgxserve.base.credstore import read_credential
 from hgxserve.base.defaults import ENGINE
+from hgxserve.base.enginekey import strip_key_launcher
 from hgxserve.base.errors import HgxserveError
 from hgxserve.caches.logscan import JitHit, read_from, scan
 from hgxserve.caches.warmup import Engine, Shape, run_shape, served_model
@@ -132,6 +133,7 @@ def deep_gemm_argv(argv: list[str]) -> list[str]:
     >>> deep_gemm_argv(["/opt/sg/bin/sglang", "serve", "--model-path", "/m", "--tp", "8"])
     ['/opt/sg/bin/python', '-m', 'sglang.compile_deep_gemm', '--model-path', '/m', '--tp', '8']
     """
+    argv = strip_key_launcher(argv)  # a keyed SGLang engine's launcher: the key is not needed
     program = os.path.basename(argv[0])
     if program == "sglang" and len(argv) > 1 and argv[1] == "serve":
         flags = argv[2:]
@@ -154,23 +156,35 @@ RUN_DIR_VARS = ("TMPDIR", "VLLM_RPC_BASE_PATH", "XDG_CACHE_HOME", "HF_HOME")
 
 
 def ensure_cache_dirs(env: dict[str, str], run_as: RunAs | None = None) -> list[str]:
-    """Create the directories the unit's cache (and scratch) variables point at, handed to
-    `run_as` when given (as the unit's `install -d -o` does).
+    """Create the directories the unit's cache (and scratch) variables point at, as the unit
+    does for `run_as` when given: root makes only their tops (the key and run directories,
+    whose parents are root's), refuses a top that is a link and hands each to the user (links
+    inside as links, never what they point at); the directories inside are made by the user,
+    so a link the user planted there leads nowhere the user could not already write.
 
     Returns the cache directories.
     """
-    for var in RUN_DIR_VARS:
-        if env.get(var, "").startswith("/"):
-            os.makedirs(env[var], exist_ok=True)
-            if run_as is not None:
-                run_as.hand_over([env[var]])
-    made = []
-    for var in ENV_SUBDIRS:
-        path = env.get(var)
-        if path and os.path.isabs(path):
+    scratch = [env[var] for var in RUN_DIR_VARS if env.get(var, "").startswith("/")]
+    made = sorted({env[var] for var in ENV_SUBDIRS if os.path.isabs(env.get(var) or "")})
+    if run_as is None:
+        for path in [*scratch, *made]:
             os.makedirs(path, exist_ok=True)
-            made.append(path)
-    return sorted(set(made))
+        return made
+    for top in sorted({os.path.dirname(p) for p in [*scratch, *made]}):
+        os.makedirs(top, exist_ok=True)
+        if os.path.islink(top):
+            raise BakeError(f"{top} is a link: refusing to hand it to the engine user")
+        run_as.hand_over([top])
+    proc = subprocess.run(
+        ["mkdir", "-p", "--", *scratch, *made],
+        capture_output=True,
+        text=True,
+        check=False,
+        **run_as.popen_args(),
+    )
+    if proc.returncode != 0:
+        raise BakeError(f"making the cache directories as the engine user: {proc.stderr.strip()}")
+    return made
 
 
 def read_secrets(secret_env: dict[str, str]) -> dict[str, str]:

@@ -15,11 +15,13 @@ units (in topology order) and then the proxy unit, each with the argv and enviro
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 
 from hgxserve.base import paths
 from hgxserve.base.cachelayout import ENV_SUBDIRS, cache_env
 from hgxserve.base.defaults import ENGINE_USER
+from hgxserve.base.enginekey import keyed_sglang_command
 from hgxserve.base.paths import AGENT
 from hgxserve.base.units import (
     UnitText,
@@ -242,16 +244,19 @@ def _engine_unit(
     pre_dirs = sorted({env[v] for v in ENV_SUBDIRS if v in env})
     pre_dirs += [f"{rundir}/{d}" for d in ("tmp", "rpc", "cache", "hf")]
     user = None if engine.runtime.is_container else ENGINE_USER
-    execs = _Exec([_make_dirs(user, [key_dir, rundir], pre_dirs)])
+    directories, make_dirs = _make_dirs(user, [key_dir, rundir], pre_dirs)
+    execs = _Exec(make_dirs)
     secrets = engine_secret_env(topo, engine)
     credential_lines, wrapper = secret_wrapper(secrets, name, creds)
     shipped = {f.host_path: f for f in topo.files.values()}
     used_files = sorted({p for _, _, p in engine.host_paths() if p in shipped})
     command = [*engine_program(engine), *engine_args(topo, engine, plan)]
+    if engine.engine == "sglang" and ENGINE_KEY_VAR in secrets:
+        command = _keyed_sglang(engine, command, plan)
     if engine.runtime.is_container:
         options = _volumes(topo, [key_dir, rundir], used_files)
         options += _container_fabric(topo, engine, plan)
-        argv = _container_argv(engine, plan, env, command, options)
+        argv = _container_argv(engine, plan, [*env, *sorted(secrets)], command, options)
         _container_execs(engine, execs)
     else:
         argv = command
@@ -299,6 +304,11 @@ def _engine_unit(
             exec_stop=execs.stop,
             exec_stop_post=execs.stop_post,
             user=user,
+            directories=directories,
+            # venv engines: nothing of the host writable but what the engine needs (root's
+            # /opt/hgxserve, which the unit's `+` lines run, out of its reach); podman (root)
+            # writes its own state under /var/lib/containers and /run
+            protect_system="strict" if user else "full",
             read_only_paths=path_list([weights_tree], optional=True),
             read_write_paths=path_list(
                 [key_dir, rundir, *([paths.ENGINE_HOME] if user else [])], optional=True
@@ -349,16 +359,71 @@ def _wait_ready(
     return _as_root(user, wait) if keyed else exec_line(wait)
 
 
-def _make_dirs(user: str | None, tops: list[str], dirs: list[str]) -> UnitText:
-    """The ExecStartPre= that creates the engine's cache and run directories (`dirs`, inside
-    `tops`: the key and run directories). For an engine that runs as `user` it runs with full
-    privileges (`+`): the directories are made under root's cache and state roots and handed
-    to the user, the tops included (install -d sets the owner and mode of each directory
-    named, also of one that exists; what is inside stays as it is)."""
+def systemd_directory(path: str) -> tuple[str, str] | None:
+    """(directive, path relative to its root) of a directory systemd makes for the unit's
+    user itself (`CacheDirectory=` under /var/cache, `StateDirectory=` under /var/lib), None
+    for a path elsewhere.
+
+    >>> systemd_directory("/var/cache/hgxserve/k1")
+    ('CacheDirectory', 'hgxserve/k1')
+    >>> systemd_directory("/srv/cache/k1") is None
+    True
+    """
+    norm = posixpath.normpath(path)
+    for directive, root in (("CacheDirectory", "/var/cache"), ("StateDirectory", "/var/lib")):
+        if norm.startswith(root + "/"):
+            return directive, norm[len(root) + 1 :]
+    return None
+
+
+def _make_dirs(
+    user: str | None, tops: list[str], dirs: list[str]
+) -> tuple[list[UnitText], list[str]]:
+    """The unit lines that make the engine's key and run directories (`tops`) and the cache
+    and run directories inside them (`dirs`): (directives of [Service], ExecStartPre= lines).
+
+    For an engine that runs as `user`, root never acts inside a directory the user can write
+    (GNU `install -d`, as root, follows a link the user planted there and hands its target
+    over): systemd makes each top under root's /var/cache or /var/lib for the user
+    (`CacheDirectory=`, `StateDirectory=`; systemd creates it in its root-owned parent and
+    changes the owner of what is inside without following links); a top elsewhere (a
+    `cache.root` outside those) is made by `+install -d` in its parent, which is root's; the
+    directories inside are made by the user (`mkdir -p` without `+`). A container engine's
+    unit runs as root: `mkdir -p`."""
     if user is None:
-        return exec_line([MKDIR, "-p", *dirs])
-    owned = [INSTALL, "-d", "-o", user, "-g", user, "-m", "0750", *tops, *dirs]
-    return UnitText("+" + exec_line(owned))
+        return [], [exec_line([MKDIR, "-p", *dirs])]
+    by_directive: dict[str, list[str]] = {}
+    elsewhere: list[str] = []
+    for top in tops:
+        found = systemd_directory(top)
+        if found is None:
+            elsewhere.append(top)
+        else:
+            by_directive.setdefault(found[0], []).append(found[1])
+    directives: list[UnitText] = []
+    for directive in ("CacheDirectory", "StateDirectory"):
+        if directive in by_directive:
+            directives.append(UnitText(f"{directive}={path_list(by_directive[directive])}"))
+            directives.append(UnitText(f"{directive}Mode=0750"))
+    lines: list[str] = []
+    if elsewhere:
+        owned = [INSTALL, "-d", "-o", user, "-g", user, "-m", "0750", *elsewhere]
+        lines.append(UnitText("+" + exec_line(owned)))
+    lines.append(exec_line([MKDIR, "-p", *dirs]))
+    return directives, lines
+
+
+def _keyed_sglang(engine: Engine, command: list[str], plan: NodePlan) -> list[str]:
+    """A keyed SGLang engine's command: its own Python runs the key launcher
+    (hgxserve.base.enginekey), which hands SGLang `--api-key` in memory."""
+    runtime = engine.runtime
+    assert runtime is not None
+    python = f"{runtime.venv.rstrip('/')}/bin/python" if runtime.venv else "python3"
+    plan.notes.append(
+        f"SGLang takes its key only as --api-key: {python} adds it from {ENGINE_KEY_VAR} in "
+        "memory, so it is on no command line"
+    )
+    return keyed_sglang_command(python, command)
 
 
 def _as_root(user: str | None, argv: list[str]) -> UnitText:
@@ -408,10 +473,12 @@ def _container_fabric(topo: Topology, engine: Engine, plan: NodePlan) -> list[st
 
 
 def _container_argv(
-    engine: Engine, plan: NodePlan, env: dict[str, str], command: list[str], options: list[str]
+    engine: Engine, plan: NodePlan, env_names: list[str], command: list[str], options: list[str]
 ) -> list[str]:
     """`podman|docker run` of the engine's image with CDI GPUs; `options` are the run options
-    after the GPUs (volumes, the fabric's devices)."""
+    after the GPUs (volumes, the fabric's devices). `env_names` go in by name: the unit's
+    environment, then its secrets (the engine's secret_env and the engines' key, which the
+    wrapper exports to the tool)."""
     runtime = engine.runtime
     assert runtime is not None
     tool_name, tool, container = _container_tool(engine)
@@ -433,7 +500,7 @@ def _container_argv(
     for gpu in plan.gpus:
         argv += ["--device", f"nvidia.com/gpu={gpu}"]
     argv += options
-    for var in [*env, *sorted(engine.secret_env)]:
+    for var in dict.fromkeys(env_names):
         # --env NAME passes the value from the unit's environment, never on the command line
         argv += ["--env", var]
     argv += ["--entrypoint", command[0], str(runtime.image), *command[1:]]

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hgxserve.base.enginekey import ENGINE_KEY_VAR as ENGINE_KEY_VAR
 from hgxserve.base.paths import CREDENTIALS_DIR
 from hgxserve.topology.model import Engine, SecretRef, Topology
 from hgxserve.topology.ports import proxy_targets, setting_path
 from hgxserve.topology.problems import JsonPath
 
-# vLLM reads its API key from here when --api-key is not given (never on a command line)
-ENGINE_KEY_VAR = "VLLM_API_KEY"
 # the credential name of the proxy's client key, unless a `credential:` reference names one
 API_KEY_CREDENTIAL = "api-key"
 # the same for the key the proxy's /metrics wants (proxy.auth.metrics_key)
@@ -62,7 +61,8 @@ def keyed_by_proxy(topo: Topology, engine: Engine) -> bool:
 
 def engine_secret_env(topo: Topology, engine: Engine) -> dict[str, SecretRef]:
     """The engine's secret environment, plus VLLM_API_KEY when the proxy keys its engines
-    (rule `engine-api-key` makes sure that is a vLLM engine without its own VLLM_API_KEY)."""
+    (rule `engine-api-key` makes sure the engine sets no VLLM_API_KEY of its own). vLLM reads
+    it; SGLang gets it as `--api-key` through the key launcher (hgxserve.base.enginekey)."""
     secrets = dict(engine.secret_env)
     proxy = topo.proxy
     if keyed_by_proxy(topo, engine) and proxy is not None and proxy.engine_api_key is not None:

@@ -271,3 +271,43 @@ def test_bake_runs_the_engine_as_the_units_user_and_hands_it_the_cache(tmp_path_
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing directories to another user needs root")
+def test_a_link_the_engine_user_planted_hands_nothing_of_root_over():
+    """The bake makes the unit's directories as the unit does: a directory of the engine user's
+    swapped for a link to a root-owned folder (standing for /opt/hgxserve/bin) stays root's."""
+    import shutil
+    import tempfile
+
+    from hgxserve.caches.bake import RunAs, ensure_cache_dirs
+
+    base = tempfile.mkdtemp(prefix="hgxserve-bake-link-", dir="/var/tmp")
+    os.chmod(base, 0o755)
+    try:
+        victim = os.path.join(base, "opt-bin")
+        os.mkdir(victim)
+        with open(os.path.join(victim, "hgxserve"), "w") as fh:
+            fh.write("#!/bin/sh\n")
+        env = {**cache_env(os.path.join(base, "cache"), "k1"), "TMPDIR": f"{base}/run/e/tmp"}
+        run_as = RunAs.named("nobody")
+        ensure_cache_dirs(env, run_as)
+        for planted in (env["TMPDIR"], env["TRITON_CACHE_DIR"]):
+            os.rmdir(planted)
+            os.symlink(victim, planted)
+            os.lchown(planted, run_as.uid, run_as.gid)
+        ensure_cache_dirs(env, run_as)
+        assert os.stat(victim).st_uid == 0 and stat.S_IMODE(os.stat(victim).st_mode) == 0o755
+        assert os.stat(os.path.join(victim, "hgxserve")).st_uid == 0
+        assert os.stat(os.path.join(base, "run", "e")).st_uid == run_as.uid
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_deep_gemm_argv_of_a_keyed_sglang_engine_leaves_the_key_launcher_out():
+    from hgxserve.base.enginekey import keyed_sglang_command
+
+    argv = keyed_sglang_command("/opt/sg/bin/python", ["/opt/sg/bin/sglang", "serve", "--tp", "8"])
+    assert deep_gemm_argv(argv) == [
+        "/opt/sg/bin/python", "-m", "sglang.compile_deep_gemm", "--tp", "8"
+    ]  # fmt: skip

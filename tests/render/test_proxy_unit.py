@@ -110,10 +110,13 @@ def _found(rule_id: str, topo) -> list[str]:
     return [message for _, message in RULES[rule_id].check(topo)]
 
 
-def test_engine_key_for_sglang_engines_is_refused():
-    # refused by `validate` (rule engine-api-key), before anything is rendered
+def test_engine_key_for_sglang_engines_is_accepted_and_rendered():
+    # SGLang gets the key as --api-key in memory (tests/render/test_engine_privilege.py)
     topo = keyed("h200-dsv32-sglang-dp8.yml")
-    assert any("only as --api-key on the command line" in m for m in _found("engine-api-key", topo))
+    assert _found("engine-api-key", topo) == []
+    units = render_topology(topo)["h200-a"].units
+    engine = next(u for u in units if u.engine == "sglang-0")
+    assert "exec-with-credentials VLLM_API_KEY=hgx-test-engine-key -- " in engine.content
 
 
 def test_engine_key_set_twice_is_refused():

@@ -165,23 +165,14 @@ def credential_names(topo: Topology) -> Iterator[Finding]:
 @engine_rule(
     "engine-api-key",
     "error",
-    "proxy.auth.engine_api_key keys only vLLM engines that set no VLLM_API_KEY of their own.",
+    "proxy.auth.engine_api_key keys engines that set no VLLM_API_KEY of their own.",
     why=(
-        "SGLang takes a key only on its command line, readable by every local user; a second "
-        "VLLM_API_KEY would replace the proxy's"
+        "a second VLLM_API_KEY would replace the proxy's (vLLM reads it; a keyed SGLang "
+        "engine's launcher turns it into --api-key in memory)"
     ),
 )
 def engine_api_key(topo: Topology, engine: Engine) -> Iterator[Finding]:
     if not keyed_by_proxy(topo, engine):
-        return
-    if engine.engine != "vllm":
-        yield (
-            ("proxy", "auth", "engine_api_key"),
-            f"engine {engine.name} is {engine.engine}, which takes its key only as "
-            "--api-key on the command line, where every local user can read it; keep it on "
-            "the proxy's host (it listens on loopback there) or firewall its port, and drop "
-            "engine_api_key",
-        )
         return
     for section in ("secret_env", "env"):
         if ENGINE_KEY_VAR in getattr(engine, section):
